@@ -1,0 +1,58 @@
+"""Entry point of the `unbroken` command: builds the parser from the subcommand modules and maps
+`UserError` to one line on stderr and exit status 2 (a traceback only with `--debug`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+
+from unbroken.errors import UserError
+
+__all__ = ["build_parser", "main"]
+
+# Subcommand modules, each exposing add_parser(subparsers). Order is the order in --help.
+SUBCOMMANDS = (
+    "unbroken.cli.demo",
+    "unbroken.cli.train",
+    "unbroken.cli.simulate",
+    "unbroken.cli.bench",
+    "unbroken.cli.report",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="unbroken",
+        description="Fault-tolerant runtime for hybrid-parallel LLM training.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # subcommand not built in this checkout
+                continue
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"unbroken: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("unbroken: interrupted", file=sys.stderr)
+        return 130
