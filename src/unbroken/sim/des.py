@@ -28,7 +28,15 @@ import numpy as np
 from unbroken.errors import UserError
 from unbroken.sim.policy import KINDS, FailureMix, PolicyTerms
 
-__all__ = ["DesResult", "Failure", "simulate", "simulate_once"]
+__all__ = [
+    "DesResult",
+    "Failure",
+    "IterFailure",
+    "RunStats",
+    "replay_iterations",
+    "simulate",
+    "simulate_once",
+]
 
 # Two-sided 95% Student-t quantiles for 1..30 degrees of freedom; 1.96 beyond.
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
@@ -46,6 +54,23 @@ class Failure:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise UserError(f"unknown failure kind {self.kind!r} (known: {', '.join(KINDS)})")
+
+
+@dataclass(frozen=True, slots=True)
+class IterFailure:
+    """A failure keyed by progress instead of time, as the runtime's injector fires them: the
+    first time iteration `iteration` (1-based: the iteration that would complete progress
+    `iteration`) has run for `fraction` of its time."""
+
+    iteration: int
+    fraction: float
+    kind: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise UserError(f"unknown failure kind {self.kind!r} (known: {', '.join(KINDS)})")
+        if self.iteration < 1 or not 0.0 <= self.fraction <= 1.0:
+            raise UserError("an iteration-keyed failure needs iteration >= 1, fraction in [0, 1]")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -376,3 +401,29 @@ def simulate(
         wall_s=sum(run.wall_s for run in runs),
         runs=runs,
     )
+
+
+def replay_iterations(
+    terms: PolicyTerms, failures: Iterable[IterFailure], target_iters: int
+) -> RunStats:
+    """Replay a run whose failures are keyed by (iteration, fraction), each firing once, the
+    first time the run reaches that point (also after a rollback), until `target_iters`
+    complete. This is how `--validate` replays a real run's injection schedule.
+    """
+    replay = _Replay(terms, (0.0, 1.0))
+    pending = sorted(failures, key=lambda f: (f.iteration, f.fraction))
+    while True:
+        s = replay.sched
+        best: tuple[float, int] | None = None
+        for idx, f in enumerate(pending):
+            if f.iteration <= s.j0:
+                continue  # that iteration is behind the restart point; it may come back
+            t = s.end(f.iteration) - replay.a + f.fraction * replay.a
+            if best is None or t < best[0]:
+                best = (t, idx)
+        done_at = s.end(target_iters) if target_iters > s.j0 else s.t0
+        if best is None or done_at <= best[0]:
+            return _stats(replay, target_iters, done_at, terms)
+        t, idx = best
+        f = pending.pop(idx)
+        replay.handle(t, f.kind)

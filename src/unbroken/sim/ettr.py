@@ -19,7 +19,7 @@ __all__ = ["ClosedForm", "closed_form", "recovery_time"]
 # i.e. more than half a point at 0.1.
 REC_RATIO_LIMIT = 0.1
 # Expected share of failures that land inside another failure's detection + initialization.
-OVERLAP_LIMIT = 0.02
+OVERLAP_LIMIT = 0.03
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,0 +1,169 @@
+"""`unbroken simulate`: predict ETTR and recovery cost of a cluster (Leto App. C), or check the
+prediction against a real run (`--validate`). See docs/simulator.md."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from unbroken.errors import UserError
+
+__all__ = ["add_parser", "run"]
+
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def _durations(text: str) -> list[float]:
+    """Parse "600", "30m", "1h" or a comma list of them into seconds."""
+    out = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", part)
+        if not m or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
+            raise UserError(f"--mttf {text!r}: expected seconds or a duration like 30m, 1h")
+        out.append(float(m.group(1)) * _UNITS[m.group(2)])
+    return out
+
+
+def _ratios(text: str) -> list[float]:
+    try:
+        vals = [float(p) for p in text.split(",")]
+    except ValueError:
+        raise UserError(f"--hof {text!r}: expected ratios like 0,0.5,1") from None
+    if not all(0.0 <= v <= 1.0 for v in vals):
+        raise UserError(f"--hof {text!r}: ratios must lie in [0, 1]")
+    return vals
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the `simulate` subcommand."""
+    parser = sub.add_parser(
+        "simulate",
+        help="predict ETTR and recovery cost at scale (Leto App. C), or --validate a real run",
+        description=(
+            "Predict iteration time, recovery time and ETTR of recovery policies (inplace, "
+            "gemini+, gemini, jit) for a cluster, from a preset or a cluster.toml; or predict a "
+            "real run's ETTR from its measured parts and compare with the measured value."
+        ),
+    )
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--preset", metavar="NAME", help="a shipped scenario (e.g. leto-fig14)")
+    what.add_argument("--config", metavar="TOML", help="your cluster (see examples/cluster.toml)")
+    what.add_argument(
+        "--validate", metavar="RUN_DIR", nargs="+", help="output dir(s) of unbroken train/demo"
+    )
+    what.add_argument("--list", action="store_true", help="list presets, models and hardware")
+    parser.add_argument("--mttf", metavar="T", help="MTTF(s): seconds or 30m, 1h; comma list")
+    parser.add_argument("--hof", metavar="H", help="HOF ratio(s), comma list, e.g. 0,0.5,1")
+    parser.add_argument("--policies", metavar="P", help="comma list of inplace,gemini+,gemini,jit")
+    parser.add_argument("--trace", metavar="CSV", help="replay this failure trace (t_s,kind)")
+    parser.add_argument("--des", action="store_true", help="also run the discrete-event mode")
+    parser.add_argument("--replications", type=int, help="discrete-event replications")
+    parser.add_argument("--horizon-mttf", type=float, help="discrete-event run length in MTTFs")
+    parser.add_argument("--seed", type=int, help="discrete-event base seed")
+    parser.add_argument("--json", action="store_true", help="print one JSON object, no table")
+    parser.add_argument("--png", metavar="PATH", help="chart path (default: sim-NAME.png)")
+    parser.add_argument("--no-png", action="store_true", help="do not write a chart")
+    parser.set_defaults(func=run)
+
+
+class _Progress:
+    """Throttled one-line progress on stderr for long discrete-event runs."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self.start = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self.last >= 0.5:
+            self.last = now
+            print(f"[simulate {now - self.start:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def _list() -> int:
+    from unbroken.sim.presets import hardware_names, model_names
+    from unbroken.sim.scenario import preset_names
+
+    print("scenario presets:", ", ".join(preset_names()))
+    print("model presets:   ", ", ".join(model_names()))
+    print("hardware presets:", ", ".join(hardware_names()))
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from unbroken.sim.validate import validate_run
+
+    results = [validate_run(d) for d in args.validate]
+    if args.json:
+        print(json.dumps({"validations": [r.as_dict() for r in results]}, indent=1))
+        return 0
+    head = (
+        f"{'run':36}{'iters':>6}{'fails':>6}{'I':>4}{'measured %':>12}{'predicted %':>13}"
+        f"{'error pts':>11}{'closed %':>10}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        print(
+            f"{r.run_dir[-36:]:36}{r.iterations:>6}{len(r.failures):>6}{r.ckpt_interval:>4}"
+            f"{r.measured_ettr * 100:>12.2f}{r.predicted_ettr * 100:>13.2f}"
+            f"{r.error_points:>+11.2f}{r.closed_form_ettr * 100:>10.2f}"
+        )
+        for f in r.failures:
+            print(
+                f"    failure at it {f['iteration']} ({f['phase']}, {f['fraction']:.2f} in): "
+                f"{f['mode']} -> modelled as {f['kind']}, init {f['init_s']:.2f}s"
+            )
+        for note in r.notes:
+            print(f"    note: {note}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `unbroken simulate`."""
+    if args.list:
+        return _list()
+    if args.validate:
+        return _validate(args)
+    from unbroken.sim.report import format_table, json_document, write_chart
+    from unbroken.sim.scenario import evaluate, load_scenario
+    from unbroken.sim.trace import read_trace
+
+    scenario = load_scenario(preset=args.preset, config=args.config)
+    sweep = scenario.sweep
+    if args.mttf:
+        sweep = dataclasses.replace(sweep, mttf_s=tuple(_durations(args.mttf)))
+    if args.hof:
+        sweep = dataclasses.replace(sweep, hof_ratio=tuple(_ratios(args.hof)))
+    scenario.sweep = sweep
+    sim = scenario.sim
+    if args.policies:
+        sim = dataclasses.replace(sim, policies=tuple(p.strip() for p in args.policies.split(",")))
+    for field, value in (
+        ("replications", args.replications),
+        ("horizon_mttf", args.horizon_mttf),
+        ("seed", args.seed),
+    ):
+        if value is not None:
+            sim = dataclasses.replace(sim, **{field: value})
+    scenario.sim = sim
+    if args.trace:
+        scenario.trace = read_trace(args.trace)
+    des = True if (args.des or args.trace) else None
+    rows, skipped = evaluate(scenario, des=des, progress=_Progress())
+    if not args.no_png:
+        name = scenario.name if not args.mttf else f"{scenario.name}-mttf{args.mttf}"
+        png = Path(args.png or f"sim-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.png")
+        title = f"unbroken simulate: {scenario.name} (closed-form ETTR, Leto App. C.3)"
+        write_chart(rows, png, title)
+        print(f"chart: {png}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(json_document(rows, skipped, scenario.name), indent=1))
+    else:
+        print(format_table(rows, skipped))
+    return 0

@@ -1,0 +1,235 @@
+"""`unbroken simulate --validate RUN_DIR`: predict a real run's ETTR and compare (issue 4, item 5).
+
+Owns reading a run directory of `unbroken train`/`demo` (metrics.jsonl, events.jsonl,
+summary.json; the format is the runtime's contract, see docs/simulator.md) into the simulator's
+inputs, and the comparison. What is taken from the run: the fault-free iteration time (reference
+run), the faulty run's healthy iteration time (steady overhead), the checkpoint cost and
+interval, each recovery's measured initialization time (T_det + T_init) by recovery mode, and the
+injection schedule (iteration and how far into it). What is predicted: where every failure lands
+against the checkpoint schedule, the lost work and recomputation that follow, and the run's
+elapsed time, hence its ETTR. The measured ETTR is never an input.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unbroken.errors import UserError
+from unbroken.sim.des import IterFailure, replay_iterations
+from unbroken.sim.ettr import closed_form
+from unbroken.sim.policy import FailureMix, KindCost, PolicyTerms
+
+__all__ = ["Validation", "validate_run"]
+
+# Recovery modes of the runtime that keep progress (no rollback to a checkpoint).
+IN_PLACE_MODES = ("inplace", "in_place", "replan")
+# Where in an iteration each phase sits, as a fraction of the iteration (used only when the
+# injection event lacks `iter_t_start`).
+PHASE_FRACTION = {"forward": 0.25, "backward": 0.6, "sync": 0.85, "update": 0.9, "boundary": 0.99}
+
+
+@dataclass(kw_only=True, slots=True)
+class Validation:
+    """Predicted against measured ETTR of one real run."""
+
+    run_dir: str
+    measured_ettr: float
+    predicted_ettr: float
+    closed_form_ettr: float
+    iterations: int
+    t_iter_s: float
+    omega: float
+    ckpt_interval: int
+    ckpt_s: float
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    measured_wall_s: float = 0.0
+    predicted_wall_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def error_points(self) -> float:
+        """Predicted minus measured ETTR, in percentage points."""
+        return (self.predicted_ettr - self.measured_ettr) * 100.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "run_dir": self.run_dir,
+            "measured_ettr": self.measured_ettr,
+            "predicted_ettr": self.predicted_ettr,
+            "closed_form_ettr": self.closed_form_ettr,
+            "error_points": self.error_points,
+            "iterations": self.iterations,
+            "t_iter_s": self.t_iter_s,
+            "omega": self.omega,
+            "ckpt_interval": self.ckpt_interval,
+            "ckpt_s": self.ckpt_s,
+            "measured_wall_s": self.measured_wall_s,
+            "predicted_wall_s": self.predicted_wall_s,
+            "failures": self.failures,
+            "notes": self.notes,
+        }
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        raise UserError(f"{path}: missing (is this an `unbroken train`/`demo` output dir?)")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise UserError(f"{path}:{n}: not a JSON object") from None
+    return out
+
+
+def _completed(metrics: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    done: dict[int, dict[str, Any]] = {}
+    for m in metrics:
+        done[m["iter"]] = m
+    return done
+
+
+def _wall(metrics: list[dict[str, Any]], through: int) -> float:
+    return _completed(metrics)[through]["t_end"] - min(m["t_start"] for m in metrics)
+
+
+def validate_run(run_dir: str | Path) -> Validation:
+    """Predict the ETTR of the run in `run_dir` from its measured parts; compare with measured.
+
+    Raises:
+        UserError: missing files, no reference run, or a run that did not recover.
+    """
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise UserError(f"{root}: not a directory")
+    metrics = _jsonl(root / "metrics.jsonl")
+    events = _jsonl(root / "events.jsonl")
+    ref = [m for m in metrics if m.get("run") == "reference"]
+    runs = {m.get("run") for m in metrics} - {"reference"}
+    if not ref or not runs:
+        raise UserError(f"{root}: needs both a reference run and a run with failures")
+    name = "faulty" if "faulty" in runs else sorted(runs)[0]
+    flt = [m for m in metrics if m.get("run") == name]
+    f_events = [e for e in events if e.get("run") == name]
+    notes: list[str] = []
+
+    last = min(max(_completed(flt)), max(_completed(ref)))
+    iterations = last + 1
+    ref_wall = _wall(ref, last)
+    flt_wall = _wall(flt, last)
+    measured = ref_wall / flt_wall
+    t_iter = ref_wall / iterations
+
+    # Steady overhead: healthy (non-checkpoint, first-attempt) iterations, faulty vs reference.
+    seen: set[int] = set()
+    first_attempts = []
+    for m in flt:
+        if m["iter"] not in seen:
+            seen.add(m["iter"])
+            first_attempts.append(m)
+    healthy_f = [m["iter_s"] for m in first_attempts if not m.get("ckpt_s")]
+    healthy_r = [m["iter_s"] for m in ref]
+    omega = statistics.median(healthy_f) / statistics.median(healthy_r) - 1.0
+
+    saves = [e for e in f_events if e["kind"] == "checkpoint_saved" and e.get("iter", 0) > 0]
+    ckpt_s = statistics.median(e["seconds"] for e in saves) if saves else 0.0
+    interval_ev = [e for e in f_events if e["kind"] == "checkpoint_interval"]
+    summary_path = root / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    if interval_ev:
+        interval = int(interval_ev[-1]["interval"])
+    else:
+        interval = int(summary.get("ckpt_interval") or 0)
+    if not saves:
+        interval = 0
+
+    injected = sorted(
+        (e for e in f_events if e["kind"] == "failure_injected" and e.get("fault") != "slow"),
+        key=lambda e: e["t"],
+    )
+    if any(e.get("fault") == "slow" for e in f_events if e["kind"] == "failure_injected"):
+        notes.append("fail-slow injections are not replayed (their slowdown is not modelled)")
+    done = sorted((e for e in f_events if e["kind"] == "recovery_done"), key=lambda e: e["t"])
+    if len(done) < len(injected):
+        raise UserError(
+            f"{root}: {len(injected)} failures injected but {len(done)} recoveries completed"
+        )
+    t0 = min(m["t_start"] for m in flt)
+    failures = []
+    inits: dict[str, list[float]] = {"hof": [], "fatal": []}
+    for inj, rec in zip(injected, done, strict=False):
+        kind = "hof" if rec.get("mode") in IN_PLACE_MODES else "fatal"
+        # Measured initialization: fault until training resumes (includes detection).
+        init = rec.get("init_s")
+        if init is None:
+            init = rec.get("detect_s", 0.0) + rec.get("init_s", 0.0)
+        inits[kind].append(float(init))
+        started = inj.get("iter_t_start")
+        if started:
+            frac = (inj["t"] - started) / (t_iter * (1.0 + omega))
+        else:
+            frac = PHASE_FRACTION.get(inj.get("phase", ""), 0.5)
+        frac = min(1.0, max(0.0, frac))
+        failures.append(
+            {
+                "t_s": inj["t"] - t0,
+                "iteration": inj["iter"],
+                "phase": inj.get("phase"),
+                "fraction": frac,
+                "kind": kind,
+                "mode": rec.get("mode"),
+                "init_s": float(init),
+            }
+        )
+    mean_init = {k: (statistics.fmean(v) if v else 0.0) for k, v in inits.items()}
+    costs = {
+        "hof": KindCost(detect_s=0.0, init_s=mean_init["hof"], lost_iters=0.5, rollback=False),
+        "fatal": KindCost(
+            detect_s=0.0,
+            init_s=mean_init["fatal"],
+            lost_iters=(interval / 2.0 if interval else 0.5),
+            rollback=True,
+        ),
+    }
+    costs["fail-slow"] = costs["fatal"]
+    terms = PolicyTerms(
+        policy=f"measured:{name}",
+        applicable=True,
+        reason="",
+        t_iter_s=t_iter,
+        omega=omega,
+        t_ckpt_s=ckpt_s,
+        interval=interval,
+        usable_lag=0,  # the runtime's checkpoint save is synchronous: usable when it returns
+        costs=costs,
+    )
+    schedule = [IterFailure(f["iteration"] + 1, f["fraction"], f["kind"]) for f in failures]
+    run = replay_iterations(terms, schedule, iterations)
+    n = len(failures)
+    if n:
+        hof = sum(f["kind"] == "hof" for f in failures) / n
+        cf = closed_form(terms, FailureMix(mttf_s=flt_wall / n, hof_ratio=hof)).ettr
+    else:
+        cf = 1.0 / (1.0 + omega + (ckpt_s / interval / t_iter if interval else 0.0))
+    return Validation(
+        run_dir=str(root),
+        measured_ettr=measured,
+        predicted_ettr=run.ettr,
+        closed_form_ettr=cf,
+        iterations=iterations,
+        t_iter_s=t_iter,
+        omega=omega,
+        ckpt_interval=interval,
+        ckpt_s=ckpt_s,
+        failures=failures,
+        measured_wall_s=flt_wall,
+        predicted_wall_s=run.wall_s,
+        notes=notes,
+    )
