@@ -1,0 +1,111 @@
+"""The code itself: field, generator, reconstruction plans, buffers, and agreement with ISA-L."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unbroken.erasure import (
+    BackendUnavailableError,
+    PageTable,
+    UnrecoverableError,
+    get_codec,
+    gf256,
+    plan_reconstruction,
+)
+
+
+def test_field_inverse_and_product():
+    for a in range(1, 256):
+        assert gf256.mul(a, gf256.inverse(a)) == 1
+    assert gf256.mul(0x53, 0xCA) == gf256.mul(0xCA, 0x53)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 240), st.integers(1, 16), st.data())
+def test_every_square_cauchy_submatrix_is_invertible(k, m, draw):
+    m = min(m, 256 - k)
+    c = gf256.cauchy_matrix(k, m)
+    e = draw.draw(st.integers(1, min(k, m)))
+    rows = draw.draw(st.lists(st.integers(0, m - 1), min_size=e, max_size=e, unique=True))
+    cols = draw.draw(st.lists(st.integers(0, k - 1), min_size=e, max_size=e, unique=True))
+    sub = c[np.ix_(rows, cols)]
+    inv = gf256.invert_matrix(sub)
+    np.testing.assert_array_equal(gf256.matmul(sub, inv), np.eye(e, dtype=np.uint8))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sets(st.integers(0, 255), min_size=1, max_size=16))
+def test_default_geometry_plans_any_16_losses(lost):
+    plan = plan_reconstruction(240, 16, lost)
+    assert plan.targets == tuple(sorted(lost))
+    assert len(plan.sources) == 240 and not set(plan.sources) & lost
+    assert plan.matrix.shape == (len(lost), 240)
+
+
+def test_default_geometry_rebuilds_16_pages_exactly():
+    codec = get_codec(240, 16)
+    rng = np.random.default_rng(3)
+    pages = rng.integers(0, 256, (256, 192), dtype=np.uint8)
+    table = PageTable.from_rows(pages)
+    codec.encode(table.take(range(240)), table.take(range(240, 256)))
+    truth = pages.copy()
+    lost = sorted(rng.choice(256, 16, replace=False).tolist())
+    pages[lost] = 0
+    codec.reconstruct(table, lost)
+    np.testing.assert_array_equal(pages, truth)
+    with pytest.raises(UnrecoverableError, match="17 lost pages exceed the tolerance of 16"):
+        codec.reconstruct(table, list(range(17)))
+
+
+def test_native_matches_isal_byte_for_byte():
+    native = get_codec(240, 16, backend="native")
+    try:
+        isal = get_codec(240, 16, backend="isal")
+    except BackendUnavailableError as exc:
+        pytest.skip(str(exc))
+    rng = np.random.default_rng(9)
+    data = rng.integers(0, 256, (240, 4096 + 17), dtype=np.uint8)
+    out_native = np.zeros((16, data.shape[1]), np.uint8)
+    out_isal = np.ones((16, data.shape[1]), np.uint8)
+    native.encode(PageTable.from_rows(data), PageTable.from_rows(out_native))
+    isal.encode(PageTable.from_rows(data), PageTable.from_rows(out_isal))
+    np.testing.assert_array_equal(out_native, out_isal)
+
+
+def test_buffers_of_every_kind_are_used_in_place():
+    torch = pytest.importorskip("torch")
+    codec = get_codec(3, 2)
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (3, 128), dtype=np.uint8)
+    data = [
+        torch.from_numpy(raw[0].copy()),
+        bytearray(raw[1].tobytes()),
+        raw[2].copy().view(np.float32),  # any dtype: pages are bytes
+    ]
+    parity = [torch.zeros(32, dtype=torch.float32), np.zeros(128, np.uint8)]
+    codec.encode(data, parity)
+    expected = gf256.matmul(gf256.cauchy_matrix(3, 2), raw)
+    np.testing.assert_array_equal(parity[0].numpy().view(np.uint8), expected[0])
+    np.testing.assert_array_equal(parity[1], expected[1])
+
+
+def test_rejects_non_contiguous_and_read_only_pages():
+    codec = get_codec(2, 1)
+    page = np.zeros(128, np.uint8)
+    with pytest.raises(TypeError, match="contiguous"):
+        codec.encode([page[::2], page[::2]], [page[:64]])
+    with pytest.raises(ValueError, match="read-only"):
+        codec.encode([page, page], [bytes(128)])
+
+
+def test_page_table_slices_and_takes_without_copies():
+    pages = np.arange(4 * 64, dtype=np.uint8).reshape(4, 64)
+    table = PageTable.from_rows(pages)
+    part = table.take([2, 0]).slice(8, 16)
+    assert len(part) == 2 and part.page_bytes == 16
+    views = part.numpy_views()
+    views[0][:] = 7
+    assert (pages[2, 8:24] == 7).all()

@@ -1,0 +1,127 @@
+"""Two-tier protection groups: repair order, tolerance, and the chunked update path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from unbroken.erasure import (
+    ErasureGeometry,
+    GeometryError,
+    PageTable,
+    ProtectionGroup,
+    UnrecoverableError,
+)
+
+PAGE = 256
+
+
+def make_group(d=12, h1=4, h2=1, seed=0, backend="auto"):
+    geometry = ErasureGeometry(page_bytes=PAGE, data_pages=d, parity_pages=h1, second_tier_pages=h2)
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (d, PAGE), dtype=np.uint8)
+    tier1 = np.zeros((h1, PAGE), np.uint8)
+    tier2 = np.zeros((h2, PAGE), np.uint8)
+    group = ProtectionGroup(
+        geometry,
+        PageTable.from_rows(data),
+        PageTable.from_rows(tier1),
+        PageTable.from_rows(tier2),
+        name="g3",
+        backend=backend,
+    )
+    group.encode()
+    return group, np.concatenate([data, tier1, tier2]), (data, tier1, tier2)
+
+
+def wipe(arrays, pages, d, h1):
+    data, tier1, tier2 = arrays
+    for p in pages:
+        target = data[p] if p < d else tier1[p - d] if p < d + h1 else tier2[p - d - h1]
+        target[:] = 0xA5
+
+
+def current(arrays):
+    return np.concatenate(arrays)
+
+
+@pytest.mark.parametrize(
+    "lost",
+    [
+        [0, 1, 2, 3],  # H1 data pages
+        [12],  # one tier-1 page: from tier 2
+        [16],  # the tier-2 page: re-encoded
+        [0, 1, 2, 3, 12],  # H1 data pages + one tier-1 page: only possible via tier 2 first
+        [0, 1, 12, 13],  # two tier-1 pages: beyond tier 2, rebuilt from data instead
+        [5, 12, 16],  # tier-1 and tier-2 both lost: tier 1 from data, then tier 2
+    ],
+)
+def test_two_tier_repair(lost):
+    group, truth, arrays = make_group()
+    wipe(arrays, lost, 12, 4)
+    group.reconstruct(lost)
+    np.testing.assert_array_equal(current(arrays), truth)
+
+
+@pytest.mark.parametrize("lost", [[0, 1, 2, 3, 4], [0, 1, 2, 12, 13], [0, 1, 2, 3, 12, 16]])
+def test_beyond_both_tiers_raises_without_writing(lost):
+    group, _, arrays = make_group()
+    wipe(arrays, lost, 12, 4)
+    before = current(arrays)
+    with pytest.raises(UnrecoverableError, match=r"'g3' is not recoverable") as info:
+        group.reconstruct(lost)
+    assert info.value.lost == tuple(sorted(lost))
+    np.testing.assert_array_equal(current(arrays), before)
+
+
+def test_chunk_updates_track_the_data():
+    group, _, (data, tier1, tier2) = make_group(d=20, h1=6, h2=2, seed=5)
+    rng = np.random.default_rng(1)
+    for a, b in [(0, 64), (64, 200), (200, PAGE)]:  # the updater's chunks over every page
+        undo = data[:, a:b].copy()
+        data[:, a:b] = rng.integers(0, 256, (20, b - a), dtype=np.uint8)
+        group.update_chunk(PageTable.from_rows(undo), offset=a)
+    undo = data[[3, 7], 10:50].copy()  # a few pages only
+    data[[3, 7], 10:50] ^= 0x5A
+    group.update_chunk([undo[0], undo[1]], offset=10, pages=[3, 7])
+    group.refresh_second_tier()
+    fresh, _, (_, t1, t2) = make_group(d=20, h1=6, h2=2, seed=5)
+    fresh.data = PageTable.from_rows(data)
+    fresh.encode()
+    np.testing.assert_array_equal(tier1, t1)
+    np.testing.assert_array_equal(tier2, t2)
+
+
+def test_group_rejects_wrong_page_counts():
+    geometry = ErasureGeometry(page_bytes=PAGE, data_pages=4, parity_pages=2, second_tier_pages=1)
+    pages = np.zeros((7, PAGE), np.uint8)
+    with pytest.raises(ValueError, match="expected 4 data pages"):
+        ProtectionGroup(geometry, list(pages[:3]), list(pages[4:6]), list(pages[6:]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"page_bytes": 100}, "multiple of 64"),
+        ({"data_pages": 0}, "data_pages"),
+        ({"parity_pages": 0}, "parity_pages"),
+        ({"data_pages": 250, "parity_pages": 16}, "≤ 256"),
+        ({"second_tier_pages": -1}, "second_tier_pages"),
+        ({"data_pages": 2.0}, "must be an int"),
+    ],
+)
+def test_geometry_is_validated_at_construction(kwargs, message):
+    with pytest.raises(GeometryError, match=message):
+        ErasureGeometry(**kwargs)
+
+
+def test_default_geometry_is_the_documented_one():
+    g = ErasureGeometry()
+    assert (g.page_bytes, g.data_pages, g.parity_pages, g.second_tier_pages) == (
+        2 << 20,
+        240,
+        16,
+        1,
+    )
+    assert g.group_bytes == 480 << 20
+    assert list(g.second_tier) == [256]
