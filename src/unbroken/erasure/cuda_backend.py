@@ -1,0 +1,239 @@
+"""The GPU backend: the codec on CUDA tensors, through Triton kernels (`_triton_kernels`).
+
+Coefficient operands (the GF(2) bit matrix for the tensor-core kernel, replicated byte words for
+the CUDA-core kernel) and device pointer tables are built on the host once and cached per
+codec, so the per-iteration path is one kernel launch on the current CUDA stream. Output is
+byte-identical to the CPU backends (same field, same generator). Kernel choice: ``xor`` (CUDA
+cores, 4-byte aligned work) or ``tc`` (tensor cores, any alignment); ``auto`` takes ``xor`` when
+the buffers allow it. Calls are asynchronous like any CUDA op on the current stream.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import triton
+
+from unbroken.erasure import gf256
+from unbroken.erasure._buffers import PageTable
+from unbroken.erasure.codec import Codec
+
+__all__ = ["DEFAULT_TUNING", "KERNELS", "TritonCodec"]
+
+KERNELS = ("auto", "xor", "tc")
+
+DEFAULT_TUNING = {
+    "tc_kj": 16,  # data pages per tensor-core step (K = 8 * kj bits)
+    "tc_block": 256,  # bytes per program
+    "tc_warps": 4,
+    "xor_block": 512,  # 32-bit words per program
+    "xor_warps": 4,
+}
+"""Launch parameters, chosen by `python -m unbroken.erasure._cuda_tuning` on an H200."""
+_CACHE_LIMIT = 64
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    value = floor
+    while value < n:
+        value *= 2
+    return value
+
+
+def bit_matrix(coefficients: np.ndarray, rows_p2: int, cols_pad: int) -> np.ndarray:
+    """The GF(2) expansion: ``B[8r+i, 8c+j] = bit i of coef[r, c]·2^j`` (int8, zero-padded)."""
+    rows, cols = coefficients.shape
+    powers = (1 << np.arange(8)).astype(np.uint8)
+    products = gf256.mul_table()[coefficients[:, :, None], powers[None, None, :]]  # r, c, j
+    bits = (products[..., None] >> np.arange(8, dtype=np.uint8)) & 1  # r, c, j, i
+    expanded = bits.transpose(0, 3, 1, 2).reshape(rows * 8, cols * 8)  # (r, i) x (c, j)
+    out = np.zeros((rows_p2 * 8, cols_pad * 8), dtype=np.int8)
+    out[: rows * 8, : cols * 8] = expanded
+    return out
+
+
+def word_table(coefficients: np.ndarray, rows_p2: int) -> np.ndarray:
+    """``T[c, s, r] = (coef[r, c]·2^s) × 0x01010101`` as int32 (the byte in every lane)."""
+    rows, cols = coefficients.shape
+    powers = (1 << np.arange(8)).astype(np.uint8)
+    products = gf256.mul_table()[coefficients.T[:, None, :], powers[None, :, None]]  # c, s, r
+    table = np.zeros((cols, 8, rows_p2), dtype=np.uint32)
+    table[:, :, :rows] = products.astype(np.uint32) * np.uint32(0x01010101)
+    return table.view(np.int32)
+
+
+class TritonCodec(Codec):
+    """GPU codec for CUDA tensors.
+
+    Args:
+        data_pages: k.
+        parity_pages: m.
+        name: how error messages name this code.
+        device: the CUDA device (``cuda`` or ``cuda:N``).
+        kernel: ``auto``, ``xor`` or ``tc`` (see the module docstring).
+        tuning: launch parameters overriding `DEFAULT_TUNING` (for the tuner).
+
+    Raises:
+        RuntimeError: no CUDA device or no Triton.
+    """
+
+    backend = "triton"
+
+    def __init__(
+        self,
+        data_pages: int,
+        parity_pages: int,
+        *,
+        name: str = "code",
+        device: str = "cuda",
+        kernel: str = "auto",
+        tuning: dict[str, int] | None = None,
+    ) -> None:
+        super().__init__(data_pages, parity_pages, name=name)
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device is available")
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r}; choose from {KERNELS}")
+        self._torch = torch
+        self._device = torch.device(device if device != "cuda" else "cuda:0")
+        if self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        self.kernel = kernel
+        self.tuning = {**DEFAULT_TUNING, **(tuning or {})}
+        self._operands: dict[tuple, object] = {}
+        self._pointer_tables: dict[bytes, object] = {}
+
+    @property
+    def device(self) -> str:
+        return f"cuda:{self._device.index}"
+
+    # -- cached device-side operands -------------------------------------------------------
+
+    def _cached(self, cache: dict, key, build):
+        value = cache.get(key)
+        if value is None:
+            if len(cache) >= _CACHE_LIMIT:
+                cache.clear()
+            value = cache[key] = build()
+        return value
+
+    def _pointers(self, table: PageTable):
+        ptrs = table.ptrs
+        return self._cached(
+            self._pointer_tables,
+            ptrs.tobytes(),
+            lambda: self._torch.from_numpy(ptrs.view(np.int64).copy()).to(self._device),
+        )
+
+    def _operand(self, kind: str, coefficients: np.ndarray, rows_p2: int):
+        key = (kind, coefficients.shape, coefficients.tobytes(), rows_p2)
+
+        def build():
+            if kind == "tc":
+                kj = self.tuning["tc_kj"]
+                cols_pad = -(-coefficients.shape[1] // kj) * kj
+                host = bit_matrix(coefficients, rows_p2, cols_pad)
+            else:
+                host = word_table(coefficients, rows_p2)
+            return self._torch.from_numpy(np.ascontiguousarray(host)).to(self._device)
+
+        return self._cached(self._operands, key, build)
+
+    # -- the primitive ----------------------------------------------------------------------
+
+    def _apply(
+        self,
+        coefficients: np.ndarray,
+        sources: PageTable,
+        dests: PageTable,
+        *,
+        xor_sources: PageTable | None,
+        length: int,
+        dest_offset: int,
+        accumulate: bool,
+    ) -> None:
+        from unbroken.erasure import _triton_kernels as kernels
+
+        coefficients = np.ascontiguousarray(coefficients, dtype=np.uint8)
+        rows, cols = coefficients.shape
+        src = self._pointers(sources)
+        src2 = self._pointers(xor_sources) if xor_sources is not None else src
+        aligned = (
+            length % 4 == 0
+            and dest_offset % 4 == 0
+            and not (sources.ptrs % 4).any()
+            and not (dests.ptrs % 4).any()
+            and (xor_sources is None or not (xor_sources.ptrs % 4).any())
+        )
+        kernel = self.kernel
+        if kernel == "auto":
+            kernel = "xor" if aligned else "tc"
+        if kernel == "xor" and not aligned:
+            raise ValueError(f"{self.name}: the xor kernel needs 4-byte aligned pages and ranges")
+        with self._torch.cuda.device(self._device):
+            for r0 in range(0, rows, 16):
+                block = np.ascontiguousarray(coefficients[r0 : r0 + 16])
+                dst_table = dests.take(range(r0, r0 + block.shape[0]))
+                self._launch(
+                    kernels,
+                    kernel,
+                    block,
+                    src,
+                    src2,
+                    self._pointers(dst_table),
+                    length,
+                    dest_offset,
+                    cols,
+                    xor_sources is not None,
+                    accumulate,
+                )
+
+    def _launch(
+        self, kernels, kernel, block, src, src2, dst, length, dest_offset, cols, fused, accumulate
+    ) -> None:
+        rows = block.shape[0]
+        t = self.tuning
+        if kernel == "tc":
+            rows_p2 = _pow2_at_least(rows, 2)
+            bits = self._operand("tc", block, rows_p2)
+            block_n = t["tc_block"]
+            grid = (triton.cdiv(length, block_n),)
+            kernels.gf_matmul_tc[grid](
+                src,
+                src2,
+                dst,
+                bits,
+                length,
+                dest_offset,
+                cols,
+                bits.shape[1],
+                rows,
+                ROWS_P2=rows_p2,
+                KJ=t["tc_kj"],
+                BLOCK_N=block_n,
+                FUSED=fused,
+                ACCUMULATE=accumulate,
+                num_warps=t["tc_warps"],
+            )
+        else:
+            rows_p2 = _pow2_at_least(rows, 1)
+            table = self._operand("xor", block, rows_p2)
+            words = length // 4
+            block_w = t["xor_block"]
+            grid = (triton.cdiv(words, block_w),)
+            kernels.gf_matmul_xor[grid](
+                src,
+                src2,
+                dst,
+                table,
+                words,
+                dest_offset // 4,
+                cols,
+                rows,
+                ROWS_P2=rows_p2,
+                BLOCK_W=block_w,
+                FUSED=fused,
+                ACCUMULATE=accumulate,
+                num_warps=t["xor_warps"],
+            )
