@@ -192,7 +192,7 @@ class _Replay:
             j_new = j
             due = bool(self.interval) and j > 0 and j % self.interval == 0
             first = due and j > self.last_usable
-        in_flight = 0.0 if recovering else (t - s.end(j)) / self.a
+        in_flight = 0.0 if recovering else (t - (s.end(j + 1) - self.a)) / self.a
         self.lost += (j - j_new) + min(1.0, max(0.0, in_flight))
         self.crashes += 1
         rec = cost.detect_s + cost.init_s

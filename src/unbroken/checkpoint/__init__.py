@@ -1,0 +1,26 @@
+"""Periodic checkpoints with torch.distributed.checkpoint (DCP) and their interval.
+
+The baseline recovery (checkpoint-restart) and the fallback for fatal failures. A checkpoint
+directory is complete only when its manifest (sha256 of every file, written last, atomically)
+exists and matches; a corrupt or incomplete one is skipped and the previous one is used.
+"""
+
+from unbroken.checkpoint.dcp import (
+    CheckpointInfo,
+    find_latest_valid,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from unbroken.checkpoint.interval import young_interval
+
+__all__ = [
+    "CheckpointInfo",
+    "find_latest_valid",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
+    "young_interval",
+]

@@ -1,0 +1,31 @@
+"""Typed, validated job configuration loaded from TOML.
+
+Each component owns a small `@dataclass(kw_only=True, slots=True) class ...Config` with a
+docstring on every field (see the component's module). `JobConfig` only nests them. Loading
+rejects unknown keys and wrong types with one line that names the key and the file, and every
+config validates its invariants at construction (`__post_init__`).
+"""
+
+from unbroken.config.job import (
+    CheckpointConfig,
+    DataConfig,
+    JobConfig,
+    ModelConfig,
+    ParallelConfig,
+    RecoveryConfig,
+    TrainConfig,
+)
+from unbroken.config.loader import config_from_dict, load_config, to_dict
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "JobConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RecoveryConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "load_config",
+    "to_dict",
+]

@@ -1,0 +1,226 @@
+"""The job config: one small typed config per component, nested in `JobConfig`.
+
+Every field has a docstring; every config checks its invariants in `__post_init__` and raises
+`ValueError` with the key to fix (the loader adds the file name and turns it into a `UserError`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "JobConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RecoveryConfig",
+    "TrainConfig",
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    preset: str = "tiny"
+    """Reference model size: tiny (CI), small (demo), 125m, 350m, 1b. Fields below override it."""
+    dim: int | None = None
+    """Hidden size."""
+    n_layers: int | None = None
+    """Number of decoder layers."""
+    n_heads: int | None = None
+    """Attention (query) heads."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; must divide n_heads."""
+    ffn_dim: int | None = None
+    """SwiGLU hidden size (per expert for MoE)."""
+    vocab_size: int | None = None
+    """Vocabulary size; must cover the tokenizer's ids."""
+    moe_experts: int | None = None
+    """Routed experts per layer; 0 = dense model."""
+    moe_top_k: int | None = None
+    """Experts each token is routed to."""
+    factory: str | None = None
+    """Import path `module:function` of a user model factory (see docs/own-model.md)."""
+    factory_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the user factory."""
+
+    def __post_init__(self) -> None:
+        if self.factory is not None and ":" not in self.factory:
+            raise ValueError(
+                f"model.factory must look like 'module:function', got {self.factory!r}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    corpus: str = "stdlib"
+    """'stdlib' (the running Python's own .py sources), a folder of text files, or a .jsonl file."""
+    jsonl_field: str = "text"
+    """Field holding the document text in each JSONL line."""
+    tokens_per_microbatch: int = 512
+    """Token budget N of one packed micro-batch."""
+    microbatches: int = 4
+    """Micro-batches per data-parallel replica per iteration."""
+    seed: int = 1234
+    """Seed of the document order; the sampler is a pure function of it."""
+    max_documents: int = 0
+    """Use only the first K documents of the corpus (0 = all)."""
+    dataset: str | None = None
+    """Import path `module:Class` of a user dataset (see docs/own-model.md)."""
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_microbatch < 8:
+            raise ValueError("data.tokens_per_microbatch must be at least 8")
+        if self.microbatches < 1:
+            raise ValueError("data.microbatches must be at least 1")
+        if self.max_documents < 0:
+            raise ValueError("data.max_documents must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    iterations: int = 100
+    """Iterations (optimizer steps) in the run."""
+    lr: float = 2.2e-4
+    """Peak learning rate (Leto A.1)."""
+    warmup_frac: float = 0.1
+    """Fraction of iterations of linear warm-up."""
+    min_lr_frac: float = 0.1
+    """Cosine decays to this fraction of the peak."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices (not to norm weights)."""
+    grad_clip: float = 1.0
+    """Clip gradients to this global norm (0 disables)."""
+    init_std: float = 0.006
+    """Weights are initialized from N(0, init_std^2)."""
+    seed: int = 0
+    """Seed of parameter initialization."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where trainers compute; auto = cuda when available."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """fp32 on CPU; bf16 autocast with fp32 master weights on GPU (auto picks these)."""
+    threads: int = 1
+    """torch intra-op threads per trainer process."""
+
+    def __post_init__(self) -> None:
+        if self.iterations < 1:
+            raise ValueError("train.iterations must be at least 1")
+        if not 0 <= self.warmup_frac < 1:
+            raise ValueError("train.warmup_frac must be in [0, 1)")
+        if self.lr <= 0:
+            raise ValueError("train.lr must be positive")
+        if self.threads < 1:
+            raise ValueError("train.threads must be at least 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    world_size: int = 4
+    """Trainer ranks (one process each)."""
+    dp: int = 0
+    """Data-parallel degree (0 = world_size / (tp * pp))."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Communicator backend; auto = nccl on cuda, else gloo."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError("parallel.world_size must be at least 1")
+        for name in ("tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be at least 1")
+        model_ranks = self.tp * self.pp
+        if self.world_size % model_ranks:
+            raise ValueError(
+                f"parallel degrees don't divide the world: tp*pp = {model_ranks} does not divide "
+                f"world_size = {self.world_size}; change parallel.tp, parallel.pp or world_size"
+            )
+        if self.dp == 0:
+            self.dp = self.world_size // model_ranks
+        if self.dp * model_ranks != self.world_size:
+            raise ValueError(
+                f"parallel degrees don't divide the world: dp*tp*pp = "
+                f"{self.dp}*{self.tp}*{self.pp} = {self.dp * model_ranks} != world_size = "
+                f"{self.world_size}; set parallel.dp = {self.world_size // model_ranks} or leave it 0"
+            )
+        if self.tp != 1 or self.pp != 1:
+            raise ValueError(
+                "parallel.tp and parallel.pp > 1 need the hybrid-parallel engine, which this "
+                "build does not have yet; use tp = 1 and pp = 1"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    enabled: bool = True
+    """Take periodic checkpoints (torch.distributed.checkpoint)."""
+    interval: int = 0
+    """Iterations between checkpoints; 0 = Young's formula from mttf_s and the measured cost."""
+    mttf_s: float = 600.0
+    """Mean time to (fatal) failure used by Young's formula, seconds."""
+    keep: int = 3
+    """Complete checkpoints kept on disk (older ones are deleted)."""
+    dir: str = ""
+    """Checkpoint directory (default: OUT/checkpoints)."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ValueError("checkpoint.interval must be >= 0 (0 = Young's formula)")
+        if self.mttf_s <= 0:
+            raise ValueError("checkpoint.mttf_s must be positive")
+        if self.keep < 2:
+            raise ValueError(
+                "checkpoint.keep must be at least 2 so a corrupt newest one has a fallback"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class RecoveryConfig:
+    mode: Literal["ckpt_restart"] = "ckpt_restart"
+    """Recovery for trainer failures: ckpt_restart = restart every rank from the newest checkpoint."""
+    max_restarts: int = 20
+    """Give up after this many recoveries in one run."""
+    heartbeat_interval_s: float = 0.1
+    """Trainer -> agent heartbeat period."""
+    heartbeat_timeout_s: float = 2.0
+    """A trainer silent for this long is declared hung (must exceed heartbeat_interval_s)."""
+    collective_timeout_s: float = 60.0
+    """Timeout of the trainers' process groups (must exceed heartbeat_timeout_s)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s < self.collective_timeout_s:
+            raise ValueError(
+                "recovery timeouts must satisfy 0 < heartbeat_interval_s < heartbeat_timeout_s "
+                f"< collective_timeout_s (got {self.heartbeat_interval_s}, "
+                f"{self.heartbeat_timeout_s}, {self.collective_timeout_s})"
+            )
+        if self.max_restarts < 0:
+            raise ValueError("recovery.max_restarts must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to train."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, packing and sampling."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimizer, schedule, device and precision."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Ranks and parallel degrees."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Periodic checkpoints (baseline recovery and fatal-failure fallback)."""
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    """How failures are detected and recovered."""
+    inject: list[str] = field(default_factory=list)
+    """Faults to inject, e.g. "kill:rank=1,iter=12,phase=update" (see unbroken.inject)."""

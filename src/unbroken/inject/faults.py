@@ -1,0 +1,108 @@
+"""The fault catalog and the parser of fault specs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from unbroken.errors import UserError
+from unbroken.train.phases import Phase
+
+__all__ = ["FaultKind", "FaultSpec", "InjectedFault", "parse_fault"]
+
+
+class FaultKind(enum.StrEnum):
+    KILL = "kill"
+    """SIGKILL the trainer (a crash: process gone, hardware fine)."""
+    HANG = "hang"
+    """SIGSTOP the trainer (a hang: process alive, no progress)."""
+    EXCEPTION = "exception"
+    """Raise an exception out of the training loop (the trainer exits non-zero)."""
+    SLOW = "slow"
+    """Slow the trainer's compute by `factor` from the trigger on (fail-slow)."""
+
+
+class InjectedFault(RuntimeError):
+    """The exception raised by an `exception` fault."""
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    kind: FaultKind
+    rank: int
+    iteration: int | None = None
+    phase: Phase | None = None
+    step: int | None = None
+    """Step within the phase (micro-batch or update chunk); None = the middle step."""
+    at_s: float | None = None
+    """Fire this many seconds after the job's first iteration started (instead of iteration)."""
+    factor: float = 1.0
+    """Slow-down factor for `slow`."""
+
+    @property
+    def key(self) -> str:
+        """A stable id of this fault within the job (used to fire it once)."""
+        return self.text().replace(":", "_").replace(",", "_").replace("=", "")
+
+    def text(self) -> str:
+        parts = [f"rank={self.rank}"]
+        if self.iteration is not None:
+            parts.append(f"iter={self.iteration}")
+        if self.phase is not None:
+            parts.append(f"phase={self.phase.value}")
+        if self.step is not None:
+            parts.append(f"step={self.step}")
+        if self.at_s is not None:
+            parts.append(f"at={self.at_s:g}")
+        if self.kind is FaultKind.SLOW:
+            parts.append(f"factor={self.factor:g}")
+        return f"{self.kind.value}:{','.join(parts)}"
+
+
+def parse_fault(spec: str) -> FaultSpec:
+    """Parse "kind:rank=R,iter=I,phase=P" (see the package docstring).
+
+    Raises:
+        UserError: with the spec and what is wrong in it.
+    """
+    kind_s, _, rest = spec.partition(":")
+    try:
+        kind = FaultKind(kind_s.strip())
+    except ValueError:
+        raise UserError(
+            f"fault {spec!r}: unknown kind {kind_s!r}; choose one of "
+            f"{', '.join(k.value for k in FaultKind)}"
+        ) from None
+    fields: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise UserError(f"fault {spec!r}: expected key=value, got {item!r}")
+        fields[name.strip()] = value.strip()
+    known = {"rank", "iter", "phase", "step", "at", "factor"}
+    if unknown := set(fields) - known:
+        raise UserError(
+            f"fault {spec!r}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}"
+        )
+    try:
+        rank = int(fields["rank"])
+        iteration = int(fields["iter"]) if "iter" in fields else None
+        step = int(fields["step"]) if "step" in fields else None
+        at_s = float(fields["at"]) if "at" in fields else None
+        factor = float(fields.get("factor", "1"))
+        phase = Phase(fields["phase"]) if "phase" in fields else None
+    except KeyError:
+        raise UserError(f"fault {spec!r}: 'rank=' is required") from None
+    except ValueError as exc:
+        raise UserError(f"fault {spec!r}: {exc}") from None
+    if (iteration is None) == (at_s is None):
+        raise UserError(f"fault {spec!r}: give exactly one trigger, iter=I or at=SECONDS")
+    if kind is FaultKind.SLOW and factor <= 1.0:
+        raise UserError(f"fault {spec!r}: slow needs factor > 1")
+    if rank < 0 or (iteration is not None and iteration < 0):
+        raise UserError(f"fault {spec!r}: rank and iter must be >= 0")
+    if iteration is not None and phase is None:
+        phase = Phase.FORWARD
+    return FaultSpec(
+        kind=kind, rank=rank, iteration=iteration, phase=phase, step=step, at_s=at_s, factor=factor
+    )

@@ -1,0 +1,200 @@
+"""The node agent: spawns and supervises this node's trainers, detects failures, executes the
+coordinator's commands.
+
+Detection: a child that exits is noticed at once (`Popen.poll` every tick, 5 ms); a child whose
+heartbeats (datagrams on the agent's Unix socket, sent by a trainer thread every
+`heartbeat_interval_s`) stop for `heartbeat_timeout_s` is declared hung (a SIGSTOPped or wedged
+process sends nothing). Only decisions go to the coordinator (`rank_exit`, `rank_hung`), never raw
+heartbeats. The agent never touches training state.
+
+Run as `python -m unbroken.launch.agent --coordinator HOST:PORT --node N`, with the job secret
+in the environment variable UNBROKEN_JOB_SECRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from unbroken.launch.protocol import COORDINATOR_OPS, Channel, ProtocolError
+
+__all__ = ["main"]
+
+TICK_S = 0.005
+STARTUP_TIMEOUT_S = 300.0
+
+
+@dataclass(slots=True)
+class TrainerProc:
+    rank: int
+    generation: int
+    proc: subprocess.Popen
+    spawned: float
+    last_beat: float | None = None
+    reported: bool = False
+    info: dict = field(default_factory=dict)
+
+
+class Agent:
+    def __init__(self, channel: Channel, node: int, hb: socket.socket, hb_addr: str) -> None:
+        self.channel = channel
+        self.node = node
+        self.hb = hb
+        self.hb_addr = hb_addr
+        self.trainers: dict[int, TrainerProc] = {}
+        self.heartbeat_timeout_s = 2.0
+        self.running = True
+
+    # -- commands -------------------------------------------------------------------------
+    def start(self, msg: dict) -> None:
+        self.heartbeat_timeout_s = float(msg["heartbeat_timeout_s"])
+        now = time.time()
+        for rank in msg["ranks"]:
+            cmd = [
+                sys.executable,
+                "-m",
+                "unbroken.launch.trainer",
+                "--spec",
+                msg["spec"],
+                "--rank",
+                str(rank),
+                "--heartbeat",
+                self.hb_addr,
+            ]
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+            self.trainers[rank] = TrainerProc(rank, msg["generation"], proc, now)
+        self.channel.send("started", generation=msg["generation"], t=time.time())
+
+    def kill_all(self) -> None:
+        """SIGKILL every trainer (stopped ones too) and reap them."""
+        for t in self.trainers.values():
+            if t.proc.poll() is None:
+                t.proc.send_signal(signal.SIGKILL)
+        for t in self.trainers.values():
+            t.proc.wait()
+        self.trainers.clear()
+
+    def stop(self, msg: dict) -> None:
+        t0 = time.time()
+        self.kill_all()
+        self.channel.send(
+            "stopped", generation=msg["generation"], t=time.time(), took_s=time.time() - t0
+        )
+
+    # -- supervision ----------------------------------------------------------------------
+    def drain_heartbeats(self) -> None:
+        while True:
+            try:
+                data = self.hb.recv(4096)
+            except BlockingIOError:
+                return
+            try:
+                beat = json.loads(data)
+                t = self.trainers.get(int(beat["rank"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a garbled datagram is ignored, never fatal
+            if t is not None and beat.get("generation") == t.generation:
+                t.last_beat = time.time()
+                t.info = beat
+
+    def check_children(self) -> None:
+        now = time.time()
+        for t in self.trainers.values():
+            if t.reported:
+                continue
+            code = t.proc.poll()
+            if code is not None:
+                t.reported = True
+                self.channel.send(
+                    "rank_exit", rank=t.rank, generation=t.generation, returncode=code, t=now
+                )
+                continue
+            last = t.last_beat if t.last_beat is not None else t.spawned
+            if t.last_beat is None or t.info.get("phase") == "exiting":
+                limit = STARTUP_TIMEOUT_S
+            else:
+                limit = self.heartbeat_timeout_s
+            if now - last > limit:
+                t.reported = True
+                self.channel.send(
+                    "rank_hung",
+                    rank=t.rank,
+                    generation=t.generation,
+                    silent_s=now - last,
+                    last=t.info,
+                    t=now,
+                )
+
+    def handle(self, msg: dict) -> None:
+        op = msg["op"]
+        if op == "start":
+            self.start(msg)
+        elif op == "stop":
+            self.stop(msg)
+        elif op == "shutdown":
+            self.kill_all()
+            self.running = False
+
+    def serve(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self.channel.sock, selectors.EVENT_READ, "ctl")
+        sel.register(self.hb, selectors.EVENT_READ, "hb")
+        for msg in self.channel.take_pending():
+            self.handle(msg)
+        while self.running:
+            for key, _ in sel.select(timeout=TICK_S):
+                if key.data == "hb":
+                    self.drain_heartbeats()
+                else:
+                    data = self.channel.sock.recv(65536)
+                    if not data:
+                        # Coordinator gone: nothing may run unsupervised.
+                        self.kill_all()
+                        return
+                    for msg in self.channel.feed(data):
+                        self.handle(msg)
+            self.check_children()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="unbroken-agent")
+    parser.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    parser.add_argument("--node", type=int, default=0)
+    args = parser.parse_args(argv)
+    secret = os.environ.get("UNBROKEN_JOB_SECRET")
+    if not secret:
+        print("unbroken-agent: UNBROKEN_JOB_SECRET is not set", file=sys.stderr)
+        return 2
+    host, _, port = args.coordinator.rpartition(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    channel = Channel(sock, bytes.fromhex(secret), COORDINATOR_OPS)
+    hb = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    hb_addr = f"\0unbroken-hb-{os.getpid()}-{os.urandom(4).hex()}"
+    hb.bind(hb_addr)
+    hb.setblocking(False)
+    channel.send("hello", node=args.node, pid=os.getpid())
+    agent = Agent(channel, args.node, hb, hb_addr.replace("\0", "@"))
+    try:
+        agent.serve()
+    except ProtocolError as exc:
+        print(f"unbroken-agent: rejected a control message: {exc}", file=sys.stderr)
+        agent.kill_all()
+        return 1
+    except (ConnectionError, OSError) as exc:
+        print(f"unbroken-agent: lost the coordinator: {exc}", file=sys.stderr)
+        agent.kill_all()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,382 @@
+"""The coordinator of one run: holds the TCPStore and the event log, accepts authenticated
+agents, and drives the recovery state machine (`unbroken.recovery`).
+
+It never runs training code and never holds a process group, so a dead or hung trainer cannot
+take the rendezvous or the control plane with it. Each generation of trainers joins the store
+under its own `PrefixStore("gen{N}")`.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from unbroken.config import JobConfig, to_dict
+from unbroken.launch.progress import Progress
+from unbroken.launch.protocol import AGENT_OPS, Channel, ProtocolError
+from unbroken.launch.trainer import GenerationSpec
+from unbroken.metrics.analysis import analyze_run
+from unbroken.metrics.log import JsonlLog, read_jsonl
+from unbroken.recovery import Action, RecoveryMachine, RecoveryState
+
+__all__ = ["Coordinator", "RunOutcome"]
+
+HELLO_TIMEOUT_S = 60.0
+
+
+@dataclass(slots=True)
+class RunOutcome:
+    run_name: str
+    state: str
+    generations: int
+    restarts: int
+    final_state_hash: str | None
+    reason: str = ""
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket, peer: Any, secret: bytes) -> None:
+        self.channel = Channel(sock, secret, AGENT_OPS)
+        self.peer = peer
+        self.is_agent = False
+
+
+class Coordinator:
+    """Runs one job (one "run") to completion through failures.
+
+    Args:
+        cfg: the job config.
+        run_dir: output dir (events.jsonl, metrics.jsonl, checkpoints/RUN).
+        run_name: label of this run in the logs ("reference", "faulty", "train").
+        search_path: dirs trainers add to sys.path (user model/dataset modules).
+        quiet: no terminal progress.
+    """
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        run_dir: str | Path,
+        run_name: str = "train",
+        *,
+        search_path: list[str] | None = None,
+        quiet: bool = False,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_name = run_name
+        self.search_path = search_path or []
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.events = JsonlLog(self.run_dir / "events.jsonl", run=run_name)
+        self.progress = Progress(run_name, cfg.train.iterations, quiet=quiet)
+        self.secret = os.urandom(32)
+        self.fsm = RecoveryMachine(
+            world_size=cfg.parallel.world_size,
+            max_restarts=cfg.recovery.max_restarts,
+            mode=cfg.recovery.mode,
+        )
+        self.sel = selectors.DefaultSelector()
+        self.agent: _Conn | None = None
+        self.agent_proc: subprocess.Popen | None = None
+        self.final_hash: str | None = None
+        self._metrics_seen = 0
+        self._pending_recoveries: list[dict[str, Any]] = []
+        self._done_reason = ""
+
+    # -- setup --------------------------------------------------------------------------
+    def _start_services(self) -> None:
+        self.store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.cfg.recovery.collective_timeout_s),
+        )
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.setblocking(False)
+        self.port = self.listener.getsockname()[1]
+        self.sel.register(self.listener, selectors.EVENT_READ, None)
+        (self.run_dir / f"coordinator-{self.run_name}.json").write_text(
+            f'{{"host": "127.0.0.1", "port": {self.port}, "pid": {os.getpid()}}}\n'
+        )
+        env = dict(os.environ, UNBROKEN_JOB_SECRET=self.secret.hex())
+        self.agent_proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "unbroken.launch.agent",
+                "--coordinator",
+                f"127.0.0.1:{self.port}",
+                "--node",
+                "0",
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def _write_spec(self, generation: int, resume: bool) -> Path:
+        spec = GenerationSpec(
+            config=to_dict(self.cfg),
+            run_dir=str(self.run_dir),
+            run_name=self.run_name,
+            store_host="127.0.0.1",
+            store_port=self.store.port,
+            generation=generation,
+            world_size=self.cfg.parallel.world_size,
+            resume=resume,
+            search_path=self.search_path,
+        )
+        path = self.run_dir / "specs" / f"{self.run_name}-gen{generation}.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(spec.to_json())
+        return path
+
+    # -- actions ------------------------------------------------------------------------
+    def _execute(self, action: Action | None) -> None:
+        if action is None:
+            return
+        assert self.agent is not None
+        if action.op == "start":
+            spec = self._write_spec(action.generation, action.resume)
+            if action.resume:
+                self.events.emit("recovery_start", mode=self.fsm.mode, generation=action.generation)
+            self.agent.channel.send(
+                "start",
+                generation=action.generation,
+                spec=str(spec),
+                ranks=list(range(self.cfg.parallel.world_size)),
+                heartbeat_timeout_s=self.cfg.recovery.heartbeat_timeout_s,
+            )
+        elif action.op == "stop":
+            self.agent.channel.send("stop", generation=action.generation)
+        elif action.op in ("finish", "fail"):
+            self._done_reason = action.reason
+            self.agent.channel.send("shutdown")
+        self._log_transition()
+
+    def _log_transition(self) -> None:
+        while self.fsm.transitions:
+            old, new, reason = self.fsm.transitions.pop(0)
+            self.events.emit("state", old=old, new=new, reason=reason, **self.fsm.snapshot())
+
+    # -- inputs -------------------------------------------------------------------------
+    def _last_injection(self, rank: int) -> dict[str, Any] | None:
+        evs = [
+            e
+            for e in read_jsonl(self.run_dir / "events.jsonl")
+            if e.get("run") == self.run_name and e["kind"] == "failure_injected"
+        ]
+        evs = [e for e in evs if e["rank"] == rank and e["t"] > self._last_failure_t]
+        return evs[-1] if evs else None
+
+    def _failure(self, msg: dict[str, Any], reason: str) -> None:
+        inj = self._last_injection(msg["rank"])
+        detect_s = (msg["t"] - inj["t"]) if inj else None
+        self.events.emit(
+            "failure_detected",
+            rank=msg["rank"],
+            generation=msg["generation"],
+            reason=reason,
+            detect_s=detect_s,
+            t_detected=msg["t"],
+        )
+        self._last_failure_t = msg["t"]
+        self.progress.say(
+            f"failure detected: rank {msg['rank']} {reason}"
+            + (f" ({detect_s * 1000:.0f} ms after injection)" if detect_s is not None else "")
+        )
+        if inj is not None:
+            self._pending_recoveries.append(inj)
+
+    def _handle(self, conn: _Conn, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == "hello":
+            if self.agent is not None:
+                raise ProtocolError("a second agent for node 0")
+            conn.is_agent = True
+            self.agent = conn
+            self.events.emit("agent_joined", node=msg.get("node"), pid=msg.get("pid"))
+            self._execute(self.fsm.begin())
+            return
+        if not conn.is_agent:
+            raise ProtocolError(f"{op!r} before hello")
+        if op == "started":
+            self.fsm.on_started(msg["generation"])
+            self._log_transition()
+        elif op == "rank_exit":
+            if (
+                msg["returncode"] != 0
+                and msg["generation"] == self.fsm.generation
+                and (
+                    self.fsm.state
+                    in (RecoveryState.RUNNING, RecoveryState.STARTING, RecoveryState.RESTARTING)
+                )
+            ):
+                self._failure(msg, f"exited with status {msg['returncode']}")
+            self._execute(self.fsm.on_rank_exit(msg["rank"], msg["generation"], msg["returncode"]))
+        elif op == "rank_hung":
+            if msg["generation"] == self.fsm.generation and self.fsm.state in (
+                RecoveryState.RUNNING,
+                RecoveryState.STARTING,
+                RecoveryState.RESTARTING,
+            ):
+                self._failure(msg, f"hung (silent {msg['silent_s']:.2f}s)")
+            self._execute(self.fsm.on_rank_hung(msg["rank"], msg["generation"], msg["silent_s"]))
+        elif op == "stopped":
+            self._execute(self.fsm.on_stopped(msg["generation"]))
+
+    def _accept(self) -> None:
+        try:
+            sock, peer = self.listener.accept()
+        except BlockingIOError:
+            return
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sel.register(sock, selectors.EVENT_READ, _Conn(sock, peer, self.secret))
+
+    def _drop(self, conn: _Conn, reason: str) -> None:
+        self.events.emit("control_rejected", peer=str(conn.peer), reason=reason)
+        self.progress.say(f"control channel: rejected {conn.peer}: {reason}")
+        self.sel.unregister(conn.channel.sock)
+        conn.channel.sock.close()
+        if conn.is_agent:
+            self.agent = None
+            self._execute_lost(reason)
+
+    def _execute_lost(self, reason: str) -> None:
+        self.fsm.on_node_lost(reason)
+        self._done_reason = reason
+        self._log_transition()
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.channel.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._drop(conn, f"connection error: {exc}")
+            return
+        if not data:
+            if conn.is_agent:
+                self._drop(conn, "agent connection closed")
+            else:
+                self.sel.unregister(conn.channel.sock)
+                conn.channel.sock.close()
+            return
+        try:
+            for msg in conn.channel.feed(data):
+                self._handle(conn, msg)
+        except ProtocolError as exc:
+            self._drop(conn, str(exc))
+        except (KeyError, TypeError, ValueError) as exc:
+            self._drop(conn, f"malformed message ({type(exc).__name__}: {exc})")
+
+    def _poll_metrics(self) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        rows = [m for m in read_jsonl(path) if m.get("run") == self.run_name]
+        for m in rows[self._metrics_seen :]:
+            self.progress.iteration(m)
+            self._check_recovered(rows, m)
+        self._metrics_seen = len(rows)
+
+    def _check_recovered(self, rows: list[dict[str, Any]], m: dict[str, Any]) -> None:
+        if not self._pending_recoveries:
+            return
+        inj = self._pending_recoveries[0]
+        if m["iter"] != inj["iter"] or m["t_start"] <= inj["t"]:
+            return
+        self._pending_recoveries.pop(0)
+        events = [
+            e for e in read_jsonl(self.run_dir / "events.jsonl") if e.get("run") == self.run_name
+        ]
+        found = [r for r in analyze_run(rows, events) if r.iteration == inj["iter"]]
+        restored = next(
+            (e["restored_iter"] for e in reversed(events) if e["kind"] == "trainer_ready"), None
+        )
+        if found:
+            r = found[-1]
+            self.events.emit(
+                "recovery_done",
+                mode=self.fsm.mode,
+                rank=r.rank,
+                detect_s=r.detect_s,
+                init_s=r.init_s,
+                recompute_s=r.recompute_s,
+                total_s=r.total_s,
+                resumed_iter=inj["iter"],
+                restored_iter=restored,
+            )
+            self.progress.say(
+                f"recovered ({self.fsm.mode}) from iteration {restored}: "
+                f"detect {r.detect_s:.3f}s, init {r.init_s:.2f}s, "
+                f"recompute {r.recompute_s:.2f}s, total {r.total_s:.2f}s"
+            )
+
+    # -- main loop ------------------------------------------------------------------------
+    def run(self) -> RunOutcome:
+        self._last_failure_t = 0.0
+        self._start_services()
+        self.events.emit("job_start", world_size=self.cfg.parallel.world_size, port=self.port)
+        self.progress.say(
+            f"starting {self.cfg.parallel.world_size} ranks "
+            f"(recovery: {self.cfg.recovery.mode}, faults: {len(self.cfg.inject)})"
+        )
+        t_hello = time.time()
+        try:
+            while self.fsm.state not in (RecoveryState.DONE, RecoveryState.FAILED):
+                for key, _ in self.sel.select(timeout=0.05):
+                    if key.data is None:
+                        self._accept()
+                    else:
+                        self._read(key.data)
+                self._poll_metrics()
+                if self.agent is None and time.time() - t_hello > HELLO_TIMEOUT_S:
+                    self._execute_lost("no agent connected")
+                agent_gone = self.agent_proc is not None and self.agent_proc.poll() is not None
+                if agent_gone and self.fsm.state not in (RecoveryState.DONE, RecoveryState.FAILED):
+                    self._execute_lost(f"agent exited with status {self.agent_proc.returncode}")
+            self._poll_metrics()
+        finally:
+            self._shutdown()
+        self.events.emit("job_end", state=self.fsm.state.value, reason=self._done_reason)
+        events = [
+            e for e in read_jsonl(self.run_dir / "events.jsonl") if e.get("run") == self.run_name
+        ]
+        final = next(
+            (e["final_state_hash"] for e in reversed(events) if e["kind"] == "trainer_done"), None
+        )
+        metrics = [
+            m for m in read_jsonl(self.run_dir / "metrics.jsonl") if m.get("run") == self.run_name
+        ]
+        return RunOutcome(
+            run_name=self.run_name,
+            state=self.fsm.state.value,
+            generations=self.fsm.generation + 1,
+            restarts=self.fsm.restarts,
+            final_state_hash=final,
+            reason=self._done_reason,
+            metrics=metrics,
+            events=events,
+        )
+
+    def _shutdown(self) -> None:
+        if self.agent_proc is not None:
+            try:
+                self.agent_proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.agent_proc.kill()
+                self.agent_proc.wait()
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()
+        self.sel.close()

@@ -1,0 +1,12 @@
+"""Event log, per-iteration metrics, recovery breakdown, ETTR, summary and plots.
+
+Every process of a job (coordinator, agents, trainers) appends to the same `events.jsonl`;
+rank 0 appends one line per completed iteration attempt to `metrics.jsonl`. Each line is written
+with one `write(2)` on an `O_APPEND` descriptor, so lines from different processes never
+interleave. The summary is derived from these two files after the run (`analyze`).
+"""
+
+from unbroken.metrics.analysis import RecoveryBreakdown, analyze_run, ettr
+from unbroken.metrics.log import JsonlLog, read_jsonl
+
+__all__ = ["JsonlLog", "RecoveryBreakdown", "analyze_run", "ettr", "read_jsonl"]

@@ -1,0 +1,107 @@
+"""Recovery breakdown and ETTR from a run's event and metric logs (Leto §8.1 definitions).
+
+For a failure at t_fault interrupting iteration k: t_j is when training resumes (start of the
+first iteration attempt after the failure), t_k when iteration k completes again, t_remain the
+fault-free remaining time of iteration k at the failure (median healthy iteration time minus the
+time iteration k had already run). Then detection = t_detected − t_fault, initialization
+I = t_j − t_fault, recomputation R = t_k − t_j − t_remain, recovery = I + R.
+ETTR = T_ref(i) / T_eval(i), both from the first iteration's start to iteration i's completion.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["RecoveryBreakdown", "analyze_run", "ettr", "wall_time"]
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryBreakdown:
+    kind: str
+    mode: str
+    rank: int
+    iteration: int
+    phase: str
+    detect_s: float
+    init_s: float
+    recompute_s: float
+    total_s: float
+    restored_iter: int | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _completed(metrics: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Last completed attempt of every iteration."""
+    out: dict[int, dict[str, Any]] = {}
+    for m in metrics:
+        out[m["iter"]] = m
+    return out
+
+
+def wall_time(metrics: list[dict[str, Any]], through_iter: int | None = None) -> float:
+    """Seconds from the first iteration's start to `through_iter`'s (last) completion."""
+    if not metrics:
+        return 0.0
+    done = _completed(metrics)
+    last = max(done) if through_iter is None else through_iter
+    return done[last]["t_end"] - min(m["t_start"] for m in metrics)
+
+
+def ettr(reference: list[dict[str, Any]], evaluated: list[dict[str, Any]]) -> float:
+    """T_ref(i) / T_eval(i) for the evaluated run's last completed iteration i."""
+    if not reference or not evaluated:
+        return 0.0
+    last = min(max(_completed(evaluated)), max(_completed(reference)))
+    return wall_time(reference, last) / wall_time(evaluated, last)
+
+
+def healthy_iter_s(metrics: list[dict[str, Any]]) -> float:
+    times = [m["iter_s"] for m in metrics if not m.get("ckpt_s")]
+    return statistics.median(times) if times else 0.0
+
+
+def analyze_run(
+    metrics: list[dict[str, Any]],
+    events: list[dict[str, Any]],
+    healthy_s: float | None = None,
+) -> list[RecoveryBreakdown]:
+    """Per-failure recovery breakdown of one run (its own metrics and events)."""
+    healthy = healthy_s if healthy_s is not None else healthy_iter_s(metrics)
+    out = []
+    injected = sorted((e for e in events if e["kind"] == "failure_injected"), key=lambda e: e["t"])
+    for ev in injected:
+        t_fault, k = ev["t"], ev["iter"]
+        if ev.get("fault") == "slow":
+            continue  # fail-slow is not a failure to recover from
+        detected = next(
+            (e for e in events if e["kind"] == "failure_detected" and e["t"] >= t_fault), None
+        )
+        done = next((e for e in events if e["kind"] == "recovery_done" and e["t"] >= t_fault), None)
+        after = [m for m in metrics if m["t_start"] > t_fault]
+        redone = next((m for m in after if m["iter"] == k), None)
+        if not after or redone is None:
+            continue  # not recovered (the summary counts it as unrecovered)
+        t_j = after[0]["t_start"]
+        ran = t_fault - ev.get("iter_t_start", t_fault)
+        t_remain = max(0.0, healthy - ran)
+        init = t_j - t_fault
+        recompute = max(0.0, redone["t_end"] - t_j - t_remain)
+        out.append(
+            RecoveryBreakdown(
+                kind="hof" if ev.get("fault") in ("kill", "hang", "exception") else ev["fault"],
+                mode=done["mode"] if done else "unknown",
+                rank=ev["rank"],
+                iteration=k,
+                phase=ev["phase"],
+                detect_s=(detected["t"] - t_fault) if detected else float("nan"),
+                init_s=init,
+                recompute_s=recompute,
+                total_s=init + recompute,
+                restored_iter=done.get("restored_iter") if done else None,
+            )
+        )
+    return out

@@ -1,0 +1,114 @@
+"""The run summary (`summary.json`) and the terminal table comparing runs."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from unbroken.metrics.analysis import analyze_run, ettr, healthy_iter_s, wall_time
+
+__all__ = ["build_summary", "format_table"]
+
+
+def _run_stats(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    done: dict[int, dict[str, Any]] = {m["iter"]: m for m in metrics}
+    return {
+        "iterations": len(done),
+        "wall_s": wall_time(metrics),
+        "mean_iter_s": healthy_iter_s(metrics),
+        "final_loss": done[max(done)]["loss"] if done else None,
+        "tokens_per_s": statistics.median(m["tokens_per_s"] for m in metrics) if metrics else 0.0,
+        "attempts": len(metrics),
+    }
+
+
+def build_summary(
+    reference: dict[str, Any] | None,
+    faulty: dict[str, Any],
+    config: dict[str, Any],
+) -> dict[str, Any]:
+    """Summary of a faulty run against its fault-free reference.
+
+    Args:
+        reference: {"metrics", "events", "final_state_hash", "state"} of the reference run.
+        faulty: the same for the run with failures.
+        config: the faulty run's config (as a dict).
+    """
+    f_metrics, f_events = faulty["metrics"], faulty["events"]
+    healthy = healthy_iter_s(reference["metrics"]) if reference else None
+    recoveries = analyze_run(f_metrics, f_events, healthy_s=healthy)
+    injected = [e for e in f_events if e["kind"] == "failure_injected" and e["fault"] != "slow"]
+    ckpts = [e for e in f_events if e["kind"] == "checkpoint_saved"]
+    interval_ev = next((e for e in f_events if e["kind"] == "checkpoint_interval"), None)
+    summary: dict[str, Any] = {
+        "state": faulty["state"],
+        "final_state_hash": faulty["final_state_hash"],
+        "failures_injected": len(injected),
+        "failures_recovered": len(recoveries),
+        "recoveries": [r.as_dict() for r in recoveries],
+        "faulty": _run_stats(f_metrics),
+        "faulty_wall_s": wall_time(f_metrics),
+        "iterations": config["train"]["iterations"],
+        "ckpt_interval": interval_ev["interval"]
+        if interval_ev
+        else config["checkpoint"]["interval"],
+        "ckpt_cost_s": statistics.median(e["seconds"] for e in ckpts) if ckpts else 0.0,
+        "checkpoints_saved": len(ckpts),
+        "mean_iter_s": healthy_iter_s(f_metrics),
+        "mttf_s": config["checkpoint"]["mttf_s"],
+        "world_size": config["parallel"]["world_size"],
+        "recovery_mode": config["recovery"]["mode"],
+    }
+    if reference is not None:
+        summary.update(
+            reference_state_hash=reference["final_state_hash"],
+            bit_exact=bool(
+                faulty["final_state_hash"]
+                and faulty["final_state_hash"] == reference["final_state_hash"]
+            ),
+            ettr=ettr(reference["metrics"], f_metrics),
+            reference=_run_stats(reference["metrics"]),
+            reference_wall_s=wall_time(reference["metrics"]),
+        )
+        ref_hashes = {m["iter"]: m["state_hash"] for m in reference["metrics"]}
+        mismatched = sorted(
+            {
+                m["iter"]
+                for m in f_metrics
+                if ref_hashes.get(m["iter"]) not in (None, m["state_hash"])
+            }
+        )
+        summary["per_iteration_mismatches"] = mismatched
+    return summary
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """A plain-text comparison table of the reference and faulty runs and each recovery."""
+    ref, flt = summary.get("reference", {}), summary["faulty"]
+    lines = [
+        f"{'':24}{'reference':>14}{'with failures':>16}",
+        f"{'iterations':24}{ref.get('iterations', '-'):>14}{flt['iterations']:>16}",
+        f"{'iteration attempts':24}{ref.get('attempts', '-'):>14}{flt['attempts']:>16}",
+        f"{'wall time (s)':24}{ref.get('wall_s', 0):>14.2f}{flt['wall_s']:>16.2f}",
+        f"{'median iteration (ms)':24}{ref.get('mean_iter_s', 0) * 1e3:>14.1f}"
+        f"{flt['mean_iter_s'] * 1e3:>16.1f}",
+        f"{'final loss':24}{ref.get('final_loss') or 0:>14.4f}{flt['final_loss'] or 0:>16.4f}",
+        f"{'final state hash':24}{summary.get('reference_state_hash') or '-':>14}"
+        f"{summary['final_state_hash'] or '-':>16}",
+        "",
+        f"bit-exact: {summary.get('bit_exact')}   ETTR: {summary.get('ettr', 0):.3f}   "
+        f"failures: {summary['failures_recovered']}/{summary['failures_injected']} recovered   "
+        f"checkpoint interval: {summary['ckpt_interval']} it, cost {summary['ckpt_cost_s']:.3f}s",
+    ]
+    if summary["recoveries"]:
+        lines += [
+            "",
+            f"{'failure':34}{'mode':>14}{'detect s':>10}{'init s':>9}{'recomp s':>10}{'total s':>9}",
+        ]
+        for r in summary["recoveries"]:
+            what = f"{r['kind']} rank {r['rank']} it {r['iteration']} {r['phase']}"
+            lines.append(
+                f"{what:34}{r['mode']:>14}{r['detect_s']:>10.3f}{r['init_s']:>9.2f}"
+                f"{r['recompute_s']:>10.2f}{r['total_s']:>9.2f}"
+            )
+    return "\n".join(lines)

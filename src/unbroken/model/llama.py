@@ -1,0 +1,218 @@
+"""Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention; optional top-k MoE.
+
+Inputs are packed micro-batches: attention is block-diagonal causal over document segments and
+RoPE positions restart at each document. The attention softmax runs in fp32. Nothing here owns
+storage: `build_model(..., device="meta")` and `unbroken.model.flat.materialize` place the
+parameters in caller-provided memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unbroken.config import ModelConfig
+from unbroken.data.corpus import VOCAB_SIZE
+from unbroken.data.packing import IGNORE_INDEX
+from unbroken.errors import UserError
+from unbroken.model.presets import PRESETS
+
+__all__ = ["Transformer", "TransformerArgs", "build_model", "resolve_args"]
+
+
+@dataclass(frozen=True, slots=True)
+class TransformerArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int = VOCAB_SIZE
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_aux_coef: float = 0.01
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} must be divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError("head dim (dim / n_heads) must be even for RoPE")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"moe_top_k must be in [1, moe_experts={self.moe_experts}]")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def resolve_args(cfg: ModelConfig) -> TransformerArgs:
+    """Preset plus explicit overrides → validated `TransformerArgs`.
+
+    Raises:
+        UserError: unknown preset or inconsistent sizes.
+    """
+    if cfg.preset not in PRESETS:
+        raise UserError(f"model.preset {cfg.preset!r} is unknown; choose one of {sorted(PRESETS)}")
+    fields = dict(PRESETS[cfg.preset])
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+        if getattr(cfg, name) is not None:
+            fields[name] = getattr(cfg, name)
+    if cfg.moe_experts is not None:
+        fields["moe_experts"] = cfg.moe_experts
+    if cfg.moe_top_k is not None:
+        fields["moe_top_k"] = cfg.moe_top_k
+    try:
+        args = TransformerArgs(**fields)
+    except ValueError as exc:
+        raise UserError(f"model: {exc}") from None
+    if args.vocab_size < VOCAB_SIZE:
+        raise UserError(f"model.vocab_size must be at least {VOCAB_SIZE} (byte-level tokens)")
+    return replace(args)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of x [T, H, D] at per-token positions [T] (restarting per document)."""
+    half = x.shape[-1] // 2
+    inv = 1.0 / (theta ** (torch.arange(0, half, device=x.device, dtype=torch.float32) / half))
+    ang = positions.to(torch.float32)[:, None] * inv[None, :]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: TransformerArgs, device=None) -> None:
+        super().__init__()
+        self.a = a
+        hd = a.head_dim
+        self.wq = nn.Linear(a.dim, a.n_heads * hd, bias=False, device=device)
+        self.wk = nn.Linear(a.dim, a.n_kv_heads * hd, bias=False, device=device)
+        self.wv = nn.Linear(a.dim, a.n_kv_heads * hd, bias=False, device=device)
+        self.wo = nn.Linear(a.n_heads * hd, a.dim, bias=False, device=device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        a, t = self.a, x.shape[0]
+        q = rope(self.wq(x).view(t, a.n_heads, a.head_dim), positions, a.rope_theta)
+        k = rope(self.wk(x).view(t, a.n_kv_heads, a.head_dim), positions, a.rope_theta)
+        v = self.wv(x).view(t, a.n_kv_heads, a.head_dim)
+        rep = a.n_heads // a.n_kv_heads
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        # fp32 softmax (Leto A.1): compute attention in fp32 whatever the autocast dtype.
+        q, k, v = (y.transpose(0, 1).float() for y in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(out.transpose(0, 1).reshape(t, -1).type_as(x))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int, device=None) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False, device=device)
+        self.w3 = nn.Linear(dim, hidden, bias=False, device=device)
+        self.w2 = nn.Linear(hidden, dim, bias=False, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts with a Switch-style load-balancing loss.
+
+    Experts run one after another on the tokens routed to them; `index_add_` accumulates in a
+    fixed order so the layer is deterministic.
+    """
+
+    def __init__(self, a: TransformerArgs, device=None) -> None:
+        super().__init__()
+        self.a = a
+        self.router = nn.Linear(a.dim, a.moe_experts, bias=False, device=device)
+        self.experts = nn.ModuleList(
+            SwiGLU(a.dim, a.ffn_dim, device=device) for _ in range(a.moe_experts)
+        )
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.a
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = probs.topk(a.moe_top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).type_as(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, slot = (chosen == e).nonzero(as_tuple=True)
+            if tok.numel():
+                y = expert(x[tok]) * weights[tok, slot, None]
+                out.index_add_(0, tok, y)
+        frac = F.one_hot(chosen, a.moe_experts).float().sum((0, 1)) / chosen.numel()
+        self.aux_loss = a.moe_experts * (frac * probs.mean(0)).sum()
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, a: TransformerArgs, device=None) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(a.dim, a.norm_eps, device=device)
+        self.attn = Attention(a, device=device)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps, device=device)
+        self.ffn = MoE(a, device=device) if a.moe_experts else SwiGLU(a.dim, a.ffn_dim, device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, mask)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM over one packed micro-batch; `forward` returns the mean token loss."""
+
+    def __init__(self, a: TransformerArgs, device=None) -> None:
+        super().__init__()
+        self.args = a
+        self.embed = nn.Embedding(a.vocab_size, a.dim, device=device)
+        self.layers = nn.ModuleList(Block(a, device=device) for _ in range(a.n_layers))
+        self.norm = RMSNorm(a.dim, a.norm_eps, device=device)
+        self.head = nn.Linear(a.dim, a.vocab_size, bias=False, device=device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        segment_ids: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        t = tokens.shape[0]
+        causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+        mask = causal & (segment_ids[:, None] == segment_ids[None, :])
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, positions, mask)
+        logits = self.head(self.norm(x)).float()
+        loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = loss / (targets != IGNORE_INDEX).sum().clamp(min=1)
+        if self.args.moe_experts:
+            aux = sum(layer.ffn.aux_loss for layer in self.layers)
+            loss = loss + self.args.moe_aux_coef * aux / self.args.n_layers
+        return loss
+
+
+def build_model(args: TransformerArgs, device: str | torch.device = "meta") -> Transformer:
+    """Build the reference model; on "meta" it holds no storage until materialized."""
+    return Transformer(args, device=torch.device(device))

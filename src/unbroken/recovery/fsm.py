@@ -1,0 +1,112 @@
+"""Coordinator-side recovery state machine for one run.
+
+    STARTING --all trainers started--> RUNNING --every rank exited 0--> DONE
+    RUNNING --rank exit != 0 / rank hung--> STOPPING (kill the whole generation)
+    STOPPING --agents report stopped--> RESTARTING (start generation+1 with resume)
+    RESTARTING --all started--> RUNNING
+    any --max_restarts exceeded / node lost--> FAILED
+
+Checkpoint-restart is the baseline mode: every rank restarts and reloads the newest complete
+checkpoint, then recomputes. Failures reported for an older generation (the other ranks of a
+generation being torn down) are ignored: one failure, one recovery.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Action", "RecoveryMachine", "RecoveryState"]
+
+
+class RecoveryState(enum.StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    RESTARTING = "restarting"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """What the coordinator must do next: `op` in {start, stop, finish, fail}."""
+
+    op: str
+    generation: int
+    resume: bool = False
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class RecoveryMachine:
+    world_size: int
+    max_restarts: int
+    mode: str = "ckpt_restart"
+    state: RecoveryState = RecoveryState.STARTING
+    generation: int = 0
+    restarts: int = 0
+    finished_ranks: set[int] = field(default_factory=set)
+    transitions: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def _go(self, new: RecoveryState, reason: str) -> None:
+        self.transitions.append((self.state.value, new.value, reason))
+        self.state = new
+
+    def begin(self) -> Action:
+        return Action("start", self.generation, resume=False, reason="job start")
+
+    def on_started(self, generation: int) -> None:
+        if generation == self.generation and self.state in (
+            RecoveryState.STARTING,
+            RecoveryState.RESTARTING,
+        ):
+            self._go(RecoveryState.RUNNING, f"generation {generation} started")
+
+    def on_rank_exit(self, rank: int, generation: int, returncode: int) -> Action | None:
+        if generation != self.generation or self.state not in (
+            RecoveryState.RUNNING,
+            RecoveryState.STARTING,
+            RecoveryState.RESTARTING,
+        ):
+            return None
+        if returncode == 0:
+            self.finished_ranks.add(rank)
+            if len(self.finished_ranks) == self.world_size:
+                self._go(RecoveryState.DONE, "every rank finished")
+                return Action("finish", generation)
+            return None
+        return self._failure(f"rank {rank} exited with status {returncode}")
+
+    def on_rank_hung(self, rank: int, generation: int, silent_s: float) -> Action | None:
+        if generation != self.generation or self.state not in (
+            RecoveryState.RUNNING,
+            RecoveryState.STARTING,
+            RecoveryState.RESTARTING,
+        ):
+            return None
+        return self._failure(f"rank {rank} hung (no heartbeat for {silent_s:.2f}s)")
+
+    def _failure(self, reason: str) -> Action:
+        if self.restarts >= self.max_restarts:
+            self._go(RecoveryState.FAILED, f"{reason}; max_restarts={self.max_restarts} reached")
+            return Action("fail", self.generation, reason=reason)
+        self._go(RecoveryState.STOPPING, reason)
+        return Action("stop", self.generation, reason=reason)
+
+    def on_stopped(self, generation: int) -> Action | None:
+        if self.state is not RecoveryState.STOPPING or generation != self.generation:
+            return None
+        self.restarts += 1
+        self.generation += 1
+        self.finished_ranks.clear()
+        self._go(RecoveryState.RESTARTING, f"{self.mode}: start generation {self.generation}")
+        return Action("start", self.generation, resume=True, reason=self.mode)
+
+    def on_node_lost(self, reason: str) -> Action:
+        self._go(RecoveryState.FAILED, f"node lost: {reason}")
+        return Action("fail", self.generation, reason=reason)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"state": self.state.value, "generation": self.generation, "restarts": self.restarts}

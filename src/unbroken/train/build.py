@@ -1,0 +1,114 @@
+"""Assemble what a trainer runs from a `JobConfig`: model, flat state, data source, loss.
+
+The reference model is built on the meta device and initialized into flat storage
+(`init_parameters`). A user model (`model.factory = "module:function"`) is built by the user's
+factory under a fixed seed, then its initial values are copied into flat storage, so the user
+keeps their init and the run stays deterministic. See docs/own-model.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from unbroken.config import JobConfig
+from unbroken.data import PackedStream, Sampler, load_corpus
+from unbroken.errors import UserError
+from unbroken.model import FlatLayout, build_model, init_parameters, materialize, resolve_args
+from unbroken.model.flat import bind_grads
+from unbroken.train.loop import BatchSource, LossFn, reference_loss
+from unbroken.train.state import TrainState
+
+__all__ = ["Built", "build_training", "import_object", "user_loss"]
+
+
+@dataclass(slots=True)
+class Built:
+    model: nn.Module
+    state: TrainState
+    source: BatchSource
+    loss_fn: LossFn
+
+
+def import_object(path: str, what: str, search: Iterable[str] = ()) -> Any:
+    """Import "module:attr", trying `search` dirs first.
+
+    Raises:
+        UserError: the module or attribute does not exist.
+    """
+    for d in search:
+        if d and d not in sys.path:
+            sys.path.insert(0, d)
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"{what} {path!r}: cannot import module {module_name!r} ({exc})") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise UserError(f"{what} {path!r}: module {module_name!r} has no {attr!r}") from None
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def user_loss(model: nn.Module, mb: Any, device: torch.device) -> torch.Tensor:
+    """Loss of a user model: its forward takes the micro-batch and returns the mean loss."""
+    return model(_to_device(mb, device))
+
+
+def build_training(
+    cfg: JobConfig, *, n_shards: int, device: torch.device, search: Iterable[str] = ()
+) -> Built:
+    """Build the model in flat storage, the state buffers and the data source."""
+    search = list(search)
+    if cfg.model.factory:
+        factory = import_object(cfg.model.factory, "model.factory", search)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.train.seed)
+            model = factory(**cfg.model.factory_args)
+        if not isinstance(model, nn.Module):
+            raise UserError(f"model.factory {cfg.model.factory!r} must return a torch.nn.Module")
+        layout = FlatLayout.of(model)
+        state = TrainState.allocate(layout, device)
+        views = layout.views(state.params)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                views[name].copy_(p.detach())
+        model.to(device)
+        loss_fn: LossFn = user_loss
+    else:
+        model = build_model(resolve_args(cfg.model), device="meta")
+        layout = FlatLayout.of(model)
+        state = TrainState.allocate(layout, device)
+        init_parameters(layout, state.params, std=cfg.train.init_std, seed=cfg.train.seed)
+        loss_fn = reference_loss
+    materialize(model, layout, state.params)
+    bind_grads(model, layout, state.grads)
+    if cfg.data.dataset:
+        cls = import_object(cfg.data.dataset, "data.dataset", search)
+        source = cls(cfg.data, n_shards)
+    else:
+        corpus = load_corpus(
+            cfg.data.corpus, jsonl_field=cfg.data.jsonl_field, max_documents=cfg.data.max_documents
+        )
+        try:
+            stream = PackedStream(corpus, cfg.data.tokens_per_microbatch, cfg.data.seed)
+        except ValueError as exc:
+            raise UserError(f"data: {exc}") from None
+        source = Sampler(stream, n_shards, cfg.data.microbatches)
+    return Built(model=model, state=state, source=source, loss_fn=loss_fn)

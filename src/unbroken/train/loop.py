@@ -1,0 +1,201 @@
+"""One training iteration, phase by phase, on flat state (the iteration contract).
+
+compute (forward/backward per micro-batch, gradients land in the flat gradient buffer) →
+protect (hooks only here; parity of the gradient buffer attaches in in-place recovery) →
+sync (sum gradients over data-parallel replicas in a fixed order, global norm, clip factor) →
+update (AdamW chunk by chunk over the flat buffers) → boundary.
+
+The model state is read-only until the update phase, so a crash before it is handled by
+redoing the iteration with the same inputs (the sampler is pure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from unbroken.config import TrainConfig
+from unbroken.train.optim import AdamW, lr_at
+from unbroken.train.phases import Phase, PhaseHook
+from unbroken.train.state import TrainState
+
+__all__ = ["BatchSource", "IterationResult", "LossFn", "Trainer", "reference_loss"]
+
+
+class BatchSource(Protocol):
+    """Where micro-batches come from: a pure function of (iteration, shard)."""
+
+    def iteration(self, iteration: int, shard: int) -> Sequence[Any]: ...
+
+
+LossFn = Callable[[nn.Module, Any, torch.device], torch.Tensor]
+"""(model, micro-batch, device) -> mean loss of that micro-batch."""
+
+
+def reference_loss(model: nn.Module, mb: Any, device: torch.device) -> torch.Tensor:
+    """Loss of the reference transformer on a packed `MicroBatch`."""
+    args = [
+        t.to(device, non_blocking=True)
+        for t in (mb.tokens, mb.targets, mb.segment_ids, mb.positions)
+    ]
+    return model(*args)
+
+
+_REDUCE_BUCKET = 1 << 25  # elements per all_reduce call
+
+
+@dataclass(frozen=True, slots=True)
+class IterationResult:
+    iteration: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    doc_lengths: tuple[tuple[int, ...], ...]
+    t_start: float
+    t_end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.t_end - self.t_start
+
+
+class Trainer:
+    """Runs iterations of one data-parallel rank over flat state.
+
+    Args:
+        model: a module whose parameters are views of `state.params` (see `materialize`) and
+            whose forward takes a micro-batch's (tokens, targets, segment_ids, positions) and
+            returns the mean loss.
+        state: the flat buffers.
+        source: the deterministic micro-batch source (e.g. `unbroken.data.Sampler`).
+        loss_fn: computes a micro-batch's loss (default: the reference model's).
+        shard: this rank's logical data shard.
+        cfg: optimizer and schedule.
+        group: the data-parallel process group (None for a single process).
+        device: where to compute.
+        autocast_dtype: bf16 on GPU, None for fp32.
+        hooks: called at the start of every phase step.
+        update_chunk: elements per optimizer chunk.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        state: TrainState,
+        source: BatchSource,
+        shard: int,
+        cfg: TrainConfig,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None = None,
+        hooks: Sequence[PhaseHook] = (),
+        update_chunk: int = 1 << 18,
+        loss_fn: LossFn = reference_loss,
+    ) -> None:
+        self.model = model
+        self.state = state
+        self.source = source
+        self.loss_fn = loss_fn
+        self.shard = shard
+        self.cfg = cfg
+        self.group = group
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.hooks = list(hooks)
+        self.optimizer = AdamW.from_config(cfg)
+        self.chunks = self._chunks(state.layout.numel, state.layout.decay_end, update_chunk)
+        self.dp = dist.get_world_size(group) if group is not None else 1
+
+    @staticmethod
+    def _chunks(numel: int, decay_end: int, size: int) -> list[tuple[int, int, bool]]:
+        chunks = []
+        for lo, hi, decay in ((0, decay_end, True), (decay_end, numel, False)):
+            chunks += [(a, min(a + size, hi), decay) for a in range(lo, hi, size)]
+        return chunks
+
+    def _hook(self, phase: Phase, iteration: int, step: int = 0, n_steps: int = 1) -> None:
+        for hook in self.hooks:
+            hook(phase, iteration, step, n_steps)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def compute(self, iteration: int) -> tuple[float, int, tuple[tuple[int, ...], ...]]:
+        """Forward/backward over this shard's micro-batches; gradients into the flat buffer."""
+        self.state.grads.zero_()
+        batches = self.source.iteration(iteration, self.shard)
+        total, tokens = 0.0, 0
+        for m, mb in enumerate(batches):
+            self._hook(Phase.FORWARD, iteration, m, len(batches))
+            with self._autocast():
+                loss = self.loss_fn(self.model, mb, self.device) / len(batches)
+            self._hook(Phase.BACKWARD, iteration, m, len(batches))
+            loss.backward()
+            total += float(loss.detach())
+            tokens += int(getattr(mb, "n_tokens", 0))
+        return total, tokens, tuple(tuple(getattr(mb, "doc_lengths", ())) for mb in batches)
+
+    def sync(self, iteration: int, local_loss: float) -> tuple[float, float, float]:
+        """Average gradients over replicas; returns (loss, grad_norm, clip factor)."""
+        self._hook(Phase.SYNC, iteration)
+        grads = self.state.grads
+        loss_t = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
+        if self.group is not None and self.dp > 1:
+            for a in range(0, grads.numel(), _REDUCE_BUCKET):
+                dist.all_reduce(grads[a : a + _REDUCE_BUCKET], group=self.group)
+            dist.all_reduce(loss_t, group=self.group)
+            grads.div_(self.dp)
+            loss_t.div_(self.dp)
+        norm = float(torch.linalg.vector_norm(grads, dtype=torch.float32))
+        clip = self.cfg.grad_clip
+        scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+        return float(loss_t), norm, scale
+
+    def update(self, iteration: int, lr: float, grad_scale: float) -> None:
+        """AdamW chunk by chunk over the flat state."""
+        s = self.state
+        for c, (a, b, decay) in enumerate(self.chunks):
+            self._hook(Phase.UPDATE, iteration, c, len(self.chunks))
+            self.optimizer.update_range(
+                s.params[a:b],
+                s.grads[a:b],
+                s.exp_avg[a:b],
+                s.exp_avg_sq[a:b],
+                step=iteration + 1,
+                lr=lr,
+                grad_scale=grad_scale,
+                decay=decay,
+            )
+
+    def run_iteration(self, iteration: int) -> IterationResult:
+        t0 = time.time()
+        local_loss, tokens, lengths = self.compute(iteration)
+        self._hook(Phase.PROTECT, iteration)
+        loss, norm, scale = self.sync(iteration, local_loss)
+        lr = lr_at(self.cfg, iteration)
+        with torch.no_grad():
+            self.update(iteration, lr, scale)
+        self._hook(Phase.BOUNDARY, iteration)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return IterationResult(
+            iteration=iteration,
+            loss=loss,
+            grad_norm=norm,
+            lr=lr,
+            tokens=tokens * self.dp,
+            doc_lengths=lengths,
+            t_start=t0,
+            t_end=time.time(),
+        )

@@ -1,0 +1,43 @@
+"""Flat training state: parameters, gradients and AdamW moments in caller-provided buffers.
+
+By default the buffers are ordinary tensors; the state manager (in-place recovery) passes its
+retained memory instead. See [Note: flat-storage] in unbroken.model.flat.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from unbroken.model.flat import FlatLayout
+
+__all__ = ["TrainState"]
+
+
+@dataclass(slots=True)
+class TrainState:
+    layout: FlatLayout
+    params: torch.Tensor
+    grads: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+    @classmethod
+    def allocate(cls, layout: FlatLayout, device: torch.device | str = "cpu") -> TrainState:
+        def buf() -> torch.Tensor:
+            return torch.zeros(layout.numel, dtype=torch.float32, device=device)
+
+        return cls(layout, buf(), buf(), buf(), buf())
+
+    def persistent(self) -> dict[str, torch.Tensor]:
+        """The tensors that define the model state across iterations (not the gradients)."""
+        return {"params": self.params, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def state_hash(self) -> str:
+        """sha256 over the bytes of parameters and moments, in a fixed order (hex, 16 chars)."""
+        h = hashlib.sha256()
+        for t in self.persistent().values():
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().data)
+        return h.hexdigest()[:16]
