@@ -9,7 +9,9 @@ over pages given as device-resident pointer tables, so pages may be scattered in
   sums are reduced mod 2 (``& 1``). Any length and alignment.
 - `gf_matmul_xor` works on 32-bit words with CUDA cores: for each data bit s it forms a byte
   mask and XORs in ``mask & (coef·2^s)`` per row (one LOP3 per row and bit). Needs 4-byte
-  aligned pages, offsets and lengths.
+  aligned pages, offsets and lengths. Small pages give too few word blocks to fill the GPU, so
+  the columns are then split over a second grid axis and partial results combined with
+  ``atomic_xor`` (XOR is associative, so the result is exact in any order).
 
 Hand-written because no GPU library offers GF(2^8) Reed–Solomon over scattered pages; a torch
 table-gather version reached only 3.4 GB/s on an H200 (PLATFORM-FACTS).
@@ -59,7 +61,7 @@ def gf_matmul_tc(
         bits = tl.reshape(bits, [KJ * 8, BLOCK_N])
         kk = c0 * 8 + tl.arange(0, KJ * 8)
         a = tl.load(bits_ptr + bit_rows[:, None] * bits_pitch + kk[None, :])
-        acc = tl.dot(a, bits, acc)
+        acc = tl.dot(a, bits, acc, out_dtype=tl.int32)
     acc = acc & 1
     out = tl.sum(
         tl.reshape(acc, [ROWS_P2, 8, BLOCK_N]) << shifts.to(tl.int32)[None, :, None], axis=1
@@ -85,17 +87,21 @@ def gf_matmul_xor(
     dst_word_offset,
     cols,
     rows_used,
+    cols_per_split,
     ROWS_P2: tl.constexpr,
     BLOCK_W: tl.constexpr,
     FUSED: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     w_idx = pid * BLOCK_W + tl.arange(0, BLOCK_W)
     wmask = w_idx < words
     rows = tl.arange(0, ROWS_P2)
     acc = tl.zeros([ROWS_P2, BLOCK_W], dtype=tl.int32)
-    for c in range(cols):
+    c_start = tl.program_id(1) * cols_per_split
+    c_stop = tl.minimum(c_start + cols_per_split, cols)
+    for c in range(c_start, c_stop):
         base = tl.load(src_ptrs + c).to(tl.pointer_type(tl.int32))
         w = tl.load(base + w_idx, mask=wmask, other=0)
         if FUSED:
@@ -109,6 +115,9 @@ def gf_matmul_xor(
     dbase = tl.load(dst_ptrs + rows, mask=rmask, other=0).to(tl.pointer_type(tl.int32))
     dptr = dbase[:, None] + dst_word_offset + w_idx[None, :]
     smask = rmask[:, None] & wmask[None, :]
-    if ACCUMULATE:
-        acc = acc ^ tl.load(dptr, mask=smask, other=0)
-    tl.store(dptr, acc, mask=smask)
+    if SPLIT:  # several programs own disjoint columns of the same words: combine atomically
+        tl.atomic_xor(dptr, acc, mask=smask)
+    else:
+        if ACCUMULATE:
+            acc = acc ^ tl.load(dptr, mask=smask, other=0)
+        tl.store(dptr, acc, mask=smask)

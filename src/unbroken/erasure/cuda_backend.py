@@ -27,6 +27,8 @@ DEFAULT_TUNING = {
     "tc_warps": 4,
     "xor_block": 512,  # 32-bit words per program
     "xor_warps": 4,
+    "xor_fill": 1024,  # split columns until about this many programs run
+    "xor_min_cols": 16,  # but give each split at least this many columns
 }
 """Launch parameters, chosen by `python -m unbroken.erasure._cuda_tuning` on an H200."""
 _CACHE_LIMIT = 64
@@ -221,8 +223,33 @@ class TritonCodec(Codec):
             table = self._operand("xor", block, rows_p2)
             words = length // 4
             block_w = t["xor_block"]
-            grid = (triton.cdiv(words, block_w),)
-            kernels.gf_matmul_xor[grid](
+            blocks = triton.cdiv(words, block_w)
+            # Split the columns when the word blocks alone cannot fill the machine.
+            splits = max(1, min(t["xor_fill"] // blocks, cols // t["xor_min_cols"]))
+            per_split = triton.cdiv(cols, splits)
+            splits = triton.cdiv(cols, per_split)
+            common = {
+                "ROWS_P2": rows_p2,
+                "BLOCK_W": block_w,
+                "FUSED": fused,
+                "num_warps": t["xor_warps"],
+            }
+            if splits > 1 and not accumulate:  # zero the range first (a launch with no columns)
+                kernels.gf_matmul_xor[(blocks, 1)](
+                    src,
+                    src2,
+                    dst,
+                    table,
+                    words,
+                    dest_offset // 4,
+                    0,
+                    rows,
+                    1,
+                    ACCUMULATE=False,
+                    SPLIT=False,
+                    **common,
+                )
+            kernels.gf_matmul_xor[(blocks, splits)](
                 src,
                 src2,
                 dst,
@@ -231,9 +258,8 @@ class TritonCodec(Codec):
                 dest_offset // 4,
                 cols,
                 rows,
-                ROWS_P2=rows_p2,
-                BLOCK_W=block_w,
-                FUSED=fused,
+                per_split,
                 ACCUMULATE=accumulate,
-                num_warps=t["xor_warps"],
+                SPLIT=splits > 1,
+                **common,
             )
