@@ -31,9 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run the sweep; returns a process exit status."""
     import torch
 
-    from unbroken.erasure import PageTable, get_codec
-    from unbroken.erasure.cuda_backend import TritonCodec
-
     args = argv if argv is not None else sys.argv[1:]
     d, h = 240, 16
     blocks = [int(a) for a in args] or [1 << 16, 1 << 20]
@@ -47,34 +44,41 @@ def main(argv: list[str] | None = None) -> int:
     ]
     rng = np.random.default_rng(0)
     for block in blocks:
-        host = rng.integers(0, 256, (d, block), dtype=np.uint8)
-        host_new = rng.integers(0, 256, (d, block), dtype=np.uint8)
-        ref = np.zeros((h, block), np.uint8)
-        get_codec(d, h).encode(PageTable.from_rows(host), PageTable.from_rows(ref))
-        old = torch.from_numpy(host).cuda()
-        new = torch.from_numpy(host_new).cuda()
-        parity = torch.zeros((h, block), dtype=torch.uint8, device="cuda")
-        old_t, new_t, par_t = (PageTable.from_rows(x) for x in (old, new, parity))
-        pages = PageTable.concat([old_t, par_t])
-        for kernel, tuning in variants:
-            row = {"kernel": kernel, **tuning, "block_bytes": block}
-            try:
-                codec = TritonCodec(d, h, kernel=kernel, tuning=tuning)
-                old.copy_(torch.from_numpy(host))
-                codec.encode(old_t, par_t)
-                row["exact"] = bool((parity.cpu().numpy() == ref).all())
-                enc = _time_ms(torch, lambda c=codec: c.encode(old_t, par_t))
-                upd = _time_ms(torch, lambda c=codec: c.update_from_old_new(par_t, old_t, new_t))
-                rec = _time_ms(torch, lambda c=codec: c.reconstruct(pages, list(range(h))))
-                row |= {
-                    "encode_gbps": d * block / enc / 1e6,
-                    "update_gbps": d * block / upd / 1e6,
-                    "reconstruct_ms": rec,
-                }
-            except Exception as exc:  # a variant that fails to compile is reported, not fatal
-                row["error"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
-            print(json.dumps(row), flush=True)
+        _sweep(torch, d, h, block, variants, rng)
     return 0
+
+
+def _sweep(torch, d: int, h: int, block: int, variants, rng) -> None:
+    from unbroken.erasure import PageTable, get_codec
+    from unbroken.erasure.cuda_backend import TritonCodec
+
+    host = rng.integers(0, 256, (d, block), dtype=np.uint8)
+    host_new = rng.integers(0, 256, (d, block), dtype=np.uint8)
+    ref = np.zeros((h, block), np.uint8)
+    get_codec(d, h).encode(PageTable.from_rows(host), PageTable.from_rows(ref))
+    old = torch.from_numpy(host).cuda()
+    new = torch.from_numpy(host_new).cuda()
+    parity = torch.zeros((h, block), dtype=torch.uint8, device="cuda")
+    old_t, new_t, par_t = (PageTable.from_rows(x) for x in (old, new, parity))
+    pages = PageTable.concat([old_t, par_t])
+    for kernel, tuning in variants:
+        row = {"kernel": kernel, **tuning, "block_bytes": block}
+        try:
+            codec = TritonCodec(d, h, kernel=kernel, tuning=tuning)
+            old.copy_(torch.from_numpy(host))
+            codec.encode(old_t, par_t)
+            row["exact"] = bool((parity.cpu().numpy() == ref).all())
+            enc = _time_ms(torch, lambda c=codec: c.encode(old_t, par_t))
+            upd = _time_ms(torch, lambda c=codec: c.update_from_old_new(par_t, old_t, new_t))
+            rec = _time_ms(torch, lambda c=codec: c.reconstruct(pages, list(range(h))))
+            row |= {
+                "encode_gbps": d * block / enc / 1e6,
+                "update_gbps": d * block / upd / 1e6,
+                "reconstruct_ms": rec,
+            }
+        except Exception as exc:  # a variant that fails to compile is reported, not fatal
+            row["error"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
