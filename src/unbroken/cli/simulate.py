@@ -114,6 +114,11 @@ def _validate(args: argparse.Namespace) -> int:
             f"{r.measured_ettr * 100:>12.2f}{r.predicted_ettr * 100:>13.2f}"
             f"{r.error_points:>+11.2f}{r.closed_form_ettr * 100:>10.2f}"
         )
+        print(
+            f"    inputs: T_iter {r.t_iter_s:.3f}s (reference), steady overhead "
+            f"{r.omega * 100:+.1f}%, checkpoint {r.ckpt_s:.3f}s every {r.ckpt_interval} it; "
+            f"elapsed measured {r.measured_wall_s:.1f}s, predicted {r.predicted_wall_s:.1f}s"
+        )
         for f in r.failures:
             print(
                 f"    failure at it {f['iteration']} ({f['phase']}, {f['fraction']:.2f} in): "

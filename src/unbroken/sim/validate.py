@@ -12,6 +12,7 @@ elapsed time, hence its ETTR. The measured ETTR is never an input.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -115,31 +116,42 @@ def validate_run(run_dir: str | Path) -> Validation:
     runs = {m.get("run") for m in metrics} - {"reference"}
     if not ref or not runs:
         raise UserError(f"{root}: needs both a reference run and a run with failures")
+    notes: list[str] = []
+    generations = sorted({m.get("generation", 0) for m in ref})
+    if len(generations) > 1:
+        # A fault-free reference that restarted (e.g. a spurious hang detection) is not a
+        # reference; its last generation ran every iteration without interruption.
+        ref = [m for m in ref if m.get("generation", 0) == generations[-1]]
+        notes.append(
+            f"the reference run restarted {len(generations) - 1} times; using its last generation"
+        )
     name = "faulty" if "faulty" in runs else sorted(runs)[0]
     flt = [m for m in metrics if m.get("run") == name]
     f_events = [e for e in events if e.get("run") == name]
-    notes: list[str] = []
 
-    last = min(max(_completed(flt)), max(_completed(ref)))
+    last = min(max(_completed(flt)), max(_completed(ref)))  # 0-based index
     iterations = last + 1
     ref_wall = _wall(ref, last)
     flt_wall = _wall(flt, last)
     measured = ref_wall / flt_wall
     t_iter = ref_wall / iterations
 
-    # Steady overhead: healthy (non-checkpoint, first-attempt) iterations, faulty vs reference.
-    seen: set[int] = set()
-    first_attempts = []
-    for m in flt:
-        if m["iter"] not in seen:
-            seen.add(m["iter"])
-            first_attempts.append(m)
-    healthy_f = [m["iter_s"] for m in first_attempts if not m.get("ckpt_s")]
-    healthy_r = [m["iter_s"] for m in ref]
-    omega = statistics.median(healthy_f) / statistics.median(healthy_r) - 1.0
-
+    # Steady iteration and checkpoint cost of the faulty run, from wall-clock spacing: the
+    # start-to-start time of consecutive iterations in one generation (gaps included). An
+    # iteration that saved a checkpoint costs a + c; the others a.
+    plain, saving = [], []
+    ordered = sorted(flt, key=lambda m: m["t_start"])
+    fault_times = [e["t"] for e in f_events if e["kind"] == "failure_injected"]
+    for m, n in itertools.pairwise(ordered):
+        clean = not any(m["t_start"] <= t <= n["t_start"] for t in fault_times)
+        if clean and n["iter"] == m["iter"] + 1 and n.get("generation") == m.get("generation"):
+            (saving if m.get("ckpt_s") else plain).append(n["t_start"] - m["t_start"])
+    if not plain:
+        raise UserError(f"{root}: too few iterations to measure the iteration time")
+    a = statistics.fmean(plain)
+    omega = a / t_iter - 1.0
     saves = [e for e in f_events if e["kind"] == "checkpoint_saved" and e.get("iter", 0) > 0]
-    ckpt_s = statistics.median(e["seconds"] for e in saves) if saves else 0.0
+    ckpt_s = max(0.0, statistics.fmean(saving) - a) if saving else 0.0
     interval_ev = [e for e in f_events if e["kind"] == "checkpoint_interval"]
     summary_path = root / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
