@@ -125,3 +125,18 @@ def test_overlap_is_reported_where_the_closed_form_breaks():
     res = simulate(terms, mix, horizon_s=500 * 600.0, replications=2, seed=1)
     assert res.overlapping > 0
     assert any("assumption 2" in w for w in cf.warnings)
+
+
+def test_fail_slow_costs_the_degraded_window_then_a_fatal_recovery():
+    # Fail-slow at t=73: 60 s at half speed, evicted at 133 like a fatal failure. Its progress
+    # at 133 is what a healthy run has at 103; compared with a fatal failure at 103 the run
+    # is 30 s (three iterations) behind.
+    slow = simulate_once(_terms(), trace=[Failure(73.0, "fail-slow")], horizon_s=1000.0,
+                         slow=(60.0, 2.0))  # fmt: skip
+    assert slow.failures == {"hof": 0, "fatal": 0, "fail-slow": 1}
+    fatal = simulate_once(_terms(), trace=[Failure(133.0 - 30.0, "fatal")], horizon_s=1000.0)
+    assert fatal.iterations - slow.iterations == 3
+    mix = FailureMix(mttf_s=6 * 3600.0, hof_ratio=0.3, fail_slow_ratio=0.3)
+    terms = policy_terms("inplace", STEPS, mix)
+    res = simulate(terms, mix, horizon_s=400 * mix.mttf_s, replications=4, seed=5)
+    assert abs(res.ettr - closed_form(terms, mix).ettr) < 0.01

@@ -49,7 +49,9 @@ class Failure:
     """One failure: when (seconds since the run's first iteration started) and which kind."""
 
     t_s: float
+    """Seconds since the first iteration started."""
     kind: str
+    """hof, fatal or fail-slow."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -78,12 +80,19 @@ class RunStats:
     """What one replication measured."""
 
     ettr: float
+    """Progress * T_iter / elapsed ([Note: ETTR measurement])."""
     iterations: int
+    """Progress (committed iterations) at the end."""
     wall_s: float
+    """Elapsed simulated time."""
     failures: dict[str, int]
+    """Failures by kind."""
     overlapping: int
+    """Failures that arrived during another recovery."""
     lost_iters: float
+    """Mean lost work per crash, iterations (completed ones rolled back + the in-flight part)."""
     recovering_s: float
+    """Time spent in detection + initialization."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,6 +105,7 @@ class DesResult:
     """95% confidence interval of the mean (Student t over replications); None for a single
     deterministic (trace) run."""
     replications: int
+    """Independent runs."""
     failures: dict[str, int]
     """Failures by kind, summed over replications."""
     overlapping: int
@@ -105,6 +115,7 @@ class DesResult:
     wall_s: float
     """Simulated elapsed time, summed over replications."""
     runs: list[RunStats] = field(default_factory=list)
+    """Each replication's measurements."""
 
 
 class _Schedule:
@@ -232,7 +243,14 @@ class _Replay:
         return t + self.slow_detect_s
 
     def handle(self, t: float, kind: str) -> float | None:
-        """Apply a failure at t. Returns a follow-up eviction time for fail-slow, else None."""
+        """Apply a failure at t (kind "evict" is a fail-slow's eviction, not a new failure).
+
+        Returns:
+            For fail-slow, when its eviction is due; else None.
+        """
+        if kind == "evict":
+            self._crash(t, "fail-slow")
+            return None
         self.failures[kind] += 1
         if kind == "fail-slow":
             return self.fail_slow(t)
@@ -318,8 +336,7 @@ def simulate_once(
         follow = replay.handle(t, kind)
         if follow is not None:
             seq += 1
-            heapq.heappush(pending, (follow, seq, "fatal"))
-            replay.failures["fatal"] -= 1  # the eviction is part of the fail-slow failure
+            heapq.heappush(pending, (follow, seq, "evict"))
         if progress is not None and time.monotonic() - last_report > 1.0:
             last_report = time.monotonic()
             total = horizon_s if horizon_s is not None else math.inf

@@ -113,9 +113,13 @@ class Workload:
     """A resolved workload: its label, size and step costs."""
 
     label: str
+    """Printed in the `model` column."""
     gpus: int
+    """GPUs in the job."""
     hardware: str
+    """Hardware name ("profile" for a measured profile)."""
     steps: StepCosts
+    """What the policies combine: T_iter, T_ckpt, loads, RMU time."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -123,12 +127,19 @@ class Scenario:
     """Everything one `unbroken simulate` invocation evaluates."""
 
     name: str
+    """Scenario name (chart file name and JSON `scenario`)."""
     workloads: list[Workload]
+    """The resolved workloads."""
     sweep: SweepConfig
+    """MTTFs and HOF ratios."""
     recovery: RecoveryConfig
+    """Recovery step costs."""
     sim: DesConfig
+    """Policies and discrete-event settings."""
     trace: list[Failure] | None = None
+    """A failure trace to replay instead of Poisson arrivals."""
     notes: list[str] = field(default_factory=list)
+    """Free-form notes for the report."""
 
 
 def workload_steps(
