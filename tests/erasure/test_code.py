@@ -109,3 +109,55 @@ def test_page_table_slices_and_takes_without_copies():
     views = part.numpy_views()
     views[0][:] = 7
     assert (pages[2, 8:24] == 7).all()
+
+
+def _cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return torch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["xor", "tc"])
+@pytest.mark.parametrize("length", [4096, 65536 + 36, 1 << 20])
+def test_gpu_parity_is_byte_identical_to_cpu(kernel, length):
+    torch = _cuda()
+    from unbroken.erasure.cuda_backend import TritonCodec
+
+    if kernel == "xor" and length % 4:
+        pytest.skip("the xor kernel needs 4-byte multiples")
+    rng = np.random.default_rng(length)
+    host = rng.integers(0, 256, (240, length), dtype=np.uint8)
+    cpu_parity = np.zeros((16, length), np.uint8)
+    get_codec(240, 16).encode(PageTable.from_rows(host), PageTable.from_rows(cpu_parity))
+    data = torch.from_numpy(host).cuda()
+    parity = torch.zeros((16, length), dtype=torch.uint8, device="cuda")
+    gpu = TritonCodec(240, 16, kernel=kernel)
+    gpu.encode(PageTable.from_rows(data), PageTable.from_rows(parity))
+    np.testing.assert_array_equal(parity.cpu().numpy(), cpu_parity)
+    # the fused update and a 16-page rebuild on the GPU land on the same bytes too
+    new = rng.integers(0, 256, (240, length), dtype=np.uint8)
+    gpu.update_from_old_new(
+        PageTable.from_rows(parity),
+        PageTable.from_rows(data),
+        PageTable.from_rows(torch.from_numpy(new).cuda()),
+    )
+    data.copy_(torch.from_numpy(new))
+    cpu_new = np.zeros((16, length), np.uint8)
+    get_codec(240, 16).encode(PageTable.from_rows(new), PageTable.from_rows(cpu_new))
+    np.testing.assert_array_equal(parity.cpu().numpy(), cpu_new)
+    everything = torch.cat([data, parity])
+    lost = sorted(rng.choice(256, 16, replace=False).tolist())
+    everything[lost] = 0
+    gpu.reconstruct(PageTable.from_rows(everything), lost)
+    np.testing.assert_array_equal(everything.cpu().numpy(), np.concatenate([new, cpu_new]))
+
+
+def test_without_a_compiler_the_native_backend_says_why(monkeypatch):
+    from unbroken.erasure import native_backend
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(native_backend.shutil, "which", lambda name: None)
+    with pytest.raises(native_backend.NativeUnavailableError, match="no C compiler"):
+        native_backend._compiler()

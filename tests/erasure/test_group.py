@@ -125,3 +125,43 @@ def test_default_geometry_is_the_documented_one():
     )
     assert g.group_bytes == 480 << 20
     assert list(g.second_tier) == [256]
+
+
+@pytest.mark.gpu
+def test_group_on_cuda_tensors_matches_the_cpu_group():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    group_cpu, truth, _ = make_group(d=40, h1=8, h2=2, seed=11)
+    geometry = group_cpu.geometry
+    pages = torch.from_numpy(truth.copy()).cuda()
+    pages[40:] = 0
+    group = ProtectionGroup(
+        geometry,
+        PageTable.from_rows(pages[:40]),
+        PageTable.from_rows(pages[40:48]),
+        PageTable.from_rows(pages[48:]),
+        name="gpu-group",
+    )
+    assert group.first_tier_codec.backend == "triton"
+    group.encode()
+    np.testing.assert_array_equal(pages.cpu().numpy(), truth)
+    lost = [0, 5, 9, 17, 23, 31, 39, 40]  # 7 data pages and one tier-1 page (from tier 2)
+    pages[lost] = 0
+    group.reconstruct(lost)
+    np.testing.assert_array_equal(pages.cpu().numpy(), truth)
+
+
+def test_auto_falls_back_when_the_native_kernel_is_unavailable(monkeypatch):
+    from unbroken.erasure import backends
+
+    real = backends._build
+
+    def no_native(backend, *args):
+        if backend == "native":
+            raise backends.BackendUnavailableError("no compiler here")
+        return real(backend, *args)
+
+    monkeypatch.setattr(backends, "_build", no_native)
+    assert backends.get_codec(4, 2).backend in ("isal", "numpy")
+    assert "no compiler here" in backends.available_backends()["native"]

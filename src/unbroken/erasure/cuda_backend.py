@@ -27,7 +27,7 @@ DEFAULT_TUNING = {
     "tc_warps": 4,
     "xor_block": 512,  # 32-bit words per program
     "xor_warps": 4,
-    "xor_fill": 1024,  # split columns until about this many programs run
+    "xor_fill": 512,  # split columns until about this many programs run
     "xor_min_cols": 16,  # but give each split at least this many columns
 }
 """Launch parameters, chosen by `python -m unbroken.erasure._cuda_tuning` on an H200."""

@@ -22,7 +22,7 @@ from unbroken.erasure.codec import Codec
 __all__ = ["IsalCodec", "IsalUnavailableError", "load_isal"]
 
 SLICE = 16384
-"""Bytes per page processed per ec_encode_data call (measured best of 4 KiB..1 MiB)."""
+"""Default bytes per page per ec_encode_data call (the benchmark calibrates its own)."""
 
 
 class IsalUnavailableError(RuntimeError):
@@ -67,12 +67,24 @@ def load_isal() -> ctypes.CDLL:
 
 
 class IsalCodec(Codec):
-    """CPU codec on Intel ISA-L's ``ec_encode_data`` with the same Cauchy matrix."""
+    """CPU codec on Intel ISA-L's ``ec_encode_data`` with the same Cauchy matrix.
+
+    Args:
+        data_pages: k.
+        parity_pages: m.
+        name: how error messages name this code.
+        slice_bytes: bytes of each page per ISA-L call (work is sliced to stay in cache).
+    """
 
     backend = "isal"
 
-    def __init__(self, data_pages: int, parity_pages: int, *, name: str = "code") -> None:
+    def __init__(
+        self, data_pages: int, parity_pages: int, *, name: str = "code", slice_bytes: int = SLICE
+    ) -> None:
         super().__init__(data_pages, parity_pages, name=name)
+        if slice_bytes < 1:
+            raise ValueError(f"slice_bytes must be positive, got {slice_bytes}")
+        self.slice_bytes = slice_bytes
         self._lib = load_isal()
         self._tables: dict[bytes, np.ndarray] = {}
 
@@ -106,7 +118,7 @@ class IsalCodec(Codec):
     ) -> None:
         rows, cols = coefficients.shape
         tables = self._gf_tables(coefficients)
-        slice_bytes = min(SLICE, length)
+        slice_bytes = min(self.slice_bytes, length)
         fused = xor_sources is not None
         delta = np.empty((cols, slice_bytes), dtype=np.uint8) if fused else None
         scratch = np.empty((rows, slice_bytes), dtype=np.uint8) if accumulate else None
