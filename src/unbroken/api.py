@@ -110,6 +110,10 @@ def _check_user_objects(cfg: JobConfig, search: list[str]) -> None:
 
     if cfg.model.factory:
         import_object(cfg.model.factory, "model.factory", search)
+    else:
+        from unbroken.model import resolve_args
+
+        resolve_args(cfg.model)
     if cfg.data.dataset:
         import_object(cfg.data.dataset, "data.dataset", search)
     if not cfg.data.dataset and cfg.data.corpus != "stdlib":

@@ -18,7 +18,6 @@ SUBCOMMANDS = (
     "unbroken.cli.train",
     "unbroken.cli.simulate",
     "unbroken.cli.bench",
-    "unbroken.cli.report",
 )
 
 

@@ -1,0 +1,40 @@
+"""Shared helpers for foundation tests: a tiny job that runs real processes quickly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from unbroken.config import (
+    CheckpointConfig,
+    DataConfig,
+    JobConfig,
+    ModelConfig,
+    ParallelConfig,
+    RecoveryConfig,
+    TrainConfig,
+)
+
+
+def tiny_job(
+    *, world_size: int = 2, iterations: int = 10, inject=(), interval: int = 3
+) -> JobConfig:
+    return JobConfig(
+        model=ModelConfig(preset="tiny"),
+        data=DataConfig(tokens_per_microbatch=64, microbatches=2, max_documents=200),
+        train=TrainConfig(iterations=iterations, lr=1e-3),
+        parallel=ParallelConfig(world_size=world_size),
+        checkpoint=CheckpointConfig(interval=interval),
+        recovery=RecoveryConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5),
+        inject=list(inject),
+    )
+
+
+@pytest.fixture
+def job_factory():
+    return tiny_job
+
+
+def with_faults(cfg: JobConfig, faults: list[str]) -> JobConfig:
+    return dataclasses.replace(cfg, inject=faults)
