@@ -32,18 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     args = argv if argv is not None else sys.argv[1:]
-    d, h = 240, 16
-    blocks = [int(a) for a in args] or [1 << 16, 1 << 20]
+    h = 16
+    shapes = [(240, int(a)) for a in args] or [(240, 1 << 16), (240, 1 << 20), (32, 1 << 16)]
     variants = [
-        ("xor", {"xor_block": b, "xor_warps": w})
-        for b, w in itertools.product((256, 512, 1024), (4, 8))
+        ("xor", {"xor_fill": f, "xor_min_cols": c, "xor_min_block": mb})
+        for f, c, mb in itertools.product((512, 1024), (8, 16), (128, 512))
     ]
-    variants += [("xor", {"xor_fill": f}) for f in (0, 512, 2048, 4096)]
-    variants += [
-        ("tc", {"tc_block": b, "tc_kj": kj}) for b, kj in ((128, 16), (256, 16), (256, 32))
-    ]
+    variants += [("xor", {"xor_block": 1024}), ("tc", {"tc_block": 128, "tc_kj": 16})]
     rng = np.random.default_rng(0)
-    for block in blocks:
+    for d, block in shapes:
         _sweep(torch, d, h, block, variants, rng)
     return 0
 
@@ -62,7 +59,7 @@ def _sweep(torch, d: int, h: int, block: int, variants, rng) -> None:
     old_t, new_t, par_t = (PageTable.from_rows(x) for x in (old, new, parity))
     pages = PageTable.concat([old_t, par_t])
     for kernel, tuning in variants:
-        row = {"kernel": kernel, **tuning, "block_bytes": block}
+        row = {"kernel": kernel, **tuning, "data_pages": d, "block_bytes": block}
         try:
             codec = TritonCodec(d, h, kernel=kernel, tuning=tuning)
             old.copy_(torch.from_numpy(host))

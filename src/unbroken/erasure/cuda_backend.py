@@ -27,8 +27,9 @@ DEFAULT_TUNING = {
     "tc_warps": 4,
     "xor_block": 512,  # 32-bit words per program
     "xor_warps": 4,
-    "xor_fill": 512,  # split columns until about this many programs run
-    "xor_min_cols": 16,  # but give each split at least this many columns
+    "xor_min_block": 128,  # smallest word block for small pages
+    "xor_fill": 512,  # shrink blocks / split columns until about this many programs run
+    "xor_min_cols": 8,  # but give each split at least this many columns
 }
 """Launch parameters, chosen by `python -m unbroken.erasure._cuda_tuning` on an H200."""
 _CACHE_LIMIT = 64
@@ -176,7 +177,7 @@ class TritonCodec(Codec):
         with self._torch.cuda.device(self._device):
             for r0 in range(0, rows, 16):
                 block = np.ascontiguousarray(coefficients[r0 : r0 + 16])
-                dst_table = dests.take(range(r0, r0 + block.shape[0]))
+                dst_table = dests if rows <= 16 else dests.take(range(r0, r0 + block.shape[0]))
                 self._launch(
                     kernels,
                     kernel,
@@ -222,9 +223,12 @@ class TritonCodec(Codec):
             rows_p2 = _pow2_at_least(rows, 1)
             table = self._operand("xor", block, rows_p2)
             words = length // 4
+            # Small pages: shrink the word block, then split the columns, until the grid can
+            # fill the machine (about `xor_fill` programs).
             block_w = t["xor_block"]
+            while block_w > t["xor_min_block"] and triton.cdiv(words, block_w) < t["xor_fill"] // 2:
+                block_w //= 2
             blocks = triton.cdiv(words, block_w)
-            # Split the columns when the word blocks alone cannot fill the machine.
             splits = max(1, min(t["xor_fill"] // blocks, cols // t["xor_min_cols"]))
             per_split = triton.cdiv(cols, splits)
             splits = triton.cdiv(cols, per_split)
