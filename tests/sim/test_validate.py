@@ -1,7 +1,8 @@
 """`--validate`: predicted vs measured ETTR of run dirs in the runtime's output format.
 
-The fixture dirs are hand-made (tests/sim/fixtures/make_fixtures.py); real runs are recorded in
-bench/results/sim-validate.md.
+Fixture dirs: `run-*` are hand-made (tests/sim/fixtures/make_fixtures.py); `real-run-*` are the
+logs of real `unbroken train` runs on the 4-rank CPU demo job (commands and results in
+bench/results/sim-validate.md).
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ def test_prediction_within_3_points(run_dir):
 def test_two_fixtures_with_different_schedules():
     modes = {tuple(f["mode"] for f in validate_run(r).failures) for r in RUNS}
     assert len(RUNS) >= 2 and len(modes) >= 2
+
+
+def test_at_least_two_real_runs_with_different_failure_schedules():
+    real = [r for r in RUNS if r.name.startswith("real-run-")]
+    schedules = {
+        tuple((f["iteration"], f["phase"]) for f in validate_run(r).failures) for r in real
+    }
+    assert len(real) >= 2 and len(schedules) == len(real)
 
 
 def test_cli_validate_prints_predicted_and_measured(capsys):
