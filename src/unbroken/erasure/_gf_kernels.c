@@ -89,8 +89,8 @@ static void apply_scalar(int rows, int cols, const uint8_t *coef, const uint8_t 
 #ifndef UB_STAGE_AHEAD
 #define UB_STAGE_AHEAD 4
 #endif
-#ifndef UB_STAGE_MIN_COLS
-#define UB_STAGE_MIN_COLS 16
+#ifndef UB_STAGE_MIN_STREAMS
+#define UB_STAGE_MIN_STREAMS 40 /* below this many source streams, prefetching alone keeps up */
 #endif
 #define GFNI_TARGET __attribute__((target("avx512f,avx512bw,gfni")))
 
@@ -202,7 +202,8 @@ GFNI_TARGET static void gfni_stage(int cols, const uint8_t *const *src, const ui
 static int apply_gfni(int rows, int cols, const uint64_t *aff, const uint8_t *const *src,
                       const uint8_t *const *src2, uint8_t *const *dst, size_t len, size_t off,
                       int accumulate) {
-    if (cols < UB_STAGE_MIN_COLS || len < UB_STAGE_SLICE) {
+    const int streams = src2 ? 2 * cols : cols;
+    if (streams < UB_STAGE_MIN_STREAMS || len < UB_STAGE_SLICE) {
         for (int r0 = 0; r0 < rows; r0 += 16) {
             int R = rows - r0 < 16 ? rows - r0 : 16;
             gfni_block(R, cols, aff + r0, (size_t)rows, src, src2, 0, 0, dst + r0, len, off,

@@ -29,7 +29,7 @@ DEFAULT_TUNING = {
     "xor_warps": 4,
     "xor_min_block": 128,  # smallest word block for small pages
     "xor_fill": 512,  # shrink blocks / split columns until about this many programs run
-    "xor_min_cols": 8,  # but give each split at least this many columns
+    "xor_min_cols": 16,  # but give each split at least this many columns
 }
 """Launch parameters, chosen by `python -m unbroken.erasure._cuda_tuning` on an H200."""
 _CACHE_LIMIT = 64
