@@ -122,7 +122,9 @@ def _validate(args: argparse.Namespace) -> int:
         for f in r.failures:
             print(
                 f"    failure at it {f['iteration']} ({f['phase']}, {f['fraction']:.2f} in): "
-                f"{f['mode']} -> modelled as {f['kind']}, init {f['init_s']:.2f}s"
+                f"{f['mode']} -> modelled as {f['kind']}, init {f['init_s']:.2f}s; "
+                f"recompute predicted {f.get('predicted_recompute_s', 0.0):.2f}s, "
+                f"measured {f['recompute_s'] if f['recompute_s'] is not None else float('nan'):.2f}s"
             )
         for note in r.notes:
             print(f"    note: {note}")

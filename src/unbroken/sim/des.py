@@ -93,6 +93,8 @@ class RunStats:
     """Mean lost work per crash, iterations (completed ones rolled back + the in-flight part)."""
     recovering_s: float
     """Time spent in detection + initialization."""
+    lost_each: list[float] = field(default_factory=list)
+    """Lost work of each crash in order, iterations."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -173,6 +175,7 @@ class _Replay:
         self.failures = dict.fromkeys(KINDS, 0)
         self.overlapping = 0
         self.lost = 0.0
+        self.lost_each: list[float] = []
         self.crashes = 0
         self.recovering = 0.0
 
@@ -204,7 +207,9 @@ class _Replay:
             due = bool(self.interval) and j > 0 and j % self.interval == 0
             first = due and j > self.last_usable
         in_flight = 0.0 if recovering else (t - (s.end(j + 1) - self.a)) / self.a
-        self.lost += (j - j_new) + min(1.0, max(0.0, in_flight))
+        lost = (j - j_new) + min(1.0, max(0.0, in_flight))
+        self.lost += lost
+        self.lost_each.append(lost)
         self.crashes += 1
         rec = cost.detect_s + cost.init_s
         self.recovering += rec
@@ -352,6 +357,7 @@ def _stats(replay: _Replay, iters: int, wall: float, terms: PolicyTerms) -> RunS
         overlapping=replay.overlapping,
         lost_iters=replay.lost / replay.crashes if replay.crashes else 0.0,
         recovering_s=replay.recovering,
+        lost_each=list(replay.lost_each),
     )
 
 

@@ -198,6 +198,7 @@ def validate_run(run_dir: str | Path) -> Validation:
                 "kind": kind,
                 "mode": rec.get("mode"),
                 "init_s": float(init),
+                "recompute_s": rec.get("recompute_s"),
             }
         )
     mean_init = {k: (statistics.fmean(v) if v else 0.0) for k, v in inits.items()}
@@ -224,6 +225,11 @@ def validate_run(run_dir: str | Path) -> Validation:
     )
     schedule = [IterFailure(f["iteration"] + 1, f["fraction"], f["kind"]) for f in failures]
     run = replay_iterations(terms, schedule, iterations)
+    order = sorted(
+        range(len(failures)), key=lambda i: (schedule[i].iteration, schedule[i].fraction)
+    )
+    for i, lost in zip(order, run.lost_each, strict=False):
+        failures[i]["predicted_recompute_s"] = lost * a
     n = len(failures)
     if n:
         hof = sum(f["kind"] == "hof" for f in failures) / n
