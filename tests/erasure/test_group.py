@@ -165,3 +165,25 @@ def test_auto_falls_back_when_the_native_kernel_is_unavailable(monkeypatch):
     monkeypatch.setattr(backends, "_build", no_native)
     assert backends.get_codec(4, 2).backend in ("isal", "numpy")
     assert "no compiler here" in backends.available_backends()["native"]
+
+
+@pytest.mark.slow
+def test_default_geometry_full_size_group_survives_16_lost_pages_and_a_tier1_page():
+    geometry = ErasureGeometry()  # 240 x 2 MiB data, 16 + 1 parity pages
+    rng = np.random.default_rng(2)
+    pages = rng.integers(0, 256, (geometry.total_pages, geometry.page_bytes), dtype=np.uint8)
+    d, h1 = geometry.data_pages, geometry.parity_pages
+    table = PageTable.from_rows(pages)
+    group = ProtectionGroup(
+        geometry,
+        table.take(range(d)),
+        table.take(range(d, d + h1)),
+        table.take(range(d + h1, d + h1 + 1)),
+        name="full",
+    )
+    group.encode()
+    truth = pages.copy()
+    lost = [*sorted(rng.choice(d, 16, replace=False).tolist()), d + 3]
+    pages[lost] = 0
+    group.reconstruct(lost)
+    np.testing.assert_array_equal(pages, truth)
