@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from unbroken.sim.policy import FailureMix, PolicyTerms
 
-__all__ = ["ClosedForm", "closed_form", "recovery_time"]
+__all__ = ["OVERLAP_LIMIT", "REC_RATIO_LIMIT", "ClosedForm", "closed_form", "recovery_time"]
 
 # Where "T_rec << MTTF" stops being a safe reading of assumption (1): the linear factor
 # 1 - T_rec/MTTF then over-charges by about (T_rec/MTTF)^2 / 2 against the exponential one,

@@ -25,7 +25,7 @@ from unbroken.sim.analytic import (
     rmu_overhead_s,
 )
 from unbroken.sim.des import Failure, simulate, simulate_once
-from unbroken.sim.ettr import closed_form
+from unbroken.sim.ettr import OVERLAP_LIMIT, closed_form
 from unbroken.sim.itertime import iteration_time
 from unbroken.sim.policy import POLICIES, FailureMix, RecoveryConfig, StepCosts, policy_terms
 from unbroken.sim.presets import load_hardware, load_model
@@ -334,6 +334,12 @@ def evaluate(
                         )
                         row.update(ettr_des=res.ettr, ettr_des_ci95=res.ci95)
                         row["des_overlapping"] = res.overlapping
+                        crashes = sum(res.failures.values())
+                        if crashes and res.overlapping / crashes > OVERLAP_LIMIT:
+                            row["warnings"].append(
+                                f"{res.overlapping / crashes:.1%} of failures overlapped a "
+                                "recovery in the discrete-event run (assumption 2)"
+                            )
                         gap = abs(res.ettr - cf.ettr)
                         if gap > 0.01 and not math.isnan(gap):
                             row["warnings"].append(
