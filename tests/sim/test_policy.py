@@ -69,8 +69,13 @@ def test_jit_needs_replicated_optimizer_states():
                            replicated_optimizer=True)  # fmt: skip
     jit = policy_terms("jit", replicated, mix)
     assert jit.applicable and jit.costs["fatal"].lost_iters == 0.5
-    # Leto falls back to JIT+ for fatal failures when the optimizer is replicated (§8.1).
-    assert not policy_terms("inplace", replicated, mix).costs["fatal"].rollback
+    # Leto falls back to JIT+ for fatal failures when the optimizer is replicated (§8.1):
+    # no rollback, and a preinitialized spare saves the process start.
+    fallback = policy_terms("inplace", replicated, mix).costs["fatal"]
+    assert not fallback.rollback
+    assert jit.costs["fatal"].init_s - fallback.init_s == pytest.approx(
+        RecoveryConfig().process_start_s
+    )
 
 
 def test_gemini_pays_process_start_that_gemini_plus_avoids():

@@ -229,10 +229,12 @@ def policy_terms(
             ),
         }
 
-    def jit_costs() -> dict[str, KindCost]:
+    def jit_costs(spare: bool = False) -> dict[str, KindCost]:
+        # A surviving replica saves its state to host memory (JIT), the replacement loads it.
+        # JIT+ (spare=True) replaces the failed trainer with a preinitialized spare.
         save = steps.load_local_s
         hof = restart + save + steps.load_local_s
-        fatal = restart + save + steps.load_remote_s
+        fatal = (spare_plus if spare else restart) + save + steps.load_remote_s
         return {
             "hof": KindCost(detect_s=rec.detect_s, init_s=hof, lost_iters=0.5, rollback=False),
             "fatal": KindCost(detect_s=rec.detect_s, init_s=fatal, lost_iters=0.5, rollback=False),
@@ -285,7 +287,7 @@ def policy_terms(
     omega = steps.rmu_s / t_iter
     hof = KindCost(detect_s=rec.detect_s, init_s=rec.takeover_s, lost_iters=0.5, rollback=False)
     if steps.replicated_optimizer:
-        costs = jit_costs()
+        costs = jit_costs(spare=True)  # JIT+ for fatal failures, as Leto §8.1 does
         costs["hof"] = hof
         return PolicyTerms(
             applicable=True,
