@@ -1,0 +1,240 @@
+"""Trainer side of the Resilient Memory Pool: connect, get regions, map them zero-copy.
+
+`RetainedClient` talks to this rank's state manager (`unbroken.state.manager`); each region
+arrives as an fd (SCM_RIGHTS) and is mapped once, `MAP_SHARED`, and wrapped without a copy as a
+`torch.uint8` tensor. The client owns its mappings and fds; closing them never affects the
+retained memory, which the manager owns.
+
+Trainers must write every page of a freshly allocated region (``region.tensor.zero_()``) — an
+unwritten page is a hole and `localize` reports it lost — and must not touch retained pages after
+a failure before `localize` has run ([Note: localize before touching] in
+`unbroken.state.localize`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unbroken.state._wire import FrameError, recv_reply, send_frame
+
+__all__ = ["LocalizationReport", "RetainedClient", "RetainedRegion", "RetainedStateError"]
+
+
+class RetainedStateError(Exception):
+    """The state manager refused a request or could not be reached (message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalizationReport:
+    """Missing pages per region, as found by the manager.
+
+    Attributes:
+        lost: region name -> ascending indices of missing pages (empty list: intact).
+        ms: time the manager spent localizing, in milliseconds.
+    """
+
+    lost: dict[str, list[int]]
+    ms: float
+
+    @property
+    def total(self) -> int:
+        """Number of missing pages over all regions."""
+        return sum(len(pages) for pages in self.lost.values())
+
+
+class RetainedRegion:
+    """One retained region, mapped once into this process.
+
+    Attributes:
+        name: region name.
+        nbytes: size in bytes (the requested size rounded up to whole pages).
+        page_bytes: page size; the unit of loss, localization and remap.
+        protected: whether parity covers the contents.
+        fresh: True when the contents are new (zeros), False when retained from earlier.
+        fd: this process's copy of the region's memfd.
+        tensor: a zero-copy `torch.uint8` tensor over the whole mapping.
+    """
+
+    def __init__(self, info: dict[str, Any], fd: int) -> None:
+        self.name: str = info["name"]
+        self.nbytes: int = info["nbytes"]
+        self.page_bytes: int = info["page_bytes"]
+        self.protected: bool = info["protected"]
+        self.fresh: bool = info["fresh"]
+        self.fd = fd
+        self._mmap = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.tensor: torch.Tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    @property
+    def n_pages(self) -> int:
+        """Number of pages in the region."""
+        return self.nbytes // self.page_bytes
+
+    def view(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole region as a flat tensor of `dtype` (zero-copy)."""
+        return self.tensor.view(dtype)
+
+    def page(self, index: int) -> torch.Tensor:
+        """Page `index` as a zero-copy uint8 view.
+
+        Raises:
+            IndexError: `index` outside [0, n_pages).
+        """
+        if not 0 <= index < self.n_pages:
+            raise IndexError(f"page {index} outside region {self.name!r} of {self.n_pages} pages")
+        start = index * self.page_bytes
+        return self.tensor[start : start + self.page_bytes]
+
+    def close(self) -> None:
+        """Unmap and close the fd. Views of `tensor` must be gone first."""
+        self.tensor = None  # type: ignore[assignment]
+        with contextlib.suppress(BufferError):
+            self._mmap.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+    def __repr__(self) -> str:
+        return (
+            f"RetainedRegion({self.name!r}, nbytes={self.nbytes}, page_bytes={self.page_bytes},"
+            f" protected={self.protected}, fresh={self.fresh})"
+        )
+
+
+class RetainedClient:
+    """A connection to one rank's state manager.
+
+    Args:
+        socket_path: the manager's socket.
+        timeout_s: how long to wait for the socket to appear and for each reply.
+
+    Raises:
+        RetainedStateError: no manager answered at `socket_path` within `timeout_s`.
+    """
+
+    def __init__(self, socket_path: str | Path, timeout_s: float = 10.0) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.socket_path = str(socket_path)
+        self.timeout_s = timeout_s
+        self._regions: dict[str, RetainedRegion] = {}
+        self._sock = _connect(self.socket_path, timeout_s)
+
+    def allocate(
+        self, name: str, nbytes: int, *, page_bytes: int, protected: bool
+    ) -> RetainedRegion:
+        """Allocate region `name` (or reuse it, `fresh` False) and map it.
+
+        Raises:
+            RetainedStateError: the manager refused (bad size, different existing geometry).
+        """
+        info, fds = self._call(
+            "allocate", name=name, nbytes=nbytes, page_bytes=page_bytes, protected=protected
+        )
+        return self._adopt(info, fds)
+
+    def attach(self, name: str) -> RetainedRegion:
+        """Map the existing region `name`.
+
+        Raises:
+            RetainedStateError: no such region.
+        """
+        info, fds = self._call("attach", name=name)
+        return self._adopt(info, fds)
+
+    def list(self) -> list[dict[str, Any]]:
+        """Descriptions ({name, nbytes, page_bytes, protected}) of all regions of the rank."""
+        return self._call("list")[0]["regions"]
+
+    def localize(self, names: list[str] | None = None) -> LocalizationReport:
+        """Ask the manager which pages are missing (all regions, or `names`)."""
+        fields = {} if names is None else {"names": list(names)}
+        reply = self._call("localize", **fields)[0]
+        return LocalizationReport(lost=reply["lost"], ms=reply["ms"])
+
+    def remap(self, name: str, pages: list[int]) -> float:
+        """Give `pages` of `name` healthy zeroed memory again; returns the manager's ms."""
+        return self._call("remap", name=name, pages=[int(p) for p in pages])[0]["ms"]
+
+    def free(self, name: str) -> None:
+        """Drop region `name` in the manager (this process's mapping stays valid until closed)."""
+        self._call("free", name=name)
+
+    def shutdown(self) -> None:
+        """Ask the manager to exit (retained memory is released)."""
+        self._call("shutdown")
+
+    def close(self) -> None:
+        """Close the connection and this process's mappings (retained memory is untouched)."""
+        for region in self._regions.values():
+            region.close()
+        self._regions.clear()
+        self._sock.close()
+
+    def __enter__(self) -> RetainedClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _adopt(self, info: dict[str, Any], fds: list[int]) -> RetainedRegion:
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise RetainedStateError(f"expected one fd for {info.get('name')!r}, got {len(fds)}")
+        fd = fds[0]
+        old = self._regions.get(info["name"])
+        if old is not None and _same_file(old.fd, fd):
+            os.close(fd)  # map once per region: keep the existing mapping
+            old.fresh = info["fresh"]
+            return old
+        if old is not None:
+            old.close()  # the manager freed and re-created it: the old mapping is stale
+        region = RetainedRegion(info, fd)
+        self._regions[region.name] = region
+        return region
+
+    def _call(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
+        try:
+            send_frame(self._sock, {"op": op, **fields})
+            reply, fds = recv_reply(self._sock)
+        except (OSError, FrameError) as exc:
+            raise RetainedStateError(f"state manager at {self.socket_path}: {op}: {exc}") from exc
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            raise RetainedStateError(f"state manager refused {op}: {reply.get('error')}")
+        return reply, fds
+
+
+def _same_file(fd_a: int, fd_b: int) -> bool:
+    a, b = os.fstat(fd_a), os.fstat(fd_b)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _connect(path: str, timeout_s: float) -> socket.socket:
+    """Connect, waiting for the manager to create its socket (it appears ready, by rename)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(path)
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise RetainedStateError(
+                    f"no state manager at {path} after {timeout_s:.1f} s: {exc}"
+                ) from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)

@@ -1,0 +1,315 @@
+"""The state-manager process: one per rank, owns that rank's retained memory.
+
+Run as ``python -m unbroken.state.manager --socket PATH [--rank R]``. It serves the
+`unbroken.state._wire` protocol on a Unix stream socket at PATH (0600, created atomically by
+bind-to-temp + rename, so a path that exists is ready to connect) and keeps a `RetainedPool`:
+
+==========  ============================================  =========================================
+op          request fields                                reply fields (+ fd via SCM_RIGHTS)
+==========  ============================================  =========================================
+allocate    name, nbytes, page_bytes, protected           name, nbytes, page_bytes, protected,
+                                                          fresh  + fd
+attach      name                                          same as allocate (fresh False) + fd
+list        —                                             regions: [{name, nbytes, ...}]
+localize    names (optional list)                         lost: {name: [page, ...]}, ms
+remap       name, pages                                   ms
+free        name                                          —
+shutdown    —                                             — (then the manager exits)
+==========  ============================================  =========================================
+
+What it must never do: read or write page contents (it holds fds, truncates, seeks holes,
+punches, fallocates, asks the kernel to populate page tables); crash on a bad request (a
+malformed frame gets ``{"ok": false, "error": ...}``); serve a peer of another uid (checked
+with `SO_PEERCRED` on every connection; logged and closed); outlive its parent (it polls
+`os.getppid()` — not `PR_SET_PDEATHSIG`, which fires when the spawning *thread* exits and would
+throw away retained state when an agent spawns from a worker thread).
+
+Single-threaded `selectors` loop: requests are short (localize ≈ 7 ms per GiB), and one thread
+means no locking around the pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import selectors
+import signal
+import socket
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+from unbroken.state._syscalls import peer_credentials
+from unbroken.state._wire import FrameError, FrameReader, send_frame
+from unbroken.state.pool import PoolError, Region, RetainedPool
+
+__all__ = ["StateManager", "main"]
+
+log = logging.getLogger("unbroken.state.manager")
+
+#: Seconds between parent-liveness checks (and the longest a shutdown waits for the loop).
+PARENT_POLL_S = 0.2
+#: A client that does not drain a reply within this many seconds is dropped.
+SEND_TIMEOUT_S = 5.0
+
+
+class StateManager:
+    """Serve one rank's `RetainedPool` on a Unix socket.
+
+    Args:
+        socket_path: where to listen.
+        rank: rank number, for logs and memfd names.
+        parent_pid: exit when `os.getppid()` stops being this; None: the parent at start.
+    """
+
+    def __init__(self, socket_path: str | Path, rank: int = 0, parent_pid: int | None = None):
+        self.socket_path = Path(socket_path)
+        self.rank = rank
+        self.parent_pid = os.getppid() if parent_pid is None else parent_pid
+        self.uid = os.getuid()
+        self.pool = RetainedPool(label=f"unbroken-rank{rank}")
+        self._selector = selectors.DefaultSelector()
+        self._readers: dict[socket.socket, FrameReader] = {}
+        self._listener: socket.socket | None = None
+        self._running = False
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+
+    def bind(self) -> None:
+        """Create the listening socket (parent dir, stale-file removal, 0600, atomic rename).
+
+        Raises:
+            RuntimeError: another manager is already serving `socket_path`.
+        """
+        path = self.socket_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            if _is_live_socket(path):
+                raise RuntimeError(f"another state manager is serving {path}")
+            path.unlink()
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            listener.bind(str(tmp))
+        finally:
+            os.umask(old_umask)
+        os.chmod(tmp, 0o600)
+        listener.listen(64)
+        os.rename(tmp, path)
+        listener.setblocking(False)
+        self._listener = listener
+        self._selector.register(listener, selectors.EVENT_READ)
+        log.info(
+            "rank %d: serving %s (poison detection: %s)",
+            self.rank,
+            path,
+            "madvise" if self.pool.detect_poison else "off, SEEK_HOLE only",
+        )
+
+    def serve_forever(self) -> None:
+        """Serve until `shutdown`, `stop()`, or the parent's death; then clean up."""
+        if self._listener is None:
+            self.bind()
+        self._running = True
+        try:
+            while self._running:
+                for key, _events in self._selector.select(timeout=PARENT_POLL_S):
+                    if key.data == "wakeup":
+                        key.fileobj.recv(4096)  # type: ignore[union-attr]
+                    elif key.fileobj is self._listener:
+                        self._accept()
+                    else:
+                        self._service(key.fileobj)  # type: ignore[arg-type]
+                if os.getppid() != self.parent_pid:
+                    log.warning("rank %d: parent %d is gone; exiting", self.rank, self.parent_pid)
+                    break
+        finally:
+            self._close()
+
+    def stop(self) -> None:
+        """Make `serve_forever` return after the current iteration (signal-safe)."""
+        self._running = False
+
+    def stop_on_signals(self, *signals: signal.Signals) -> None:
+        """Stop promptly on `signals`: a wakeup fd in the selector interrupts the wait."""
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+        self._selector.register(wake_r, selectors.EVENT_READ, data="wakeup")
+        self._wakeup = (wake_r, wake_w)
+        for sig in signals:
+            signal.signal(sig, lambda *_: self.stop())
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        try:
+            conn, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        cred = peer_credentials(conn)
+        if cred.uid != self.uid:
+            log.warning(
+                "rank %d: rejected pid %d: uid %d is not the manager's uid %d",
+                self.rank,
+                cred.pid,
+                cred.uid,
+                self.uid,
+            )
+            with contextlib.suppress(OSError):
+                conn.setblocking(False)
+                send_frame(conn, _error(f"uid {cred.uid} may not use this state manager"))
+            conn.close()
+            return
+        conn.settimeout(SEND_TIMEOUT_S)
+        self._readers[conn] = FrameReader()
+        self._selector.register(conn, selectors.EVENT_READ)
+        log.debug("rank %d: client pid %d connected", self.rank, cred.pid)
+
+    def _service(self, conn: socket.socket) -> None:
+        reader = self._readers[conn]
+        try:
+            data = conn.recv(65536)
+            if not data:
+                self._drop(conn, None)
+                return
+            frames = reader.feed(data)
+        except FrameError as exc:
+            with contextlib.suppress(OSError):
+                send_frame(conn, _error(str(exc)))
+            self._drop(conn, str(exc))
+            return
+        except OSError as exc:
+            self._drop(conn, f"recv failed: {exc}")
+            return
+        for frame in frames:
+            reply, fds = self._handle(frame)
+            try:
+                send_frame(conn, reply, fds)
+            except OSError as exc:
+                self._drop(conn, f"send failed: {exc}")
+                return
+            if not self._running:
+                return
+
+    def _handle(self, frame: dict[str, Any] | FrameError) -> tuple[dict[str, Any], list[int]]:
+        if isinstance(frame, FrameError):
+            return _error(str(frame)), []
+        op = frame.get("op")
+        try:
+            if op == "allocate":
+                region, fresh = self.pool.allocate(
+                    frame.get("name"),
+                    frame.get("nbytes"),
+                    frame.get("page_bytes"),
+                    frame.get("protected", True),
+                )
+                return _region_reply(region, fresh), [region.fd]
+            if op == "attach":
+                region = self.pool.get(frame.get("name"))
+                return _region_reply(region, False), [region.fd]
+            if op == "list":
+                return {"ok": True, "regions": [r.describe() for r in self.pool.regions()]}, []
+            if op == "localize":
+                names = frame.get("names")
+                if names is not None and not (
+                    isinstance(names, list) and all(isinstance(n, str) for n in names)
+                ):
+                    raise PoolError(f"names must be a list of region names, got {names!r}")
+                lost, ms = self.pool.localize(names)
+                return {"ok": True, "lost": lost, "ms": ms}, []
+            if op == "remap":
+                ms = self.pool.remap(frame.get("name"), frame.get("pages"))
+                return {"ok": True, "ms": ms}, []
+            if op == "free":
+                self.pool.free(frame.get("name"))
+                return {"ok": True}, []
+            if op == "shutdown":
+                log.info("rank %d: shutdown requested", self.rank)
+                self._running = False
+                return {"ok": True}, []
+            return _error(f"unknown op {op!r}"), []
+        except PoolError as exc:
+            return _error(str(exc)), []
+        except OSError as exc:
+            log.error("rank %d: %s failed: %s", self.rank, op, exc)
+            return _error(f"{op} failed: {exc}"), []
+
+    def _drop(self, conn: socket.socket, reason: str | None) -> None:
+        if reason:
+            log.warning("rank %d: dropping client: %s", self.rank, reason)
+        self._selector.unregister(conn)
+        del self._readers[conn]
+        conn.close()
+
+    def _close(self) -> None:
+        for conn in list(self._readers):
+            self._drop(conn, None)
+        if self._listener is not None:
+            self._selector.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+        self.pool.close()
+        self._selector.close()
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            for sock in self._wakeup:
+                sock.close()
+
+
+def _region_reply(region: Region, fresh: bool) -> dict[str, Any]:
+    return {"ok": True, **region.describe(), "fresh": fresh}
+
+
+def _error(message: str) -> dict[str, Any]:
+    return {"ok": False, "error": message}
+
+
+def _is_live_socket(path: Path) -> bool:
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m unbroken.state.manager``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m unbroken.state.manager", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--socket", required=True, help="Unix socket path to serve")
+    parser.add_argument("--rank", type=int, default=0, help="rank number (logs, memfd names)")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    manager = StateManager(args.socket, rank=args.rank)
+    try:
+        manager.bind()
+    except (RuntimeError, OSError) as exc:
+        print(f"state manager: cannot serve {args.socket}: {exc}", file=sys.stderr)
+        return 2
+    manager.stop_on_signals(signal.SIGTERM, signal.SIGINT)
+    manager.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The Resilient Memory Pool's bookkeeping: named memfd regions, owned for the pool's lifetime.
+
+A `RetainedPool` lives inside the state-manager process (`unbroken.state.manager`), holds one
+memfd per named region and answers allocate / attach / list / localize / remap / free. It owns
+the fds, so region contents survive any trainer's death; they die with the pool's process.
+
+It never reads or writes page contents: it creates, truncates, seeks holes, punches and
+fallocates, and (remap, poison scan) asks the kernel to populate page tables. See
+[Note: localize before touching] in `unbroken.state.localize`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import re
+import time
+from dataclasses import dataclass
+
+from unbroken.state._syscalls import (
+    FALLOC_FL_KEEP_SIZE,
+    FALLOC_FL_PUNCH_HOLE,
+    MADV_POPULATE_WRITE,
+    fallocate,
+    madvise_range,
+    memory_failure_supported,
+)
+from unbroken.state.localize import hole_pages, poisoned_pages
+
+__all__ = ["MAX_REGION_BYTES", "PoolError", "Region", "RetainedPool"]
+
+#: Refuse single regions above this size (16 TiB): a typo, not a model.
+MAX_REGION_BYTES = 1 << 44
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+
+
+class PoolError(Exception):
+    """A request the pool refuses (the message names the region and the reason)."""
+
+
+@dataclass(slots=True)
+class Region:
+    """One named retained allocation.
+
+    Attributes:
+        name: stable name trainers use to find it again ("model", "grad_parity", ...).
+        fd: the memfd, owned by the pool.
+        nbytes: size in bytes, a multiple of `page_bytes`.
+        page_bytes: unit of failure localization and remap (a multiple of the OS page size).
+        protected: whether the contents are covered by parity (reusable state is not).
+    """
+
+    name: str
+    fd: int
+    nbytes: int
+    page_bytes: int
+    protected: bool
+
+    def describe(self) -> dict[str, object]:
+        """The JSON description sent to clients."""
+        return {
+            "name": self.name,
+            "nbytes": self.nbytes,
+            "page_bytes": self.page_bytes,
+            "protected": self.protected,
+        }
+
+
+class RetainedPool:
+    """Named memfd regions of one rank.
+
+    Args:
+        label: prefix of the memfd names (shows in /proc/PID/fd and /proc/PID/maps).
+        detect_poison: run the madvise poison scan; None probes the kernel once.
+    """
+
+    def __init__(self, label: str = "unbroken", detect_poison: bool | None = None) -> None:
+        self.label = label
+        self.detect_poison = memory_failure_supported() if detect_poison is None else detect_poison
+        self._regions: dict[str, Region] = {}
+
+    def allocate(
+        self, name: str, nbytes: int, page_bytes: int, protected: bool
+    ) -> tuple[Region, bool]:
+        """Create region `name`, or reuse it when it exists with the same geometry.
+
+        Args:
+            name: region name.
+            nbytes: requested size; rounded up to a multiple of `page_bytes`.
+            page_bytes: page size, a positive multiple of the OS page size.
+            protected: whether parity covers the contents.
+
+        Returns:
+            (region, fresh): fresh is True when the contents are new (all holes, read as zero),
+            False when they were retained from an earlier trainer.
+
+        Raises:
+            PoolError: bad arguments, or `name` exists with a different geometry.
+        """
+        _check_name(name)
+        page_bytes = _check_int("page_bytes", page_bytes, mmap.PAGESIZE, MAX_REGION_BYTES)
+        if page_bytes % mmap.PAGESIZE:
+            raise PoolError(f"page_bytes={page_bytes} is not a multiple of {mmap.PAGESIZE}")
+        nbytes = _check_int("nbytes", nbytes, 1, MAX_REGION_BYTES)
+        if not isinstance(protected, bool):
+            raise PoolError(f"protected must be a bool, got {protected!r}")
+        size = -(-nbytes // page_bytes) * page_bytes
+        old = self._regions.get(name)
+        if old is not None:
+            if (old.nbytes, old.page_bytes, old.protected) != (size, page_bytes, protected):
+                raise PoolError(
+                    f"region {name!r} exists as nbytes={old.nbytes} page_bytes={old.page_bytes} "
+                    f"protected={old.protected}; free it before allocating it as nbytes={size} "
+                    f"page_bytes={page_bytes} protected={protected}"
+                )
+            return old, False
+        fd = os.memfd_create(f"{self.label}:{name}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            os.close(fd)
+            raise
+        region = Region(name=name, fd=fd, nbytes=size, page_bytes=page_bytes, protected=protected)
+        self._regions[name] = region
+        return region, True
+
+    def get(self, name: object) -> Region:
+        """The region called `name`.
+
+        Raises:
+            PoolError: no such region.
+        """
+        if not isinstance(name, str) or name not in self._regions:
+            raise PoolError(f"no region named {name!r} (have {sorted(self._regions)})")
+        return self._regions[name]
+
+    def regions(self) -> list[Region]:
+        """All regions, in allocation order."""
+        return list(self._regions.values())
+
+    def localize(self, names: list[str] | None = None) -> tuple[dict[str, list[int]], float]:
+        """Find the missing pages of each region (holes, then poison where supported).
+
+        Returns:
+            ({name: [page, ...]}, elapsed milliseconds).
+        """
+        targets = self.regions() if names is None else [self.get(n) for n in names]
+        start = time.perf_counter()
+        lost: dict[str, list[int]] = {}
+        for region in targets:
+            pages = hole_pages(region.fd, region.nbytes, region.page_bytes)
+            if self.detect_poison:
+                poisoned = poisoned_pages(region.fd, region.nbytes, region.page_bytes, pages)
+                pages = sorted(set(pages) | set(poisoned))
+            lost[region.name] = pages
+        return lost, (time.perf_counter() - start) * 1e3
+
+    def remap(self, name: str, pages: list[int]) -> float:
+        """Back `pages` of region `name` with healthy, zeroed, present memory.
+
+        Drops whatever backs each page (punch: also releases a poisoned page from the page
+        cache), allocates new pages (fallocate mode 0) and populates them for write through a
+        short-lived mapping so they stop reading as holes. Contents are not restored; the
+        trainer rebuilds them from parity.
+
+        Returns:
+            Elapsed milliseconds.
+
+        Raises:
+            PoolError: unknown region or a page index out of range.
+        """
+        region = self.get(name)
+        n_pages = region.nbytes // region.page_bytes
+        if not isinstance(pages, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 <= p < n_pages for p in pages
+        ):
+            raise PoolError(f"pages of {name!r} must be a list of ints in [0, {n_pages})")
+        start = time.perf_counter()
+        for first, count in _runs(sorted(set(pages))):
+            offset, length = first * region.page_bytes, count * region.page_bytes
+            fallocate(region.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
+            fallocate(region.fd, 0, offset, length)
+            _populate_for_write(region.fd, offset, length)
+        return (time.perf_counter() - start) * 1e3
+
+    def free(self, name: str) -> None:
+        """Forget region `name` and close its fd (memory goes once clients unmap it)."""
+        region = self.get(name)
+        del self._regions[name]
+        os.close(region.fd)
+
+    def close(self) -> None:
+        """Free every region."""
+        for name in list(self._regions):
+            self.free(name)
+
+
+def _populate_for_write(fd: int, offset: int, length: int) -> None:
+    """Fault pages in for write via the kernel (zero-filled); no byte is read or written here."""
+    mapping = mmap.mmap(
+        fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset
+    )
+    anchor = ctypes.c_char.from_buffer(mapping)
+    try:
+        err = madvise_range(ctypes.addressof(anchor), length, MADV_POPULATE_WRITE)
+        if err:
+            raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+    finally:
+        del anchor
+        mapping.close()
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of sorted distinct pages as (first, count)."""
+    runs: list[tuple[int, int]] = []
+    for page in pages:
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))
+    return runs
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise PoolError(f"region name {name!r} must be 1-128 chars of [A-Za-z0-9_.-]")
+
+
+def _check_int(key: str, value: object, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise PoolError(f"{key}={value!r} must be an int in [{low}, {high}]")
+    return value

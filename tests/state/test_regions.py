@@ -1,0 +1,70 @@
+"""Allocation, attach, zero-copy mapping and region bookkeeping through a real manager."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+
+import pytest
+import torch
+
+from unbroken.state import RetainedClient, RetainedStateError
+from unbroken.state.localize import hole_pages
+
+PAGE = 64 * 1024
+
+
+def test_allocate_and_attach_share_bytes_zero_copy(manager, client):
+    region = client.allocate("model", 10 * PAGE, page_bytes=PAGE, protected=True)
+    assert region.fresh and region.nbytes == 10 * PAGE and region.n_pages == 10
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region._mmap))
+    assert region.tensor.data_ptr() == address
+    assert region.tensor.dtype == torch.uint8 and region.tensor.numel() == 10 * PAGE
+
+    region.view(torch.float32).copy_(torch.arange(10 * PAGE // 4, dtype=torch.float32))
+    with RetainedClient(manager[1]) as other:
+        seen = other.attach("model")
+        assert not seen.fresh and seen.protected
+        assert torch.equal(seen.view(torch.float32)[:5], torch.arange(5, dtype=torch.float32))
+        seen.page(3).fill_(7)  # a write in one process is visible in the other
+    assert bool((region.page(3) == 7).all())
+    assert region.page(3).data_ptr() == address + 3 * PAGE
+    with pytest.raises(IndexError):
+        region.page(10)
+
+
+def test_size_rounds_up_and_reallocate_reuses(client):
+    region = client.allocate("grads", PAGE + 1, page_bytes=PAGE, protected=False)
+    assert region.nbytes == 2 * PAGE
+    again = client.allocate("grads", 2 * PAGE, page_bytes=PAGE, protected=False)
+    assert again is region and not again.fresh  # mapped once per region
+    with pytest.raises(RetainedStateError, match="free it before"):
+        client.allocate("grads", 4 * PAGE, page_bytes=PAGE, protected=False)
+    assert client.list() == [
+        {"name": "grads", "nbytes": 2 * PAGE, "page_bytes": PAGE, "protected": False}
+    ]
+    client.free("grads")
+    assert client.list() == []
+    fresh = client.allocate("grads", 2 * PAGE, page_bytes=PAGE, protected=False)
+    assert fresh.fresh and fresh is not region
+
+
+def test_zero_fill_allocates_every_page(client):
+    region = client.allocate("scratch", 8 * PAGE, page_bytes=PAGE, protected=False)
+    assert hole_pages(region.fd, region.nbytes, PAGE) == list(range(8))  # unwritten = holes
+    assert client.localize(["scratch"]).lost == {"scratch": list(range(8))}
+    region.tensor.zero_()
+    assert os.lseek(region.fd, 0, os.SEEK_DATA) == 0
+    assert os.lseek(region.fd, 0, os.SEEK_HOLE) == region.nbytes
+    assert client.localize().lost == {"scratch": []}
+
+
+def test_attach_unknown_region_is_an_error(client):
+    with pytest.raises(RetainedStateError, match="no region named 'undo'"):
+        client.attach("undo")
+
+
+def test_socket_is_private(manager):
+    mode = os.stat(manager[1]).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
