@@ -76,3 +76,30 @@ def test_cli_replays_a_trace(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert all("ettr_des" in r for r in rows)
     assert {r["hof_ratio"] for r in rows} == {0.5}
+
+
+def test_measured_overrides_and_fixed_interval(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        '[[workload]]\nmodel = "kimi-moe"\nhardware = "a100-p4d"\nt_iter_s = 9.097\n'
+        "t_ckpt_s = 8.34\n[failures]\nhof_ratio = [1.0]\n[recovery]\nckpt_interval = 11\n"
+    )
+    rows, _ = evaluate(load_scenario(config=cfg))
+    by = {r["policy"]: r for r in rows}
+    assert {r["t_iter_s"] for r in rows} == {9.097}
+    assert {by[p]["ckpt_interval"] for p in ("inplace", "gemini+", "gemini")} == {11}
+    # Eq. 7 with the measured inputs: T_eff = 9.097 + 8.34/11, L = 11/2 + 1.
+    t_eff = 9.097 + 8.34 / 11
+    assert by["gemini+"]["t_eff_s"] == pytest.approx(t_eff)
+    rec = by["gemini+"]["t_rec_s"] - 6.5 * t_eff
+    assert rec == pytest.approx(1.0 + 25.7 + 8.34)  # T_det + rank setup + remote load
+
+
+def test_testbed_preset_and_interval_flag(capsys):
+    args = ["simulate", "--preset", "leto-testbed", "--interval", "32", "--json", "--no-png"]
+    assert main(args) == 0
+    import json
+
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {r["ckpt_interval"] for r in rows} == {32}
+    assert main(["simulate", "--preset", "leto-testbed", "--interval", "0", "--no-png"]) == 2

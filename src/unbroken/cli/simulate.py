@@ -61,6 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--hof", metavar="H", help="HOF ratio(s), comma list, e.g. 0,0.5,1")
     parser.add_argument("--policies", metavar="P", help="comma list of inplace,gemini+,gemini,jit")
     parser.add_argument("--trace", metavar="CSV", help="replay this failure trace (t_s,kind)")
+    parser.add_argument(
+        "--interval", type=int, metavar="I", help="fixed checkpoint interval (default: Young)"
+    )
     parser.add_argument("--des", action="store_true", help="also run the discrete-event mode")
     parser.add_argument("--replications", type=int, help="discrete-event replications")
     parser.add_argument("--horizon-mttf", type=float, help="discrete-event run length in MTTFs")
@@ -159,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             sim = dataclasses.replace(sim, **{field: value})
     scenario.sim = sim
+    if args.interval is not None:
+        if args.interval < 1:
+            raise UserError(f"--interval must be >= 1, got {args.interval}")
+        scenario.recovery = dataclasses.replace(scenario.recovery, ckpt_interval=args.interval)
     if args.trace:
         scenario.trace = read_trace(args.trace)
     des = True if (args.des or args.trace) else None

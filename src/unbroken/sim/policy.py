@@ -69,6 +69,9 @@ class RecoveryConfig:
     ckpt_usable_lag: int = 1
     """Iterations after a checkpoint's boundary until it can be restored. Gemini: 1 (its remote
     transfer completes at the next iteration's step, App. C.3); a synchronous save: 0."""
+    ckpt_interval: int = 0
+    """Fixed checkpoint interval in iterations for every checkpointing policy; 0 = Young's
+    formula per policy (App. A.2). Use it to replay an experiment run at a given interval."""
     max_interval: int = 128
     """Cap on the checkpoint interval in iterations, used when Young's formula gives none (no
     fatal failures, h = 1) or a larger one. Leto §8.1 uses "the largest interval tested"."""
@@ -83,6 +86,7 @@ class RecoveryConfig:
         check_range(self, "comm_init_per_gpu_s", 0.0, 10.0)
         check_range(self, "ckpt_usable_lag", 0, 16)
         check_range(self, "max_interval", 1, 10**9)
+        check_range(self, "ckpt_interval", 0, 10**9)
         check_range(self, "fail_slow_detect_s", 0.0, 1e6)
         check_range(self, "fail_slow_factor", 1.0, 1e3)
 
@@ -265,7 +269,9 @@ def policy_terms(
             **common,
         )
     if policy in ("gemini", "gemini+"):
-        interval = young_interval(steps.t_ckpt_s, mix.mttf_s, t_iter, rec.max_interval)
+        interval = rec.ckpt_interval or young_interval(
+            steps.t_ckpt_s, mix.mttf_s, t_iter, rec.max_interval
+        )
         if policy == "gemini":
             costs = ckpt_costs(
                 interval, restart + steps.load_local_s, restart + steps.load_remote_s
@@ -300,7 +306,9 @@ def policy_terms(
         )
     ff_rate = (1.0 - mix.hof_ratio) / mix.mttf_s
     ff_mttf = math.inf if ff_rate <= 0 else 1.0 / ff_rate
-    interval = young_interval(steps.t_ckpt_s, ff_mttf, t_iter, rec.max_interval)
+    interval = rec.ckpt_interval or young_interval(
+        steps.t_ckpt_s, ff_mttf, t_iter, rec.max_interval
+    )
     costs = ckpt_costs(interval, 0.0, spare_plus + steps.load_remote_s)
     costs["hof"] = hof
     return PolicyTerms(

@@ -8,6 +8,7 @@ optionally discrete-event. It prints nothing; `report.py` and the CLI present th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +62,15 @@ class WorkloadConfig:
     profile: str = ""
     """Path of a per-stage profile JSON (relative to the config file); replaces model and
     hardware for timing."""
+    t_iter_s: float = 0.0
+    """A measured iteration time that replaces the modelled T_iter (0 = model it)."""
+    t_ckpt_s: float = 0.0
+    """A measured per-checkpoint cost that replaces the modelled T_ckpt and checkpoint loads
+    (0 = model it)."""
+
+    def __post_init__(self) -> None:
+        if self.t_iter_s < 0 or self.t_ckpt_s < 0:
+            raise UserError("t_iter_s and t_ckpt_s must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -165,6 +175,20 @@ def workload_steps(
     return Workload(label=model.name, gpus=par.world, hardware=hw.name, steps=steps)
 
 
+def _measured(steps: StepCosts, t_iter_s: float, t_ckpt_s: float) -> StepCosts:
+    """Replace modelled step costs by measured ones; a remote checkpoint load moves the same
+    bytes at the same achieved rate as a save, a local one keeps its modelled ratio."""
+    out = steps
+    if t_iter_s:
+        out = dataclasses.replace(out, t_iter_s=t_iter_s)
+    if t_ckpt_s:
+        ratio = steps.load_local_s / steps.t_ckpt_s if steps.t_ckpt_s else 0.0
+        out = dataclasses.replace(
+            out, t_ckpt_s=t_ckpt_s, load_remote_s=t_ckpt_s, load_local_s=ratio * t_ckpt_s
+        )
+    return out
+
+
 def _tuple(table: dict[str, Any], key: str) -> None:
     if key in table and not isinstance(table[key], list | tuple):
         table[key] = [table[key]]
@@ -208,6 +232,8 @@ def scenario_from_table(raw: dict[str, Any], where: str, base: Path) -> Scenario
         wl = workload_steps(wc.model, wc.parallel, wc.hardware, rmu, w_where)
         if wc.label:
             wl.label = wc.label
+        if wc.t_iter_s or wc.t_ckpt_s:
+            wl.steps = _measured(wl.steps, wc.t_iter_s, wc.t_ckpt_s)
         workloads.append(wl)
     trace = read_trace(base / sweep.trace) if sweep.trace else None
     return Scenario(
