@@ -11,14 +11,17 @@ from unbroken.train.build import build_training
 
 
 def _trainer(seed=0, moe=False, hooks=()):
-    from unbroken.config import DataConfig, JobConfig
+    from unbroken.config import DataConfig, JobConfig, ProtectionConfig
 
     cfg = JobConfig(
         model=ModelConfig(preset="tiny", moe_experts=4 if moe else None),
         data=DataConfig(tokens_per_microbatch=64, microbatches=2, max_documents=100),
         train=TrainConfig(iterations=10, lr=1e-3, seed=seed),
+        protection=ProtectionConfig(page_bytes=4096, stripe_pages=2, chunk_bytes=1024),
     )
     built = build_training(cfg, n_shards=1, device=torch.device("cpu"))
+    from unbroken.update import PlainUpdater
+
     tr = Trainer(
         model=built.model,
         state=built.state,
@@ -28,7 +31,7 @@ def _trainer(seed=0, moe=False, hooks=()):
         group=None,
         device=torch.device("cpu"),
         hooks=hooks,
-        update_chunk=4096,
+        updater=PlainUpdater(built.state, built.geometry, built.step),
     )
     return tr
 
@@ -118,6 +121,32 @@ def test_update_does_not_modify_gradients():
     state: TrainState = tr.state
     tr.compute(0)
     _, _, scale = tr.sync(0, 0.0)
+    assert float(state.grads.abs().sum()) > 0
     before = state.grads.clone()
     tr.update(0, 1e-3, scale)
     assert state.grads.equal(before)
+
+
+def test_chunked_update_equals_one_flat_adamw_step():
+    """The striped chunk geometry updates every element exactly once, like a flat AdamW."""
+    tr = _trainer()
+    s = tr.state
+    tr.compute(0)
+    _, _, scale = tr.sync(0, 0.0)
+    p, m, v = s.params.clone(), s.exp_avg.clone(), s.exp_avg_sq.clone()
+    n, dec = s.layout.numel, s.layout.decay_end
+    opt = tr.updater.step.optimizer
+    for lo, hi, decay in ((0, dec, True), (dec, n, False)):
+        opt.update_range(
+            p[lo:hi],
+            s.grads[lo:hi],
+            m[lo:hi],
+            v[lo:hi],
+            step=1,
+            lr=1e-3,
+            grad_scale=scale,
+            decay=decay,
+        )
+    tr.update(0, 1e-3, scale)
+    assert torch.allclose(s.params[:n], p[:n], rtol=1e-6, atol=1e-9)
+    assert torch.allclose(s.exp_avg_sq[:n], v[:n], rtol=1e-6, atol=1e-12)

@@ -12,6 +12,7 @@ from unbroken.config.job import (
     JobConfig,
     ModelConfig,
     ParallelConfig,
+    ProtectionConfig,
     RecoveryConfig,
     TrainConfig,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "JobConfig",
     "ModelConfig",
     "ParallelConfig",
+    "ProtectionConfig",
     "RecoveryConfig",
     "TrainConfig",
     "config_from_dict",

@@ -15,6 +15,7 @@ __all__ = [
     "JobConfig",
     "ModelConfig",
     "ParallelConfig",
+    "ProtectionConfig",
     "RecoveryConfig",
     "TrainConfig",
 ]
@@ -185,6 +186,33 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ProtectionConfig:
+    page_bytes: int = 65536
+    """Page size S of retained state (2 MiB on GPU; small pages suit the small CPU models)."""
+    stripe_pages: int = 8
+    """Pages of each state segment per protection group; a group has D = 3 x stripe_pages
+    data pages (parameters, exp_avg, exp_avg_sq)."""
+    parity_pages: int = 4
+    """First-tier parity pages H1 per group: tolerates H1 lost pages per group."""
+    second_tier_pages: int = 1
+    """Second-tier parity pages H2 over each group's first tier."""
+    chunk_bytes: int = 32768
+    """Bytes per page of one update transaction (must divide page_bytes)."""
+
+    def __post_init__(self) -> None:
+        if self.page_bytes <= 0 or self.page_bytes % 4096:
+            raise ValueError("protection.page_bytes must be a positive multiple of 4096")
+        if self.chunk_bytes <= 0 or self.page_bytes % self.chunk_bytes or self.chunk_bytes % 64:
+            raise ValueError(
+                "protection.chunk_bytes must be a multiple of 64 that divides page_bytes"
+            )
+        if self.stripe_pages < 1 or self.parity_pages < 1 or self.second_tier_pages < 1:
+            raise ValueError("protection: stripe_pages, parity_pages, second_tier_pages >= 1")
+        if 3 * self.stripe_pages + self.parity_pages > 256:
+            raise ValueError("protection: 3 * stripe_pages + parity_pages must be <= 256")
+
+
+@dataclass(kw_only=True, slots=True)
 class RecoveryConfig:
     mode: Literal["ckpt_restart"] = "ckpt_restart"
     """Recovery for trainer failures: ckpt_restart = restart every rank from the newest checkpoint."""
@@ -222,5 +250,7 @@ class JobConfig:
     """Periodic checkpoints (baseline recovery and fatal-failure fallback)."""
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     """How failures are detected and recovered."""
+    protection: ProtectionConfig = field(default_factory=ProtectionConfig)
+    """Pages, protection groups and update chunks of the retained state."""
     inject: list[str] = field(default_factory=list)
     """Faults to inject, e.g. "kill:rank=1,iter=12,phase=update" (see unbroken.inject)."""

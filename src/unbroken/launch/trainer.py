@@ -67,6 +67,7 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None) -> int:
     from unbroken.metrics.log import JsonlLog
     from unbroken.train import Trainer
     from unbroken.train.build import build_training
+    from unbroken.update import PlainUpdater
 
     cfg = config_from_dict(JobConfig, spec.config, "<spec>")
     run_dir = Path(spec.run_dir)
@@ -154,6 +155,7 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None) -> int:
         device=device,
         autocast_dtype=autocast,
         hooks=hooks,
+        updater=PlainUpdater(state, built.geometry, built.step),
         loss_fn=built.loss_fn,
     )
 

@@ -23,9 +23,11 @@ from unbroken.errors import UserError
 from unbroken.model import FlatLayout, build_model, init_parameters, materialize, resolve_args
 from unbroken.model.flat import bind_grads
 from unbroken.train.loop import BatchSource, LossFn, reference_loss
+from unbroken.train.optim import AdamW
 from unbroken.train.state import TrainState
+from unbroken.update import ChunkStep, StateGeometry
 
-__all__ = ["Built", "build_training", "import_object", "user_loss"]
+__all__ = ["Built", "build_training", "import_object", "state_geometry", "user_loss"]
 
 
 @dataclass(slots=True)
@@ -34,6 +36,18 @@ class Built:
     state: TrainState
     source: BatchSource
     loss_fn: LossFn
+    geometry: StateGeometry
+    step: ChunkStep
+
+
+def state_geometry(cfg: JobConfig, numel: int) -> StateGeometry:
+    p = cfg.protection
+    return StateGeometry(
+        numel=numel,
+        page_bytes=p.page_bytes,
+        stripe_pages=p.stripe_pages,
+        chunk_bytes=p.chunk_bytes,
+    )
 
 
 def import_object(path: str, what: str, search: Iterable[str] = ()) -> Any:
@@ -72,10 +86,29 @@ def user_loss(model: nn.Module, mb: Any, device: torch.device) -> torch.Tensor:
 
 
 def build_training(
-    cfg: JobConfig, *, n_shards: int, device: torch.device, search: Iterable[str] = ()
+    cfg: JobConfig,
+    *,
+    n_shards: int,
+    device: torch.device,
+    search: Iterable[str] = (),
+    allocate=None,
 ) -> Built:
-    """Build the model in flat storage, the state buffers and the data source."""
+    """Build the model in flat storage, the state buffers and the data source.
+
+    Args:
+        allocate: `(layout, geometry, device) -> (TrainState, fresh)` providing the buffers
+            (the state manager's retained memory); default: fresh local tensors. When the
+            buffers are not fresh (a replacement trainer reattaching), nothing is initialized.
+    """
     search = list(search)
+
+    def make_state(layout: FlatLayout) -> tuple[TrainState, bool, StateGeometry]:
+        geometry = state_geometry(cfg, layout.numel)
+        if allocate is None:
+            return TrainState.allocate(layout, device, geometry.padded_numel), True, geometry
+        state, fresh = allocate(layout, geometry, device)
+        return state, fresh, geometry
+
     if cfg.model.factory:
         factory = import_object(cfg.model.factory, "model.factory", search)
         with torch.random.fork_rng(devices=[]):
@@ -84,18 +117,20 @@ def build_training(
         if not isinstance(model, nn.Module):
             raise UserError(f"model.factory {cfg.model.factory!r} must return a torch.nn.Module")
         layout = FlatLayout.of(model)
-        state = TrainState.allocate(layout, device)
-        views = layout.views(state.params)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                views[name].copy_(p.detach())
+        state, fresh, geometry = make_state(layout)
+        if fresh:
+            views = layout.views(state.params)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    views[name].copy_(p.detach())
         model.to(device)
         loss_fn: LossFn = user_loss
     else:
         model = build_model(resolve_args(cfg.model), device="meta")
         layout = FlatLayout.of(model)
-        state = TrainState.allocate(layout, device)
-        init_parameters(layout, state.params, std=cfg.train.init_std, seed=cfg.train.seed)
+        state, fresh, geometry = make_state(layout)
+        if fresh:
+            init_parameters(layout, state.params, std=cfg.train.init_std, seed=cfg.train.seed)
         loss_fn = reference_loss
     materialize(model, layout, state.params)
     bind_grads(model, layout, state.grads)
@@ -111,4 +146,7 @@ def build_training(
         except ValueError as exc:
             raise UserError(f"data: {exc}") from None
         source = Sampler(stream, n_shards, cfg.data.microbatches)
-    return Built(model=model, state=state, source=source, loss_fn=loss_fn)
+    step = ChunkStep(geometry, AdamW.from_config(cfg.train), layout.decay_end)
+    return Built(
+        model=model, state=state, source=source, loss_fn=loss_fn, geometry=geometry, step=step
+    )

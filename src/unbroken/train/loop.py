@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from unbroken.config import TrainConfig
-from unbroken.train.optim import AdamW, lr_at
+from unbroken.train.optim import lr_at
 from unbroken.train.phases import Phase, PhaseHook
 from unbroken.train.state import TrainState
 
@@ -83,7 +83,8 @@ class Trainer:
         device: where to compute.
         autocast_dtype: bf16 on GPU, None for fp32.
         hooks: called at the start of every phase step.
-        update_chunk: elements per optimizer chunk.
+        updater: runs the update phase chunk by chunk (`unbroken.update`); protection, undo and
+            the progress marker live there.
     """
 
     def __init__(
@@ -98,7 +99,7 @@ class Trainer:
         device: torch.device,
         autocast_dtype: torch.dtype | None = None,
         hooks: Sequence[PhaseHook] = (),
-        update_chunk: int = 1 << 18,
+        updater: Any,
         loss_fn: LossFn = reference_loss,
     ) -> None:
         self.model = model
@@ -111,16 +112,8 @@ class Trainer:
         self.device = device
         self.autocast_dtype = autocast_dtype
         self.hooks = list(hooks)
-        self.optimizer = AdamW.from_config(cfg)
-        self.chunks = self._chunks(state.layout.numel, state.layout.decay_end, update_chunk)
+        self.updater = updater
         self.dp = dist.get_world_size(group) if group is not None else 1
-
-    @staticmethod
-    def _chunks(numel: int, decay_end: int, size: int) -> list[tuple[int, int, bool]]:
-        chunks = []
-        for lo, hi, decay in ((0, decay_end, True), (decay_end, numel, False)):
-            chunks += [(a, min(a + size, hi), decay) for a in range(lo, hi, size)]
-        return chunks
 
     def _hook(self, phase: Phase, iteration: int, step: int = 0, n_steps: int = 1) -> None:
         for hook in self.hooks:
@@ -132,7 +125,8 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def compute(self, iteration: int) -> tuple[float, int, tuple[tuple[int, ...], ...]]:
-        """Forward/backward over this shard's micro-batches; gradients into the flat buffer."""
+        """Forward/backward over this shard's micro-batches, then the data-parallel gradient
+        average (DDP-style, still the compute phase: a crash here redoes the iteration)."""
         self.state.grads.zero_()
         batches = self.source.iteration(iteration, self.shard)
         total, tokens = 0.0, 0
@@ -144,18 +138,21 @@ class Trainer:
             loss.backward()
             total += float(loss.detach())
             tokens += int(getattr(mb, "n_tokens", 0))
+        grads = self.state.grads
+        if self.group is not None and self.dp > 1:
+            for a in range(0, grads.numel(), _REDUCE_BUCKET):
+                dist.all_reduce(grads[a : a + _REDUCE_BUCKET], group=self.group)
+            grads.div_(self.dp)
         return total, tokens, tuple(tuple(getattr(mb, "doc_lengths", ())) for mb in batches)
 
     def sync(self, iteration: int, local_loss: float) -> tuple[float, float, float]:
-        """Average gradients over replicas; returns (loss, grad_norm, clip factor)."""
+        """Global synchronization: no rank passes it before every rank has protected its
+        gradients; agrees on the loss. Returns (loss, grad_norm, clip factor)."""
         self._hook(Phase.SYNC, iteration)
         grads = self.state.grads
         loss_t = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
         if self.group is not None and self.dp > 1:
-            for a in range(0, grads.numel(), _REDUCE_BUCKET):
-                dist.all_reduce(grads[a : a + _REDUCE_BUCKET], group=self.group)
             dist.all_reduce(loss_t, group=self.group)
-            grads.div_(self.dp)
             loss_t.div_(self.dp)
         norm = float(torch.linalg.vector_norm(grads, dtype=torch.float32))
         clip = self.cfg.grad_clip
@@ -163,30 +160,21 @@ class Trainer:
         return float(loss_t), norm, scale
 
     def update(self, iteration: int, lr: float, grad_scale: float) -> None:
-        """AdamW chunk by chunk over the flat state."""
-        s = self.state
-        for c, (a, b, decay) in enumerate(self.chunks):
-            self._hook(Phase.UPDATE, iteration, c, len(self.chunks))
-            self.optimizer.update_range(
-                s.params[a:b],
-                s.grads[a:b],
-                s.exp_avg[a:b],
-                s.exp_avg_sq[a:b],
-                step=iteration + 1,
-                lr=lr,
-                grad_scale=grad_scale,
-                decay=decay,
-            )
+        """AdamW chunk by chunk over the flat state (through the updater)."""
+        self.updater.update(iteration, lr=lr, grad_scale=grad_scale, hook=self._hook)
 
     def run_iteration(self, iteration: int) -> IterationResult:
         t0 = time.time()
         local_loss, tokens, lengths = self.compute(iteration)
         self._hook(Phase.PROTECT, iteration)
+        self.updater.protect(iteration)
         loss, norm, scale = self.sync(iteration, local_loss)
         lr = lr_at(self.cfg, iteration)
+        self.updater.record_sync(iteration, loss=loss, grad_norm=norm, grad_scale=scale, lr=lr)
         with torch.no_grad():
             self.update(iteration, lr, scale)
         self._hook(Phase.BOUNDARY, iteration)
+        self.updater.boundary(iteration)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return IterationResult(

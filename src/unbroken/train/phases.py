@@ -19,6 +19,13 @@ class Phase(enum.StrEnum):
     PROTECT = "protect"
     SYNC = "sync"
     UPDATE = "update"
+    """A chunk's optimizer update (after its undo copy, before the in-place step)."""
+    PARITY = "parity"
+    """A chunk's parity delta being computed into scratch (data already updated)."""
+    WRITEBACK = "writeback"
+    """Scratch parity being written back (first tier written, second tier not yet)."""
+    MARKER = "marker"
+    """Inside a progress-marker write (body written, checksum not yet)."""
     BOUNDARY = "boundary"
 
 

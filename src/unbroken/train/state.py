@@ -25,9 +25,14 @@ class TrainState:
     exp_avg_sq: torch.Tensor
 
     @classmethod
-    def allocate(cls, layout: FlatLayout, device: torch.device | str = "cpu") -> TrainState:
+    def allocate(
+        cls, layout: FlatLayout, device: torch.device | str = "cpu", numel: int | None = None
+    ) -> TrainState:
+        """Fresh zeroed buffers of `numel` elements each (default: the layout's, unpadded)."""
+        n = numel if numel is not None else layout.numel
+
         def buf() -> torch.Tensor:
-            return torch.zeros(layout.numel, dtype=torch.float32, device=device)
+            return torch.zeros(n, dtype=torch.float32, device=device)
 
         return cls(layout, buf(), buf(), buf(), buf())
 

@@ -1,0 +1,305 @@
+"""The Resumable Model Updater (Leto §5.2, Pseudocode 1): chunk-level transactions over
+retained, erasure-protected state.
+
+Per iteration: `protect` encodes the gradient groups (both tiers) before the global
+synchronization; `record_sync` writes the agreed statistics into the marker; `update` runs every
+chunk as a transaction (undo copy → in-place step → new parity range into scratch → write-back →
+commit); the marker is written after every operation. After a crash, `repair` brings the state
+back to a consistent boundary (undo restore or parity roll-forward, per the marker), rebuilds
+lost pages from parity (second tier first), and `update` resumes from the last committed chunk.
+
+State machine of one chunk (marker stage after each step; see `Stage`):
+
+    SYNCED(g, j) --undo copied--> CHUNK_UPDATING(g, j) --stepped, parity in scratch-->
+    PARITY_READY(g, j) --written back--> SYNCED(g, j+1)  (… IDLE(done_iter = t) after the last)
+
+Recovery per stage: SYNCED / GRADS_PROTECTED / IDLE need nothing; CHUNK_UPDATING restores the
+chunk from the undo buffer (its parity is still the committed one); PARITY_READY writes the
+scratch parity back (the chunk's data is already new). Either way data and parity then agree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from unbroken.config import ProtectionConfig
+from unbroken.erasure import ErasureGeometry, PageTable, ProtectionGroup, UnrecoverableError
+from unbroken.train.phases import Phase
+from unbroken.train.state import TrainState
+from unbroken.update.geometry import StateGeometry
+from unbroken.update.kernel import ChunkStep
+from unbroken.update.marker import MARKER_BYTES, MarkerState, ProgressMarker, Stage
+from unbroken.update.regions import MARKER_PAGE
+
+__all__ = ["RepairReport", "ResumableUpdater", "state_from_regions"]
+
+Hook = Callable[[Phase, int, int, int], None]
+
+
+def _noop(phase: Phase, iteration: int, step: int, n: int) -> None:
+    return None
+
+
+@dataclass(slots=True)
+class RepairReport:
+    lost_pages: dict[str, list[int]] = field(default_factory=dict)
+    fixup: str = "none"
+    reconstruct_ms: float = 0.0
+    groups_repaired: int = 0
+
+
+def state_from_regions(layout, geometry: StateGeometry, regions: dict[str, torch.Tensor]):
+    """TrainState whose buffers are views of the retained `model` and `grads` regions."""
+    n = geometry.padded_numel
+    model = regions["model"][: 3 * n * 4].view(torch.float32)
+    grads = regions["grads"][: n * 4].view(torch.float32)
+    return TrainState(layout, model[:n], grads, model[n : 2 * n], model[2 * n :])
+
+
+class ResumableUpdater:
+    """Crash-consistent update phase over retained regions (uint8 tensors by name)."""
+
+    def __init__(
+        self,
+        state: TrainState,
+        geometry: StateGeometry,
+        step: ChunkStep,
+        regions: dict[str, torch.Tensor],
+        prot: ProtectionConfig,
+        *,
+        backend: str = "auto",
+    ) -> None:
+        self.state = state
+        self.geometry = geometry
+        self.step = step
+        self.prot = prot
+        self.chunks = geometry.chunks()
+        self.hook: Hook = _noop
+        g, s = geometry, geometry.page_bytes
+        h1, h2, d = prot.parity_pages, prot.second_tier_pages, g.stripe_pages
+        self.h1, self.h2, self.d = h1, h2, d
+        self.model_pages = regions["model"][: 3 * g.segment_pages * s].view(-1, s)
+        self.grad_pages = regions["grads"][: g.segment_pages * s].view(-1, s)
+        par = regions["model_parity"][: g.groups * (h1 + h2) * s].view(g.groups, h1 + h2, s)
+        gpar = regions["grad_parity"][: g.groups * (h1 + h2) * s].view(g.groups, h1 + h2, s)
+        self.model_parity, self.grad_parity = par, gpar
+        model_geo = ErasureGeometry(
+            page_bytes=s, data_pages=3 * d, parity_pages=h1, second_tier_pages=h2
+        )
+        grad_geo = ErasureGeometry(
+            page_bytes=s, data_pages=d, parity_pages=h1, second_tier_pages=h2
+        )
+        seg = g.segment_pages
+        self.groups: list[ProtectionGroup] = []
+        self.grad_groups: list[ProtectionGroup] = []
+        for i in range(g.groups):
+            rows = [sg * seg + i * d + p for sg in range(3) for p in range(d)]
+            self.groups.append(
+                ProtectionGroup(
+                    model_geo,
+                    [self.model_pages[r] for r in rows],
+                    [par[i, r] for r in range(h1)],
+                    [par[i, h1 + r] for r in range(h2)],
+                    name=f"model/g{i}",
+                    backend=backend,
+                )
+            )
+            self.grad_groups.append(
+                ProtectionGroup(
+                    grad_geo,
+                    [self.grad_pages[i * d + p] for p in range(d)],
+                    [gpar[i, r] for r in range(h1)],
+                    [gpar[i, h1 + r] for r in range(h2)],
+                    name=f"grads/g{i}",
+                    backend=backend,
+                )
+            )
+        mk = regions["marker"][: 3 * MARKER_PAGE].view(3, MARKER_PAGE)
+        self.marker_group = ProtectionGroup(
+            ErasureGeometry(
+                page_bytes=MARKER_PAGE, data_pages=1, parity_pages=1, second_tier_pages=1
+            ),
+            [mk[0]],
+            [mk[1]],
+            [mk[2]],
+            name="marker",
+            backend=backend,
+        )
+        self.marker = ProgressMarker(mk[0][:MARKER_BYTES])
+        c = g.chunk_bytes
+        self.undo = regions["undo"][: 3 * d * c].view(3, d, c)
+        self.scratch = regions["scratch"][: (h1 + h2) * c].view(h1 + h2, c)
+        self.undo_table = PageTable([self.undo[a, b] for a in range(3) for b in range(d)])
+        self.s1_table = PageTable([self.scratch[r] for r in range(h1)])
+        self.s2_table = PageTable([self.scratch[h1 + r] for r in range(h2)])
+        # uint8 [segment_pages, S] views of the three segments, for chunk copies.
+        self.segments = [self.model_pages[sg * seg : (sg + 1) * seg] for sg in range(3)]
+
+    # -- marker ---------------------------------------------------------------------------
+    def _mark(self, **changes) -> MarkerState:
+        new = self.marker.write(**changes)
+        self.hook(Phase.MARKER, new.iteration, int(new.stage), len(Stage))
+        self.marker_group.encode()
+        return new
+
+    # -- steady state ---------------------------------------------------------------------
+    def initialize(self, done_iter: int) -> None:
+        """Encode all parity from the current state (fresh start or after a checkpoint load)."""
+        for group in self.groups:
+            group.encode()
+        self.marker.read()
+        self._mark(stage=Stage.IDLE, iteration=done_iter + 1, done_iter=done_iter, group=0, chunk=0)
+
+    def protect(self, iteration: int) -> None:
+        for group in self.grad_groups:
+            group.encode()
+        self._mark(stage=Stage.GRADS_PROTECTED, iteration=iteration)
+
+    def record_sync(
+        self, iteration: int, *, loss: float, grad_norm: float, grad_scale: float, lr: float
+    ) -> None:
+        self._mark(
+            stage=Stage.SYNCED,
+            iteration=iteration,
+            group=0,
+            chunk=0,
+            loss=loss,
+            grad_norm=grad_norm,
+            grad_scale=grad_scale,
+            lr=lr,
+        )
+
+    def boundary(self, iteration: int) -> None:
+        """The marker already says IDLE(done_iter = iteration) after the last chunk."""
+
+    def update(self, iteration: int, *, lr: float, grad_scale: float, hook: Hook) -> None:
+        """Run (or resume) the chunk transactions of `iteration` from the marker's position."""
+        st = self.marker.state
+        if st.stage is not Stage.SYNCED or st.iteration != iteration:
+            raise RuntimeError(f"update of {iteration} from marker {st}")
+        self.hook = hook
+        try:
+            start = st.group * self.geometry.chunks_per_group + st.chunk
+            for k in range(start, len(self.chunks)):
+                self._transaction(iteration, k, lr, grad_scale)
+        finally:
+            self.hook = _noop
+
+    def _chunk_data(self, sg: int, ref) -> torch.Tensor:
+        d = self.d
+        return self.segments[sg][ref.group * d : (ref.group + 1) * d, ref.byte_lo : ref.byte_hi]
+
+    def _transaction(self, iteration: int, k: int, lr: float, grad_scale: float) -> None:
+        ref, n = self.chunks[k], len(self.chunks)
+        x, c = ref.byte_lo, self.geometry.chunk_bytes
+        group = self.groups[ref.group]
+        for sg in range(3):
+            self.undo[sg].copy_(self._chunk_data(sg, ref))
+        self._mark(stage=Stage.CHUNK_UPDATING, group=ref.group, chunk=ref.chunk)
+        self.hook(Phase.UPDATE, iteration, k, n)
+        s = self.state
+        self.step(
+            ref,
+            s.params,
+            s.grads,
+            s.exp_avg,
+            s.exp_avg_sq,
+            step=iteration + 1,
+            lr=lr,
+            grad_scale=grad_scale,
+        )
+        self.hook(Phase.PARITY, iteration, k, n)
+        par = self.model_parity[ref.group]
+        self.scratch.copy_(par[:, x : x + c])
+        t1 = group.first_tier.slice(x, c)
+        group.first_tier_codec.update_from_old_new(
+            self.s1_table, self.undo_table, group.data.slice(x, c)
+        )
+        group.second_tier_codec.update_from_old_new(self.s2_table, t1, self.s1_table)
+        self._mark(stage=Stage.PARITY_READY)
+        self._write_back(ref, iteration, k)
+        self._commit(iteration, k)
+
+    def _write_back(self, ref, iteration: int = 0, k: int = 0) -> None:
+        x, c, h1 = ref.byte_lo, self.geometry.chunk_bytes, self.h1
+        par = self.model_parity[ref.group]
+        par[:h1, x : x + c].copy_(self.scratch[:h1])
+        self.hook(Phase.WRITEBACK, iteration, k, len(self.chunks))
+        par[h1:, x : x + c].copy_(self.scratch[h1:])
+
+    def _commit(self, iteration: int, k: int) -> None:
+        if k + 1 == len(self.chunks):
+            self._mark(stage=Stage.IDLE, done_iter=iteration, group=0, chunk=0)
+        else:
+            nxt = self.chunks[k + 1]
+            self._mark(stage=Stage.SYNCED, group=nxt.group, chunk=nxt.chunk)
+
+    # -- recovery -------------------------------------------------------------------------
+    def repair(self, lost: dict[str, list[int]]) -> RepairReport:
+        """Make retained state consistent and whole after a failure, before anything else
+        touches it: marker first, then the interrupted chunk, then lost pages from parity.
+
+        Args:
+            lost: region name -> indices of failed pages (in that region's pages), from the
+                state manager's localization (never from the injector).
+
+        Raises:
+            UnrecoverableError: more losses than parity can repair, a lost marker beyond its
+                parity, or a lost undo/scratch buffer that the interrupted chunk needs.
+        """
+        report = RepairReport(lost_pages={k: sorted(v) for k, v in lost.items() if v})
+        t0 = time.perf_counter()
+        if lost.get("marker"):
+            self.marker_group.reconstruct(lost["marker"])
+        st = self.marker.read()
+        if st is None:
+            raise UnrecoverableError(group="marker", lost=set(lost.get("marker", [])))
+        undo_lost, scratch_lost = bool(lost.get("undo")), bool(lost.get("scratch"))
+        if st.stage is Stage.CHUNK_UPDATING:
+            if undo_lost:
+                raise UnrecoverableError(group="undo", lost=set(lost["undo"]))
+            ref = self.chunks[st.group * self.geometry.chunks_per_group + st.chunk]
+            for sg in range(3):
+                self._chunk_data(sg, ref).copy_(self.undo[sg])
+            self._mark(stage=Stage.SYNCED)
+            report.fixup = f"restored chunk g{st.group}/c{st.chunk} from undo"
+        elif st.stage is Stage.PARITY_READY:
+            if scratch_lost:
+                raise UnrecoverableError(group="scratch", lost=set(lost["scratch"]))
+            k = st.group * self.geometry.chunks_per_group + st.chunk
+            self._write_back(self.chunks[k])
+            self._commit(st.iteration, k)
+            report.fixup = f"rolled chunk g{st.group}/c{st.chunk} parity forward"
+        report.groups_repaired += self._reconstruct(
+            self.groups, lost.get("model", []), lost.get("model_parity", []), 3
+        )
+        if self.marker.state.stage is not Stage.IDLE:
+            report.groups_repaired += self._reconstruct(
+                self.grad_groups, lost.get("grads", []), lost.get("grad_parity", []), 1
+            )
+        report.reconstruct_ms = (time.perf_counter() - t0) * 1e3
+        return report
+
+    def _reconstruct(
+        self, groups: list[ProtectionGroup], data_lost: list[int], parity_lost: list[int], segs: int
+    ) -> int:
+        g, d = self.geometry, self.d
+        per_group: dict[int, set[int]] = {}
+        for page in data_lost:
+            sg, p = divmod(page, g.segment_pages)
+            if sg >= segs:
+                continue
+            grp, pos = divmod(p, d)
+            per_group.setdefault(grp, set()).add(sg * d + pos)
+        width = self.h1 + self.h2
+        for page in parity_lost:
+            grp, r = divmod(page, width)
+            if grp < g.groups:
+                per_group.setdefault(grp, set()).add(segs * d + r)
+        for grp, pages in sorted(per_group.items()):
+            groups[grp].reconstruct(pages)
+        return len(per_group)
