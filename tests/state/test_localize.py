@@ -35,6 +35,7 @@ def test_localize_finds_exactly_the_punched_pages_and_remap_heals(client, seed):
     assert report.total == len(lost_model) + len(lost_parity)
     assert report.ms >= 0
 
+    assert not bool(model.page(lost_model[0]).any())  # real loss: the bytes are gone
     kept = [p for p in range(64) if p not in lost_model]
     for p in kept:  # survivors are intact (reading them is fine: they are not holes)
         assert torch.equal(model.page(p), before[p * PAGE : (p + 1) * PAGE])

@@ -14,6 +14,8 @@ import pytest
 
 from unbroken.state import RetainedClient, RetainedStateError
 
+from .conftest import manager_env
+
 PAGE = 64 * 1024
 
 
@@ -42,6 +44,7 @@ BAD_REQUESTS = [
     b"not json",
     b"[1, 2]",
     b"\xff\xfe",
+    b"[" * 200_000,  # nesting deep enough to exhaust the JSON parser's recursion
     {"no": "op"},
     {"op": "explode"},
     {"op": "allocate", "name": "model", "nbytes": "lots", "page_bytes": PAGE, "protected": True},
@@ -95,6 +98,26 @@ def test_bad_frame_length_drops_only_that_client(manager, raw):
     with RetainedClient(manager[1]) as client:
         assert client.list() == []
     assert manager[0].poll() is None
+
+
+def test_stale_socket_is_replaced_and_a_live_one_is_kept(run_dir, spawn_manager):
+    path = run_dir / "rmp" / "rank0.sock"
+    path.parent.mkdir()
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))  # left behind by a manager that was SIGKILLed
+    stale.close()
+    proc, _ = spawn_manager()
+    second = subprocess.run(
+        [sys.executable, "-m", "unbroken.state.manager", "--socket", str(path)],
+        env=manager_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert second.returncode == 2 and "another state manager is serving" in second.stderr
+    with RetainedClient(path) as client:
+        assert client.list() == []
+    assert proc.poll() is None
 
 
 def _nobody() -> tuple[int, int]:

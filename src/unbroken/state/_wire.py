@@ -88,7 +88,7 @@ class FrameReader:
 def _decode(body: bytes) -> dict[str, Any] | FrameError:
     try:
         message = json.loads(body.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         return FrameError(f"frame is not JSON: {exc}")
     if not isinstance(message, dict):
         return FrameError("frame is not a JSON object")

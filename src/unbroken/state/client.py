@@ -112,6 +112,10 @@ class RetainedRegion:
 class RetainedClient:
     """A connection to one rank's state manager.
 
+    Not thread-safe: one request is in flight at a time (the fds that arrive with a reply are
+    matched to it by order). Regions are mapped once per client; allocating or attaching a
+    region this client already maps returns the same `RetainedRegion`.
+
     Args:
         socket_path: the manager's socket.
         timeout_s: how long to wait for the socket to appear and for each reply.

@@ -152,7 +152,15 @@ class StateManager:
             conn, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        cred = peer_credentials(conn)
+        except OSError as exc:  # e.g. EMFILE: refuse this client, keep the state
+            log.error("rank %d: accept failed: %s", self.rank, exc)
+            return
+        try:
+            cred = peer_credentials(conn)
+        except OSError as exc:
+            log.warning("rank %d: rejected a client without credentials: %s", self.rank, exc)
+            conn.close()
+            return
         if cred.uid != self.uid:
             log.warning(
                 "rank %d: rejected pid %d: uid %d is not the manager's uid %d",
@@ -222,9 +230,18 @@ class StateManager:
                 ):
                     raise PoolError(f"names must be a list of region names, got {names!r}")
                 lost, ms = self.pool.localize(names)
+                if any(lost.values()):
+                    log.warning(
+                        "rank %d: localized %d lost pages in %.1f ms: %s",
+                        self.rank,
+                        sum(map(len, lost.values())),
+                        ms,
+                        {name: pages for name, pages in lost.items() if pages},
+                    )
                 return {"ok": True, "lost": lost, "ms": ms}, []
             if op == "remap":
                 ms = self.pool.remap(frame.get("name"), frame.get("pages"))
+                log.info("rank %d: remapped %s in %.1f ms", self.rank, frame.get("name"), ms)
                 return {"ok": True, "ms": ms}, []
             if op == "free":
                 self.pool.free(frame.get("name"))
@@ -239,6 +256,11 @@ class StateManager:
         except OSError as exc:
             log.error("rank %d: %s failed: %s", self.rank, op, exc)
             return _error(f"{op} failed: {exc}"), []
+        except Exception as exc:
+            # A bug must not take the retained state down with the manager: log it loudly
+            # (with its traceback) and refuse only this request.
+            log.exception("rank %d: internal error serving %r", self.rank, op)
+            return _error(f"internal error in {op}: {exc!r}"), []
 
     def _drop(self, conn: socket.socket, reason: str | None) -> None:
         if reason:
