@@ -140,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
         return _list()
     if args.validate:
         return _validate(args)
-    from unbroken.sim.report import format_table, json_document, write_chart
-    from unbroken.sim.scenario import evaluate, load_scenario
+    from unbroken.sim.report import format_table, format_workloads, json_document, write_chart
+    from unbroken.sim.scenario import evaluate, load_scenario, workload_summary
     from unbroken.sim.trace import read_trace
 
     scenario = load_scenario(preset=args.preset, config=args.config)
@@ -176,8 +176,11 @@ def run(args: argparse.Namespace) -> int:
         title = f"unbroken simulate: {scenario.name} (closed-form ETTR, Leto App. C.3)"
         write_chart(rows, png, title)
         print(f"chart: {png}", file=sys.stderr)
+    workloads = [workload_summary(w) for w in scenario.workloads]
     if args.json:
-        print(json.dumps(json_document(rows, skipped, scenario.name), indent=1))
+        print(json.dumps(json_document(rows, skipped, scenario.name, workloads), indent=1))
     else:
+        print(format_workloads(workloads))
+        print()
         print(format_table(rows, skipped))
     return 0

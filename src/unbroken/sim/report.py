@@ -10,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["advantage_lines", "format_table", "json_document", "write_chart"]
+__all__ = ["advantage_lines", "format_table", "format_workloads", "json_document", "write_chart"]
 
 _POLICY_ORDER = ("inplace", "gemini+", "gemini", "jit")
 _COLORS = {"inplace": "#1b7837", "gemini+": "#2166ac", "gemini": "#92c5de", "jit": "#d6604d"}
@@ -101,17 +101,39 @@ def advantage_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def format_workloads(workloads: list[dict[str, Any]]) -> str:
+    """One line per workload: the T_iter terms and the checkpoint/RMU costs behind the rows."""
+    lines = []
+    for w in workloads:
+        line = f"{w['model']} on {w['hardware']}, {w['gpus']} GPUs: T_iter {w['t_iter_s']:.2f}s"
+        if "t_pipeline_s" in w:
+            line += (
+                f" = pipeline {w['t_pipeline_s']:.2f} + sync {w['t_sync_s']:.3f} (serial "
+                f"{w['t_sync_serial_s']:.3f}, exposed {w['exposed_s']:.3f}) + update "
+                f"{w['t_update_s']:.3f}"
+            )
+        line += (
+            f"; T_ckpt {w['t_ckpt_s']:.2f}s, remote load {w['load_remote_s']:.2f}s, "
+            f"RMU omega {w['omega'] * 100:.2f}%"
+        )
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def json_document(
-    rows: list[dict[str, Any]], skipped: list[dict[str, Any]], name: str
+    rows: list[dict[str, Any]],
+    skipped: list[dict[str, Any]],
+    name: str,
+    workloads: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The `--json` document: {"scenario", "rows", "skipped"}."""
+    """The `--json` document: {"scenario", "rows", "skipped", "workloads"}."""
     clean = []
     for r in rows:
         row = dict(r)
         if row.get("ettr_des_ci95") is not None:
             row["ettr_des_ci95"] = list(row["ettr_des_ci95"])
         clean.append(row)
-    return {"scenario": name, "rows": clean, "skipped": skipped}
+    return {"scenario": name, "rows": clean, "skipped": skipped, "workloads": workloads or []}
 
 
 def write_chart(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path:

@@ -27,7 +27,7 @@ from unbroken.sim.analytic import (
 )
 from unbroken.sim.des import Failure, simulate, simulate_once
 from unbroken.sim.ettr import OVERLAP_LIMIT, closed_form
-from unbroken.sim.itertime import iteration_time
+from unbroken.sim.itertime import IterationBreakdown, iteration_time
 from unbroken.sim.policy import POLICIES, FailureMix, RecoveryConfig, StepCosts, policy_terms
 from unbroken.sim.presets import load_hardware, load_model
 from unbroken.sim.profile import load_profile
@@ -43,6 +43,7 @@ __all__ = [
     "load_scenario",
     "preset_names",
     "workload_steps",
+    "workload_summary",
 ]
 
 
@@ -130,6 +131,8 @@ class Workload:
     """Hardware name ("profile" for a measured profile)."""
     steps: StepCosts
     """What the policies combine: T_iter, T_ckpt, loads, RMU time."""
+    breakdown: IterationBreakdown | None = None
+    """The terms of the modelled T_iter (None when T_iter was given as a measurement)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -162,9 +165,9 @@ def workload_steps(
     """Resolve a model on a cluster into `StepCosts` through the analytic model."""
     model, par = load_model(model_spec, parallel, where=f"{where}.model")
     hw = load_hardware(hardware_spec, where=f"{where}.hardware")
-    t_iter = iteration_time(analytic_inputs(hw, model, par)).iter_s
+    breakdown = iteration_time(analytic_inputs(hw, model, par))
     steps = StepCosts(
-        t_iter_s=t_iter,
+        t_iter_s=breakdown.iter_s,
         t_ckpt_s=checkpoint_save_s(hw, model, par),
         load_remote_s=checkpoint_load_s(hw, model, par, remote=True),
         load_local_s=checkpoint_load_s(hw, model, par, remote=False),
@@ -172,7 +175,9 @@ def workload_steps(
         gpus=par.world,
         replicated_optimizer=not par.sharded_optimizer,
     )
-    return Workload(label=model.name, gpus=par.world, hardware=hw.name, steps=steps)
+    return Workload(
+        label=model.name, gpus=par.world, hardware=hw.name, steps=steps, breakdown=breakdown
+    )
 
 
 def _measured(steps: StepCosts, t_iter_s: float, t_ckpt_s: float) -> StepCosts:
@@ -221,10 +226,16 @@ def scenario_from_table(raw: dict[str, Any], where: str, base: Path) -> Scenario
         w_where = f"{where} [[workload]] #{i + 1}"
         wc = build(WorkloadConfig, table, w_where)
         if wc.profile:
-            _, steps = load_profile(base / wc.profile)
+            inputs, steps = load_profile(base / wc.profile)
             label = wc.label or Path(wc.profile).stem
             workloads.append(
-                Workload(label=label, gpus=steps.gpus, hardware="profile", steps=steps)
+                Workload(
+                    label=label,
+                    gpus=steps.gpus,
+                    hardware="profile",
+                    steps=steps,
+                    breakdown=iteration_time(inputs),
+                )
             )
             continue
         if wc.model is None or wc.hardware is None:
@@ -234,6 +245,8 @@ def scenario_from_table(raw: dict[str, Any], where: str, base: Path) -> Scenario
             wl.label = wc.label
         if wc.t_iter_s or wc.t_ckpt_s:
             wl.steps = _measured(wl.steps, wc.t_iter_s, wc.t_ckpt_s)
+            if wc.t_iter_s:
+                wl.breakdown = None
         workloads.append(wl)
     trace = read_trace(base / sweep.trace) if sweep.trace else None
     return Scenario(
@@ -244,6 +257,30 @@ def scenario_from_table(raw: dict[str, Any], where: str, base: Path) -> Scenario
         sim=sim,
         trace=trace,
     )
+
+
+def workload_summary(wl: Workload) -> dict[str, Any]:
+    """The per-workload terms behind the rows: T_iter breakdown, T_ckpt, loads, omega."""
+    out: dict[str, Any] = {
+        "model": wl.label,
+        "gpus": wl.gpus,
+        "hardware": wl.hardware,
+        "t_iter_s": wl.steps.t_iter_s,
+        "t_ckpt_s": wl.steps.t_ckpt_s,
+        "load_remote_s": wl.steps.load_remote_s,
+        "load_local_s": wl.steps.load_local_s,
+        "omega": wl.steps.rmu_s / wl.steps.t_iter_s,
+    }
+    if wl.breakdown is not None:
+        b = wl.breakdown
+        out.update(
+            t_pipeline_s=b.pipeline_s,
+            t_sync_s=b.sync_s,
+            t_sync_serial_s=b.sync_serial_s,
+            exposed_s=b.exposed_s,
+            t_update_s=b.update_s,
+        )
+    return out
 
 
 def preset_names() -> list[str]:
