@@ -107,6 +107,8 @@ def recv_reply(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
         while True:
             data, got, _flags, _addr = socket.recv_fds(sock, 65536, _MAX_FDS)
             fds.extend(got)
+            for fd in got:  # SCM_RIGHTS fds arrive inheritable; keep them out of exec'd children
+                os.set_inheritable(fd, False)
             if not data:
                 raise FrameError("state manager closed the connection")
             frames = reader.feed(data)

@@ -24,6 +24,12 @@ with `SO_PEERCRED` on every connection; logged and closed); outlive its parent (
 `os.getppid()` — not `PR_SET_PDEATHSIG`, which fires when the spawning *thread* exits and would
 throw away retained state when an agent spawns from a worker thread).
 
+Localization (`unbroken.state.localize`): memfd holes via `SEEK_HOLE` always; in addition an
+madvise(MADV_POPULATE_READ) scan with bisection on EHWPOISON where the kernel has
+``CONFIG_MEMORY_FAILURE`` (probed once at start). On the CI kernel MADV_HWPOISON is EINVAL, so
+only the hole scan runs there and page loss is injected by punching holes
+(`unbroken.state.pageloss`).
+
 Single-threaded `selectors` loop: requests are short (localize ≈ 7 ms per GiB), and one thread
 means no locking around the pool.
 """
