@@ -124,11 +124,12 @@ class _Schedule:
     """The deterministic timeline from a restart: iterations j0+1, j0+2, ... with a blocking
     checkpoint after every iteration that is a multiple of I (and one at j0 when `first_ckpt`)."""
 
-    __slots__ = ("a", "c", "first_ckpt", "interval", "j0", "t0")
+    __slots__ = ("a", "c", "first_ckpt", "interval", "j0", "pauses", "t0")
 
     def __init__(self, t0: float, j0: int, a: float, c: float, interval: int, first: bool):
         self.t0, self.j0, self.a, self.c, self.interval = t0, j0, a, c, interval
         self.first_ckpt = first
+        self.pauses: list[tuple[float, float]] = []  # (from time, delay), in time order
 
     def _ckpts_between(self, lo: int, hi: int) -> int:
         """Checkpoints after iterations in (lo, hi]."""
@@ -141,11 +142,16 @@ class _Schedule:
         if k <= self.j0:
             return self.t0
         base = self.t0 + (self.c if self.first_ckpt else 0.0)
-        return base + (k - self.j0) * self.a + self.c * self._ckpts_between(self.j0, k - 1)
+        end = base + (k - self.j0) * self.a + self.c * self._ckpts_between(self.j0, k - 1)
+        for start, delay in self.pauses:
+            if end > start:
+                end += delay
+        return end
 
     def completed(self, t: float) -> int:
         """Largest k >= j0 with end(k) <= t."""
         lo, hi = self.j0, self.j0 + max(1, math.ceil((t - self.t0) / self.a)) + 1
+        # end(k) >= t0 + (k - j0) a, so no k above hi can be complete by t.
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.end(mid) <= t:
@@ -171,7 +177,6 @@ class _Replay:
         self.slow_detect_s, self.slow_factor = rec_slow
         self.sched = _Schedule(0.0, 0, self.a, self.c, self.interval, False)
         self.last_usable = 0  # the initial state is restorable
-        self.rec_from = -1.0  # start of the recovery in progress (if sched.t0 > now)
         self.failures = dict.fromkeys(KINDS, 0)
         self.overlapping = 0
         self.lost = 0.0
@@ -240,11 +245,10 @@ class _Replay:
         Returns:
             The eviction time (when the caller must inject the crash).
         """
+        # Work finished before t keeps its time; everything after is delayed by the work the
+        # slowed window loses, (1 - 1/factor) of it: the window as a pause of equal cost.
         delay = self.slow_detect_s * (1.0 - 1.0 / self.slow_factor)
-        s = self.sched
-        self.sched = _Schedule(s.t0 + delay, s.j0, s.a, s.c, s.interval, s.first_ckpt)
-        # Work completed before t keeps its time: shifting the segment start approximates
-        # the slowed window by a pause of equal lost work (see docs, fail-slow).
+        self.sched.pauses.append((max(t, self.sched.t0), delay))
         return t + self.slow_detect_s
 
     def handle(self, t: float, kind: str) -> float | None:
