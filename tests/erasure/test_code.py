@@ -187,3 +187,11 @@ def test_native_staged_and_multi_pass_paths_are_exact(isa, k, m, length):
     np.testing.assert_array_equal(
         parity[:, 64:], gf256.matmul(gf256.cauchy_matrix(k, m), old ^ new)
     )
+
+
+def test_unrecoverable_error_survives_pickling():
+    import pickle
+
+    error = UnrecoverableError(group="g1", lost={5, 2}, detail="why")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.group, copy.lost, str(copy)) == ("g1", (2, 5), str(error))
