@@ -10,8 +10,10 @@ the buffers allow it. Calls are asynchronous like any CUDA op on the current str
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
-import triton
+import triton  # noqa: F401  (no Triton: fail at import, so `auto` skips this backend)
 
 from unbroken.erasure import gf256
 from unbroken.erasure._buffers import PageTable
@@ -33,6 +35,11 @@ DEFAULT_TUNING = {
 }
 """Launch parameters, chosen by `python -m unbroken.erasure._cuda_tuning` on an H200."""
 _CACHE_LIMIT = 64
+
+
+def _cdiv(a: int, b: int) -> int:
+    # Not triton.cdiv: on the host it goes through Triton's JIT wrapper (~10 µs a call).
+    return -(-a // b)
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -162,22 +169,23 @@ class TritonCodec(Codec):
         rows, cols = coefficients.shape
         src = self._pointers(sources)
         src2 = self._pointers(xor_sources) if xor_sources is not None else src
-        aligned = (
-            length % 4 == 0
-            and dest_offset % 4 == 0
-            and not (sources.ptrs % 4).any()
-            and not (dests.ptrs % 4).any()
-            and (xor_sources is None or not (xor_sources.ptrs % 4).any())
-        )
+        low_bits = int(np.bitwise_or.reduce(sources.ptrs)) | int(np.bitwise_or.reduce(dests.ptrs))
+        if xor_sources is not None:
+            low_bits |= int(np.bitwise_or.reduce(xor_sources.ptrs))
+        aligned = (low_bits | length | dest_offset) % 4 == 0
         kernel = self.kernel
         if kernel == "auto":
             kernel = "xor" if aligned else "tc"
         if kernel == "xor" and not aligned:
             raise ValueError(f"{self.name}: the xor kernel needs 4-byte aligned pages and ranges")
-        with self._torch.cuda.device(self._device):
+        same_device = self._torch.cuda.current_device() == self._device.index
+        with contextlib.nullcontext() if same_device else self._torch.cuda.device(self._device):
             for r0 in range(0, rows, 16):
-                block = np.ascontiguousarray(coefficients[r0 : r0 + 16])
-                dst_table = dests if rows <= 16 else dests.take(range(r0, r0 + block.shape[0]))
+                if rows <= 16:
+                    block, dst_table = coefficients, dests
+                else:
+                    block = np.ascontiguousarray(coefficients[r0 : r0 + 16])
+                    dst_table = dests.take(range(r0, r0 + block.shape[0]))
                 self._launch(
                     kernels,
                     kernel,
@@ -201,7 +209,7 @@ class TritonCodec(Codec):
             rows_p2 = _pow2_at_least(rows, 2)
             bits = self._operand("tc", block, rows_p2)
             block_n = t["tc_block"]
-            grid = (triton.cdiv(length, block_n),)
+            grid = (_cdiv(length, block_n),)
             kernels.gf_matmul_tc[grid](
                 src,
                 src2,
@@ -226,12 +234,12 @@ class TritonCodec(Codec):
             # Small pages: shrink the word block, then split the columns, until the grid can
             # fill the machine (about `xor_fill` programs).
             block_w = t["xor_block"]
-            while block_w > t["xor_min_block"] and triton.cdiv(words, block_w) < t["xor_fill"] // 2:
+            while block_w > t["xor_min_block"] and _cdiv(words, block_w) < t["xor_fill"] // 2:
                 block_w //= 2
-            blocks = triton.cdiv(words, block_w)
+            blocks = _cdiv(words, block_w)
             splits = max(1, min(t["xor_fill"] // blocks, cols // t["xor_min_cols"]))
-            per_split = triton.cdiv(cols, splits)
-            splits = triton.cdiv(cols, per_split)
+            per_split = _cdiv(cols, splits)
+            splits = _cdiv(cols, per_split)
             common = {
                 "ROWS_P2": rows_p2,
                 "BLOCK_W": block_w,
