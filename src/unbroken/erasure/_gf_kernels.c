@@ -284,18 +284,22 @@ AVX2_TARGET UB_INLINE void avx2_rows(const int R, const int fused, int cols, con
     }
 }
 
+#define AVX2_CASE(R, LABEL)                                                                  \
+    LABEL:                                                                                   \
+        if (src2)                                                                            \
+            avx2_rows(R, 1, cols, tables, src, src2, dst, len, off, accumulate);             \
+        else                                                                                 \
+            avx2_rows(R, 0, cols, tables, src, src2, dst, len, off, accumulate);             \
+        break;
+
 AVX2_TARGET static void avx2_block(int R, int cols, const uint8_t *tables,
                                    const uint8_t *const *src, const uint8_t *const *src2,
                                    uint8_t *const *dst, size_t len, size_t off, int accumulate) {
     switch (R) {
-    case 1: if (src2) avx2_rows(1, 1, cols, tables, src, src2, dst, len, off, accumulate);
-            else avx2_rows(1, 0, cols, tables, src, src2, dst, len, off, accumulate); break;
-    case 2: if (src2) avx2_rows(2, 1, cols, tables, src, src2, dst, len, off, accumulate);
-            else avx2_rows(2, 0, cols, tables, src, src2, dst, len, off, accumulate); break;
-    case 3: if (src2) avx2_rows(3, 1, cols, tables, src, src2, dst, len, off, accumulate);
-            else avx2_rows(3, 0, cols, tables, src, src2, dst, len, off, accumulate); break;
-    default: if (src2) avx2_rows(4, 1, cols, tables, src, src2, dst, len, off, accumulate);
-             else avx2_rows(4, 0, cols, tables, src, src2, dst, len, off, accumulate); break;
+        AVX2_CASE(1, case 1)
+        AVX2_CASE(2, case 2)
+        AVX2_CASE(3, case 3)
+        AVX2_CASE(4, default)
     }
 }
 
