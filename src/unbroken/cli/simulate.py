@@ -10,12 +10,13 @@ import re
 import sys
 import time
 from pathlib import Path
+from types import MappingProxyType
 
 from unbroken.errors import UserError
 
 __all__ = ["add_parser", "run"]
 
-_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+_UNITS = MappingProxyType({"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0})
 
 
 def _durations(text: str) -> list[float]:

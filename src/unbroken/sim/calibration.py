@@ -15,6 +15,7 @@ module derives). Inputs, all measured on the paper's 64-GPU p4d testbed (§8.1):
 from __future__ import annotations
 
 import statistics
+from types import MappingProxyType
 
 from unbroken.sim.policy import RecoveryConfig
 from unbroken.sim.presets import load_hardware, load_model
@@ -22,14 +23,16 @@ from unbroken.sim.workload import place
 
 __all__ = ["KIMI", "derive_ckpt_net_fraction", "derive_recovery", "measured_ckpt_s"]
 
-KIMI = {
-    "t_iter_s": 9.097,  # Table 6, measured
-    "gemini_interval": {600.0: 11, 1800.0: 19, 3600.0: 27},  # Table 4
-    "init_gemini_s": 59.0,  # Table 3
-    "init_gemini_plus_s": 35.0,  # Table 3
-    "init_leto_s": (15.0, 13.0),  # Table 3, intervals 11 and 32
-    "detect_s": 1.0,  # §8.1: "detects termination in under 1 s"
-}
+KIMI = MappingProxyType(
+    {
+        "t_iter_s": 9.097,  # Table 6, measured
+        "gemini_interval": {600.0: 11, 1800.0: 19, 3600.0: 27},  # Table 4
+        "init_gemini_s": 59.0,  # Table 3
+        "init_gemini_plus_s": 35.0,  # Table 3
+        "init_leto_s": (15.0, 13.0),  # Table 3, intervals 11 and 32
+        "detect_s": 1.0,  # §8.1: "detects termination in under 1 s"
+    }
+)
 
 
 def measured_ckpt_s() -> float:

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 __all__ = ["advantage_lines", "format_table", "format_workloads", "json_document", "write_chart"]
 
 _POLICY_ORDER = ("inplace", "gemini+", "gemini", "jit")
-_COLORS = {"inplace": "#1b7837", "gemini+": "#2166ac", "gemini": "#92c5de", "jit": "#d6604d"}
+_COLORS = MappingProxyType(
+    {"inplace": "#1b7837", "gemini+": "#2166ac", "gemini": "#92c5de", "jit": "#d6604d"}
+)
 
 
 _NOTES = (

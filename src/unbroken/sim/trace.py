@@ -11,21 +11,24 @@ from __future__ import annotations
 import csv
 import math
 from pathlib import Path
+from types import MappingProxyType
 
 from unbroken.errors import UserError
 from unbroken.sim.des import Failure
 
 __all__ = ["KIND_ALIASES", "read_trace", "write_trace"]
 
-KIND_ALIASES = {
-    "hof": "hof",
-    "ff": "fatal",
-    "fatal": "fatal",
-    "fatal-failure": "fatal",
-    "fail-slow": "fail-slow",
-    "failslow": "fail-slow",
-    "slow": "fail-slow",
-}
+KIND_ALIASES = MappingProxyType(
+    {
+        "hof": "hof",
+        "ff": "fatal",
+        "fatal": "fatal",
+        "fatal-failure": "fatal",
+        "fail-slow": "fail-slow",
+        "failslow": "fail-slow",
+        "slow": "fail-slow",
+    }
+)
 
 
 def read_trace(path: str | Path) -> list[Failure]:

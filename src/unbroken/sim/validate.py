@@ -17,6 +17,7 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from unbroken.errors import UserError
@@ -30,7 +31,9 @@ __all__ = ["Validation", "validate_run"]
 IN_PLACE_MODES = ("inplace", "in_place", "replan")
 # Where in an iteration each phase sits, as a fraction of the iteration (used only when the
 # injection event lacks `iter_t_start`).
-PHASE_FRACTION = {"forward": 0.25, "backward": 0.6, "sync": 0.85, "update": 0.9, "boundary": 0.99}
+PHASE_FRACTION = MappingProxyType(
+    {"forward": 0.25, "backward": 0.6, "sync": 0.85, "update": 0.9, "boundary": 0.99}
+)
 
 
 @dataclass(kw_only=True, slots=True)
