@@ -182,10 +182,10 @@ def validate_run(run_dir: str | Path) -> Validation:
     for inj, rec in zip(injected, done, strict=False):
         kind = "hof" if rec.get("mode") in IN_PLACE_MODES else "fatal"
         # Measured initialization: fault until training resumes (includes detection).
-        init = rec.get("init_s")
-        if init is None:
-            init = rec.get("detect_s", 0.0) + rec.get("init_s", 0.0)
-        inits[kind].append(float(init))
+        if rec.get("init_s") is None:
+            raise UserError(f"{root}: a recovery_done event lacks init_s")
+        init = float(rec["init_s"])
+        inits[kind].append(init)
         started = inj.get("iter_t_start")
         if started:
             frac = (inj["t"] - started) / (t_iter * (1.0 + omega))
@@ -200,7 +200,7 @@ def validate_run(run_dir: str | Path) -> Validation:
                 "fraction": frac,
                 "kind": kind,
                 "mode": rec.get("mode"),
-                "init_s": float(init),
+                "init_s": init,
                 "recompute_s": rec.get("recompute_s"),
             }
         )
