@@ -100,3 +100,9 @@ def test_cli_table(capsys):
     assert main(["simulate", "--preset", "leto-fig14", "--no-png", "--policies", "inplace"]) == 0
     out = capsys.readouterr().out
     assert "deepseek-v4" in out and "131072" in out
+
+
+def test_recovery_breakdown_adds_up(rows):
+    for r in rows[0]:
+        for kind, parts in r["recovery_by_kind"].items():
+            assert sum(parts.values()) == pytest.approx(r["t_rec_by_kind_s"][kind])

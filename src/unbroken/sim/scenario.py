@@ -372,6 +372,15 @@ def evaluate(
                     "ckpt_interval": interval,
                     "t_eff_s": cf.t_eff_s,
                     "t_rec_by_kind_s": cf.t_rec_by_kind,
+                    "recovery_by_kind": {
+                        k: {
+                            "detect_s": terms.costs[k].detect_s,
+                            "init_s": terms.costs[k].init_s,
+                            "recompute_s": terms.costs[k].lost_iters * cf.t_eff_s,
+                            "degraded_s": terms.costs[k].degraded_s,
+                        }
+                        for k in cf.t_rec_by_kind
+                    },
                     "hardware": wl.hardware,
                     "warnings": list(cf.warnings),
                 }
