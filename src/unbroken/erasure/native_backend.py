@@ -3,7 +3,8 @@
 The C file is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) into
 a per-user cache (``$UNBROKEN_CACHE_DIR`` or ``~/.cache/unbroken``), keyed by a hash of the source
 and flags (``$UNBROKEN_ERASURE_CFLAGS`` adds flags, e.g. ``-DUB_STAGE_SLICE=2048`` for tuning),
-and written by atomic rename so concurrent first uses are safe. No compiler means
+and written by atomic rename so concurrent first uses are safe. An unwritable cache falls back to
+``$TMPDIR/unbroken-<uid>``. No compiler means
 `NativeUnavailableError`; `get_codec` then falls back to ISA-L or numpy. ctypes releases the GIL
 for the duration of each kernel call.
 """
@@ -14,6 +15,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -65,29 +67,21 @@ def load_library() -> ctypes.CDLL:
     """
     source = _SOURCE.read_bytes()
     flags = (*_FLAGS, *os.environ.get("UNBROKEN_ERASURE_CFLAGS", "").split())
-    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"gf_kernels-{digest}.so"
-    if not target.exists():
-        compiler = _compiler()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
+    key = b"\0".join([source, " ".join(flags).encode(), platform.machine().encode()])
+    name = f"gf_kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"unbroken-{os.getuid()}"):
+        target = directory / name
+        if target.exists():
+            break
         try:
-            result = subprocess.run(
-                [compiler, *flags, "-o", tmp, str(_SOURCE)],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if result.returncode != 0:
-                raise NativeUnavailableError(
-                    f"unbroken.erasure: building {_SOURCE.name} with {compiler} failed:\n"
-                    f"{result.stderr.strip()}"
-                )
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue  # an unwritable cache: try the next place
+        if os.access(directory, os.W_OK):
+            _build(_compiler(), flags, target)
+            break
+    else:
+        raise NativeUnavailableError("unbroken.erasure: no writable directory for the kernel cache")
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
@@ -110,6 +104,29 @@ def load_library() -> ctypes.CDLL:
         ctypes.c_int,
     ]
     return lib
+
+
+def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+    """Compile the kernel into ``target`` through a private temporary file and an atomic rename,
+    so concurrent first uses in several processes never load a half-written library."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *flags, "-o", tmp, str(_SOURCE)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise NativeUnavailableError(
+                f"unbroken.erasure: building {_SOURCE.name} with {compiler} failed:\n"
+                f"{result.stderr.strip()}"
+            )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def best_isa() -> str:
