@@ -195,3 +195,29 @@ def test_unrecoverable_error_survives_pickling():
     error = UnrecoverableError(group="g1", lost={5, 2}, detail="why")
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.group, copy.lost, str(copy)) == ("g1", (2, 5), str(error))
+
+
+def test_pages_in_a_shared_memfd_mapping_are_coded_in_place():
+    import mmap
+    import os
+
+    page = 4096
+    fd = os.memfd_create("erasure-test")
+    try:
+        os.ftruncate(fd, 6 * page)
+        with mmap.mmap(fd, 6 * page) as mapping:
+            view = memoryview(mapping)
+            pages = [view[i * page : (i + 1) * page] for i in range(6)]
+            rng = np.random.default_rng(4)
+            for p in pages[:4]:
+                p[:] = rng.integers(0, 256, page, dtype=np.uint8).tobytes()
+            codec = get_codec(4, 2)
+            codec.encode(pages[:4], pages[4:])
+            truth = bytes(mapping)
+            pages[1][:] = bytes(page)
+            pages[5][:] = bytes(page)
+            codec.reconstruct(pages, [1, 5])
+            assert bytes(mapping) == truth
+            del pages, view, p  # release every export before the mapping closes
+    finally:
+        os.close(fd)
