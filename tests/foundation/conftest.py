@@ -12,13 +12,19 @@ from unbroken.config import (
     JobConfig,
     ModelConfig,
     ParallelConfig,
+    ProtectionConfig,
     RecoveryConfig,
     TrainConfig,
 )
 
 
 def tiny_job(
-    *, world_size: int = 2, iterations: int = 10, inject=(), interval: int = 3
+    *,
+    world_size: int = 2,
+    iterations: int = 10,
+    inject=(),
+    interval: int = 3,
+    mode: str = "inplace",
 ) -> JobConfig:
     return JobConfig(
         model=ModelConfig(preset="tiny"),
@@ -26,7 +32,10 @@ def tiny_job(
         train=TrainConfig(iterations=iterations, lr=1e-3),
         parallel=ParallelConfig(world_size=world_size),
         checkpoint=CheckpointConfig(interval=interval),
-        recovery=RecoveryConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5),
+        recovery=RecoveryConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5, mode=mode),
+        protection=ProtectionConfig(
+            page_bytes=8192, stripe_pages=2, parity_pages=3, chunk_bytes=2048
+        ),
         inject=list(inject),
     )
 

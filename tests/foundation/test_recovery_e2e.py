@@ -36,7 +36,7 @@ def test_kill_in_every_phase_recovers_bit_exact_by_checkpoint_restart(tmp_path):
     # One fault per phase, each in a different iteration; checkpoints every 3 iterations, so
     # every recovery reloads an older state and recomputes.
     faults = [f"kill:rank={i % 2},iter={2 + 2 * i},phase={p}" for i, p in enumerate(PHASES)]
-    cfg = tiny_job(iterations=14, inject=faults, interval=3)
+    cfg = tiny_job(iterations=14, inject=faults, interval=3, mode="ckpt_restart")
     s = run_job(cfg, tmp_path, reference=True, quiet=True)
     assert s["state"] == "done"
     assert s["failures_injected"] == 6
@@ -60,7 +60,7 @@ def test_kill_in_every_phase_recovers_bit_exact_by_checkpoint_restart(tmp_path):
 
 def test_hang_and_exception_are_detected_and_recovered(tmp_path):
     faults = ["hang:rank=1,iter=3,phase=sync", "exception:rank=0,iter=6,phase=backward"]
-    cfg = tiny_job(iterations=8, inject=faults, interval=2)
+    cfg = tiny_job(iterations=8, inject=faults, interval=2, mode="ckpt_restart")
     s = run_job(cfg, tmp_path, reference=True, quiet=True)
     assert s["failures_recovered"] == 2 and s["bit_exact"] is True
     hang, exc = sorted(s["recoveries"], key=lambda r: r["iteration"])

@@ -1,9 +1,10 @@
 """`unbroken demo`: the main job on the embedded default, end to end.
 
 The small reference model on 4 local CPU ranks (gloo): first a fault-free reference run, then
-the same job with injected failures (a crash in the middle of the optimizer update, an exception
-in the backward pass and, without --quick, a hung rank), recovered by the configured recovery,
-and a table comparing the two. Exit status 0 only when every injected failure was recovered and
+the same job with injected failures — a crash in the middle of the optimizer update, a crash with
+lost retained pages during the parity write-back, an exception in the backward pass and, without
+--quick, a hung rank, a page loss beyond parity tolerance (checkpoint fallback) and a crash
+inside a progress-marker write — recovered in place, and a table comparing the two. Exit status 0 only when every injected failure was recovered and
 the final state is bit-identical to the reference.
 """
 
@@ -33,17 +34,23 @@ def demo_config(quick: bool) -> JobConfig:
     iterations = 30 if quick else 60
     faults = [
         "kill:rank=1,iter=8,phase=update",
-        "exception:rank=2,iter=19,phase=backward",
+        "pageloss:rank=2,iter=15,phase=writeback,pages=2,parity=1",
+        "exception:rank=0,iter=22,phase=backward",
     ]
     if not quick:
-        faults += ["hang:rank=3,iter=33,phase=sync", "kill:rank=0,iter=47,phase=forward"]
+        faults += [
+            "hang:rank=3,iter=33,phase=sync",
+            # More pages than the first tier tolerates: detected, recovered by checkpoint.
+            "pageloss:rank=1,iter=45,phase=parity,pages=6",
+            "kill:rank=0,iter=52,phase=marker",
+        ]
     return JobConfig(
         model=ModelConfig(preset="small"),
         data=DataConfig(tokens_per_microbatch=256, microbatches=2),
         train=TrainConfig(iterations=iterations, lr=1e-3),
         parallel=ParallelConfig(world_size=4),
         checkpoint=CheckpointConfig(mttf_s=10.0),
-        recovery=RecoveryConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0),
+        recovery=RecoveryConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0),
         inject=faults,
     )
 

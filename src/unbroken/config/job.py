@@ -214,8 +214,10 @@ class ProtectionConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RecoveryConfig:
-    mode: Literal["ckpt_restart"] = "ckpt_restart"
-    """Recovery for trainer failures: ckpt_restart = restart every rank from the newest checkpoint."""
+    mode: Literal["inplace", "ckpt_restart"] = "inplace"
+    """Recovery for hardware-operable failures: inplace = new trainers reattach to the retained,
+    parity-protected state (checkpoint fallback when it is beyond repair); ckpt_restart = restart
+    every rank from the newest checkpoint (the baseline)."""
     max_restarts: int = 20
     """Give up after this many recoveries in one run."""
     heartbeat_interval_s: float = 0.1

@@ -20,6 +20,8 @@ class FaultKind(enum.StrEnum):
     """Raise an exception out of the training loop (the trainer exits non-zero)."""
     SLOW = "slow"
     """Slow the trainer's compute by `factor` from the trigger on (fail-slow)."""
+    PAGELOSS = "pageloss"
+    """Destroy retained pages (memfd holes) of one protection group, then SIGKILL."""
 
 
 class InjectedFault(RuntimeError):
@@ -38,6 +40,12 @@ class FaultSpec:
     """Fire this many seconds after the job's first iteration started (instead of iteration)."""
     factor: float = 1.0
     """Slow-down factor for `slow`."""
+    pages: int = 0
+    """`pageloss`: data pages of one protection group to destroy."""
+    parity: int = 0
+    """`pageloss`: first-tier parity pages of the same group to destroy."""
+    group: int | None = None
+    """`pageloss`: which protection group (default: drawn from the fault's key)."""
 
     @property
     def key(self) -> str:
@@ -56,6 +64,12 @@ class FaultSpec:
             parts.append(f"at={self.at_s:g}")
         if self.kind is FaultKind.SLOW:
             parts.append(f"factor={self.factor:g}")
+        if self.kind is FaultKind.PAGELOSS:
+            parts.append(f"pages={self.pages}")
+            if self.parity:
+                parts.append(f"parity={self.parity}")
+            if self.group is not None:
+                parts.append(f"group={self.group}")
         return f"{self.kind.value}:{','.join(parts)}"
 
 
@@ -79,7 +93,7 @@ def parse_fault(spec: str) -> FaultSpec:
         if not eq:
             raise UserError(f"fault {spec!r}: expected key=value, got {item!r}")
         fields[name.strip()] = value.strip()
-    known = {"rank", "iter", "phase", "step", "at", "factor"}
+    known = {"rank", "iter", "phase", "step", "at", "factor", "pages", "parity", "group"}
     if unknown := set(fields) - known:
         raise UserError(
             f"fault {spec!r}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}"
@@ -91,12 +105,17 @@ def parse_fault(spec: str) -> FaultSpec:
         at_s = float(fields["at"]) if "at" in fields else None
         factor = float(fields.get("factor", "1"))
         phase = Phase(fields["phase"]) if "phase" in fields else None
+        pages = int(fields.get("pages", "0"))
+        parity = int(fields.get("parity", "0"))
+        group = int(fields["group"]) if "group" in fields else None
     except KeyError:
         raise UserError(f"fault {spec!r}: 'rank=' is required") from None
     except ValueError as exc:
         raise UserError(f"fault {spec!r}: {exc}") from None
     if (iteration is None) == (at_s is None):
         raise UserError(f"fault {spec!r}: give exactly one trigger, iter=I or at=SECONDS")
+    if kind is FaultKind.PAGELOSS and pages + parity < 1:
+        raise UserError(f"fault {spec!r}: pageloss needs pages=N and/or parity=N")
     if kind is FaultKind.SLOW and factor <= 1.0:
         raise UserError(f"fault {spec!r}: slow needs factor > 1")
     if rank < 0 or (iteration is not None and iteration < 0):
@@ -104,5 +123,14 @@ def parse_fault(spec: str) -> FaultSpec:
     if iteration is not None and phase is None:
         phase = Phase.FORWARD
     return FaultSpec(
-        kind=kind, rank=rank, iteration=iteration, phase=phase, step=step, at_s=at_s, factor=factor
+        kind=kind,
+        rank=rank,
+        iteration=iteration,
+        phase=phase,
+        step=step,
+        at_s=at_s,
+        factor=factor,
+        pages=pages,
+        parity=parity,
+        group=group,
     )

@@ -48,6 +48,8 @@ class Injector:
         self.job_t0 = job_t0
         self.iteration_start = time.time()
         self.slow_factor = 1.0
+        self.page_loss = None
+        """`pageloss` target: fault -> {region: pages destroyed} (set by in-place trainers)."""
         self._phase_start = time.perf_counter()
 
     def _fired(self, fault: FaultSpec) -> bool:
@@ -73,6 +75,11 @@ class Injector:
 
     def _fire(self, fault: FaultSpec, phase: Phase, iteration: int, step: int) -> None:
         self.store.set(f"inject/{fault.key}", str(time.time()))
+        destroyed = None
+        if fault.kind is FaultKind.PAGELOSS:
+            if self.page_loss is None:
+                raise InjectedFault(f"{fault.text()}: no retained memory (recovery.mode)")
+            destroyed = self.page_loss(fault)
         self.emit(
             "failure_injected",
             rank=self.rank,
@@ -82,8 +89,9 @@ class Injector:
             fault=fault.kind.value,
             spec=fault.text(),
             iter_t_start=self.iteration_start,
+            pages=destroyed,
         )
-        if fault.kind is FaultKind.KILL:
+        if fault.kind in (FaultKind.KILL, FaultKind.PAGELOSS):
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind is FaultKind.HANG:
             os.kill(os.getpid(), signal.SIGSTOP)

@@ -41,6 +41,16 @@ class TrainerProc:
     last_beat: float | None = None
     reported: bool = False
     info: dict = field(default_factory=dict)
+    log: str | None = None
+
+    def last_words(self) -> str:
+        """The last line the trainer wrote to its log (why it died, if it said)."""
+        if not self.log or not os.path.exists(self.log):
+            return ""
+        with open(self.log, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(self.log) - 2048))
+            lines = [ln for ln in fh.read().decode(errors="replace").splitlines() if ln.strip()]
+        return lines[-1][:300] if lines else ""
 
 
 class Agent:
@@ -50,12 +60,29 @@ class Agent:
         self.hb = hb
         self.hb_addr = hb_addr
         self.trainers: dict[int, TrainerProc] = {}
+        self.state_managers: dict[int, subprocess.Popen] = {}
         self.heartbeat_timeout_s = 2.0
         self.running = True
 
     # -- commands -------------------------------------------------------------------------
+    def ensure_state_managers(self, sockets: dict[str, str]) -> None:
+        """One state manager per rank, started once and kept across trainer generations (they
+        own the retained memory); they exit with the agent."""
+        for rank_s, path in sockets.items():
+            rank = int(rank_s)
+            proc = self.state_managers.get(rank)
+            if proc is None or proc.poll() is not None:
+                cmd = [sys.executable, "-m", "unbroken.state.manager", "--socket", path]
+                cmd += ["--rank", str(rank)]
+                with open(f"{path}.log", "ab") as log:  # keep the terminal for progress
+                    self.state_managers[rank] = subprocess.Popen(
+                        cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+                    )
+
     def start(self, msg: dict) -> None:
         self.heartbeat_timeout_s = float(msg["heartbeat_timeout_s"])
+        if msg.get("state_managers"):
+            self.ensure_state_managers(msg["state_managers"])
         now = time.time()
         for rank in msg["ranks"]:
             cmd = [
@@ -69,18 +96,32 @@ class Agent:
                 "--heartbeat",
                 self.hb_addr,
             ]
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-            self.trainers[rank] = TrainerProc(rank, msg["generation"], proc, now)
+            log_path = None
+            if msg.get("log_dir"):
+                os.makedirs(msg["log_dir"], exist_ok=True)
+                log_path = os.path.join(msg["log_dir"], f"gen{msg['generation']}-rank{rank}.log")
+                with open(log_path, "ab") as log:
+                    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            else:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+            self.trainers[rank] = TrainerProc(rank, msg["generation"], proc, now, log=log_path)
         self.channel.send("started", generation=msg["generation"], t=time.time())
 
     def kill_all(self) -> None:
-        """SIGKILL every trainer (stopped ones too) and reap them."""
+        """SIGKILL every trainer (stopped ones too) and reap them. State managers stay."""
         for t in self.trainers.values():
             if t.proc.poll() is None:
                 t.proc.send_signal(signal.SIGKILL)
         for t in self.trainers.values():
             t.proc.wait()
         self.trainers.clear()
+
+    def kill_state_managers(self) -> None:
+        for proc in self.state_managers.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        self.state_managers.clear()
 
     def stop(self, msg: dict) -> None:
         t0 = time.time()
@@ -114,7 +155,12 @@ class Agent:
             if code is not None:
                 t.reported = True
                 self.channel.send(
-                    "rank_exit", rank=t.rank, generation=t.generation, returncode=code, t=now
+                    "rank_exit",
+                    rank=t.rank,
+                    generation=t.generation,
+                    returncode=code,
+                    t=now,
+                    said=t.last_words() if code else "",
                 )
                 continue
             last = t.last_beat if t.last_beat is not None else t.spawned
@@ -141,6 +187,7 @@ class Agent:
             self.stop(msg)
         elif op == "shutdown":
             self.kill_all()
+            self.kill_state_managers()
             self.running = False
 
     def serve(self) -> None:
@@ -158,6 +205,7 @@ class Agent:
                     if not data:
                         # Coordinator gone: nothing may run unsupervised.
                         self.kill_all()
+                        self.kill_state_managers()
                         return
                     for msg in self.channel.feed(data):
                         self.handle(msg)
@@ -188,10 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     except ProtocolError as exc:
         print(f"unbroken-agent: rejected a control message: {exc}", file=sys.stderr)
         agent.kill_all()
+        agent.kill_state_managers()
         return 1
     except (ConnectionError, OSError) as exc:
         print(f"unbroken-agent: lost the coordinator: {exc}", file=sys.stderr)
         agent.kill_all()
+        agent.kill_state_managers()
         return 1
     return 0
 

@@ -93,6 +93,7 @@ class Coordinator:
         self._metrics_seen = 0
         self._pending_recoveries: list[dict[str, Any]] = []
         self._done_reason = ""
+        self._metrics_at_start = 0
 
     # -- setup --------------------------------------------------------------------------
     def _start_services(self) -> None:
@@ -125,7 +126,17 @@ class Coordinator:
             stdin=subprocess.DEVNULL,
         )
 
-    def _write_spec(self, generation: int, resume: bool) -> Path:
+    def _state_sockets(self) -> dict[str, str]:
+        if self.cfg.recovery.mode != "inplace":
+            return {}
+        root = self.run_dir / "rmp"
+        root.mkdir(exist_ok=True)
+        return {
+            str(r): str(root / f"{self.run_name}-rank{r}.sock")
+            for r in range(self.cfg.parallel.world_size)
+        }
+
+    def _write_spec(self, generation: int, resume: bool, recovery: str) -> Path:
         spec = GenerationSpec(
             config=to_dict(self.cfg),
             run_dir=str(self.run_dir),
@@ -136,6 +147,8 @@ class Coordinator:
             world_size=self.cfg.parallel.world_size,
             resume=resume,
             search_path=self.search_path,
+            recovery=recovery,
+            state_sockets=self._state_sockets(),
         )
         path = self.run_dir / "specs" / f"{self.run_name}-gen{generation}.json"
         path.parent.mkdir(exist_ok=True)
@@ -148,15 +161,20 @@ class Coordinator:
             return
         assert self.agent is not None
         if action.op == "start":
-            spec = self._write_spec(action.generation, action.resume)
+            spec = self._write_spec(action.generation, action.resume, action.recovery)
+            self._metrics_at_start = self._metrics_seen
             if action.resume:
-                self.events.emit("recovery_start", mode=self.fsm.mode, generation=action.generation)
+                self.events.emit(
+                    "recovery_start", mode=action.recovery, generation=action.generation
+                )
             self.agent.channel.send(
                 "start",
                 generation=action.generation,
                 spec=str(spec),
                 ranks=list(range(self.cfg.parallel.world_size)),
                 heartbeat_timeout_s=self.cfg.recovery.heartbeat_timeout_s,
+                state_managers=self._state_sockets(),
+                log_dir=str(self.run_dir / "logs" / self.run_name),
             )
         elif action.op == "stop":
             self.agent.channel.send("stop", generation=action.generation)
@@ -192,6 +210,9 @@ class Coordinator:
             t_detected=msg["t"],
         )
         self._last_failure_t = msg["t"]
+        self.fsm.note_progress(
+            progressed=self._metrics_seen > self._metrics_at_start, injected=inj is not None
+        )
         self.progress.say(
             f"failure detected: rank {msg['rank']} {reason}"
             + (f" ({detect_s * 1000:.0f} ms after injection)" if detect_s is not None else "")
@@ -223,7 +244,10 @@ class Coordinator:
                     in (RecoveryState.RUNNING, RecoveryState.STARTING, RecoveryState.RESTARTING)
                 )
             ):
-                self._failure(msg, f"exited with status {msg['returncode']}")
+                said = msg.get("said") or ""
+                self._failure(
+                    msg, f"exited with status {msg['returncode']}" + (f": {said}" if said else "")
+                )
             self._execute(self.fsm.on_rank_exit(msg["rank"], msg["generation"], msg["returncode"]))
         elif op == "rank_hung":
             if msg["generation"] == self.fsm.generation and self.fsm.state in (
@@ -294,21 +318,23 @@ class Coordinator:
         if not self._pending_recoveries:
             return
         inj = self._pending_recoveries[0]
-        if m["iter"] != inj["iter"] or m["t_start"] <= inj["t"]:
+        if m["iter"] < inj["iter"] or m["t_start"] <= inj["t"]:
             return
         self._pending_recoveries.pop(0)
         events = [
             e for e in read_jsonl(self.run_dir / "events.jsonl") if e.get("run") == self.run_name
         ]
-        found = [r for r in analyze_run(rows, events) if r.iteration == inj["iter"]]
-        restored = next(
-            (e["restored_iter"] for e in reversed(events) if e["kind"] == "trainer_ready"), None
-        )
+        found = [
+            r
+            for r in analyze_run(rows, events)
+            if r.iteration == inj["iter"] and r.rank == inj["rank"]
+        ]
         if found:
             r = found[-1]
+            restored = r.restored_iter
             self.events.emit(
                 "recovery_done",
-                mode=self.fsm.mode,
+                mode=r.mode,
                 rank=r.rank,
                 detect_s=r.detect_s,
                 init_s=r.init_s,
@@ -318,7 +344,7 @@ class Coordinator:
                 restored_iter=restored,
             )
             self.progress.say(
-                f"recovered ({self.fsm.mode}) from iteration {restored}: "
+                f"recovered ({r.mode}) at iteration {restored}: "
                 f"detect {r.detect_s:.3f}s, init {r.init_s:.2f}s, "
                 f"recompute {r.recompute_s:.2f}s, total {r.total_s:.2f}s"
             )

@@ -1,9 +1,11 @@
-"""The trainer process of one rank: joins its generation's process group, builds or restores
-the flat state, and runs iterations with phase hooks (heartbeat, fault injection, checkpoints).
+"""The trainer process of one rank: joins its generation's process group, obtains its state
+(fresh, retained and repaired in place, or from a checkpoint), and runs iterations with phase
+hooks (heartbeat, fault injection) and periodic checkpoints.
 
 Run by the agent as `python -m unbroken.launch.trainer --spec SPEC --rank R --heartbeat ADDR`.
-SPEC is the JSON the coordinator writes for each generation (see `GenerationSpec`). Exit status
-0 = all iterations done; anything else is a failure for the agent to report.
+SPEC is the JSON the coordinator writes for each generation (`GenerationSpec`). Exit status:
+0 = all iterations done; `FATAL_EXIT` = retained state beyond in-place repair (the coordinator
+falls back to checkpoint-restart); anything else is a failure for the agent to report.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,10 @@ class GenerationSpec:
     world_size: int
     resume: bool
     search_path: list[str]
+    recovery: str = "fresh"
+    """fresh (generation 0), inplace, or ckpt_restart."""
+    state_sockets: dict[str, str] = field(default_factory=dict)
+    """rank -> state manager socket (in-place mode)."""
 
     def to_json(self) -> str:
         return json.dumps({s: getattr(self, s) for s in self.__slots__}, indent=1)
@@ -59,12 +65,12 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None) -> int:
     import torch
     import torch.distributed as dist
 
-    from unbroken.checkpoint import find_latest_valid, load_checkpoint, save_checkpoint
-    from unbroken.checkpoint.interval import young_interval
     from unbroken.config import JobConfig, config_from_dict
     from unbroken.inject import Injector, parse_fault
     from unbroken.launch.heartbeat import Heartbeat
+    from unbroken.launch.restore import restore_state
     from unbroken.metrics.log import JsonlLog
+    from unbroken.recovery import FATAL_EXIT
     from unbroken.train import Trainer
     from unbroken.train.build import build_training
     from unbroken.update import PlainUpdater
@@ -97,46 +103,28 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None) -> int:
     group = dist.group.WORLD
     t_group = time.time()
 
-    built = build_training(cfg, n_shards=cfg.parallel.dp, device=device, search=spec.search_path)
+    retained = None
+    if cfg.recovery.mode == "inplace":
+        from unbroken.launch.retained import RetainedState
+        from unbroken.state.client import RetainedClient
+
+        retained = RetainedState(cfg, RetainedClient(spec.state_sockets[str(rank)], timeout_s=60))
+    built = build_training(
+        cfg,
+        n_shards=cfg.parallel.dp,
+        device=device,
+        search=spec.search_path,
+        allocate=retained.allocate if retained else None,
+    )
     state = built.state
-    autocast = None
-    if device.type == "cuda" and cfg.train.precision in ("auto", "bf16"):
-        autocast = torch.bfloat16
+    if retained is not None:
+        from unbroken.update.rmu import ResumableUpdater
 
-    ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints" / spec.run_name)
-    start_iter = 0
-    if spec.resume and cfg.checkpoint.enabled:
-        holder: list[Any] = [None]
-        if rank == 0:
-
-            def skipped(info, reason):
-                events.emit("checkpoint_skipped", path=str(info.path), reason=reason)
-
-            found = find_latest_valid(ckpt_root, on_skip=skipped)
-            holder[0] = str(found.path) if found else None
-        dist.broadcast_object_list(holder, src=0, group=group)
-        if holder[0] is not None:
-            from unbroken.checkpoint.dcp import CheckpointInfo
-
-            path = Path(holder[0])
-            t0 = time.time()
-            start_iter = load_checkpoint(
-                CheckpointInfo(path, int(path.name[5:])), state, group=group
-            )
-            if rank == 0:
-                events.emit(
-                    "checkpoint_loaded",
-                    iter=start_iter,
-                    seconds=time.time() - t0,
-                    generation=spec.generation,
-                )
-    if rank == 0:
-        events.emit(
-            "trainer_ready",
-            generation=spec.generation,
-            restored_iter=start_iter,
-            group_s=t_group,
+        updater = ResumableUpdater(
+            state, built.geometry, built.step, retained.tensors(), cfg.protection
         )
+    else:
+        updater = PlainUpdater(state, built.geometry, built.step)
 
     job_t0_key = "job/t0"
     if rank == 0 and not store.check([job_t0_key]):
@@ -144,7 +132,12 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None) -> int:
     job_t0 = float(store.get(job_t0_key).decode())
     faults = [parse_fault(f) for f in cfg.inject]
     injector = Injector(faults, rank, store, events.emit, job_t0)
+    if retained is not None:
+        injector.page_loss = retained.page_loss_target(built.geometry)
     hooks = [injector] + ([hb] if hb else [])
+    autocast = None
+    if device.type == "cuda" and cfg.train.precision in ("auto", "bf16"):
+        autocast = torch.bfloat16
     trainer = Trainer(
         model=built.model,
         state=state,
@@ -155,24 +148,55 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None) -> int:
         device=device,
         autocast_dtype=autocast,
         hooks=hooks,
-        updater=PlainUpdater(state, built.geometry, built.step),
+        updater=updater,
         loss_fn=built.loss_fn,
     )
 
+    outcome = restore_state(
+        spec=spec,
+        cfg=cfg,
+        rank=rank,
+        built=built,
+        updater=updater,
+        retained=retained,
+        group=group,
+        events=events,
+        hook=trainer._hook,
+    )
+    if outcome is None:
+        return FATAL_EXIT
+    start_iter, ckpt = outcome
+    if rank == 0:
+        events.emit(
+            "trainer_ready",
+            generation=spec.generation,
+            restored_iter=start_iter,
+            recovery=spec.recovery,
+            group_s=t_group,
+        )
+    _train_loop(cfg, spec, rank, trainer, start_iter, ckpt, store, group, events, metrics)
+    dist.barrier(group=group)
+    if rank == 0:
+        events.emit("trainer_done", generation=spec.generation, final_state_hash=state.state_hash())
+    if hb:
+        # Tell the agent we are exiting on purpose; it allows the slow teardown of the group.
+        hb.phase = "exiting"
+        hb.beat()
+    dist.destroy_process_group()
+    return 0
+
+
+def _train_loop(cfg, spec, rank, trainer, start_iter, ckpt, store, group, events, metrics) -> None:
+    from unbroken.checkpoint import save_checkpoint
+    from unbroken.checkpoint.interval import young_interval
+
+    state = trainer.state
     interval_key = "ckpt/interval"
     interval = cfg.checkpoint.interval or None
-    ckpt_cost = 0.0
-    if cfg.checkpoint.enabled and start_iter == 0 and not spec.resume:
-        ckpt_cost = save_checkpoint(
-            ckpt_root, state, 0, group=group, rank=rank, keep=cfg.checkpoint.keep
-        )
-        if rank == 0:
-            events.emit("checkpoint_saved", iter=0, seconds=ckpt_cost)
     if interval is None and store.check([interval_key]):
         interval = int(store.get(interval_key).decode())
-    if rank == 0 and not store.check(["ckpt/cost_s"]) and ckpt_cost:
-        store.set("ckpt/cost_s", repr(ckpt_cost))
-
+    if rank == 0 and not store.check(["ckpt/cost_s"]) and ckpt.cost_s:
+        store.set("ckpt/cost_s", repr(ckpt.cost_s))
     healthy: list[float] = []
     total = cfg.train.iterations
     for it in range(start_iter, total):
@@ -198,7 +222,7 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None) -> int:
                 interval = int(store.get(interval_key).decode())
             if interval and (it + 1) % interval == 0 and it + 1 < total:
                 ckpt_s = save_checkpoint(
-                    ckpt_root, state, it + 1, group=group, rank=rank, keep=cfg.checkpoint.keep
+                    ckpt.root, state, it + 1, group=group, rank=rank, keep=cfg.checkpoint.keep
                 )
                 if rank == 0:
                     events.emit("checkpoint_saved", iter=it + 1, seconds=ckpt_s)
@@ -221,15 +245,6 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None) -> int:
                     "doc_lengths": [list(x) for x in result.doc_lengths],
                 }
             )
-    dist.barrier(group=group)
-    if rank == 0:
-        events.emit("trainer_done", generation=spec.generation, final_state_hash=state.state_hash())
-    if hb:
-        # Tell the agent we are exiting on purpose; it allows the slow teardown of the group.
-        hb.phase = "exiting"
-        hb.beat()
-    dist.destroy_process_group()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

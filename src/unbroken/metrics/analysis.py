@@ -80,20 +80,29 @@ def analyze_run(
         detected = next(
             (e for e in events if e["kind"] == "failure_detected" and e["t"] >= t_fault), None
         )
-        done = next((e for e in events if e["kind"] == "recovery_done" and e["t"] >= t_fault), None)
         after = [m for m in metrics if m["t_start"] > t_fault]
-        redone = next((m for m in after if m["iter"] == k), None)
-        if not after or redone is None:
-            continue  # not recovered (the summary counts it as unrecovered)
-        t_j = after[0]["t_start"]
-        ran = t_fault - ev.get("iter_t_start", t_fault)
-        t_remain = max(0.0, healthy - ran)
+        ready = next(
+            (e for e in events if e["kind"] == "trainer_ready" and e["t"] >= t_fault), None
+        )
+        if ready is not None and ready.get("restored_iter", -1) > k and after:
+            # In-place recovery finished iteration k's update while repairing: training
+            # resumed past it, nothing is recomputed.
+            t_j, recompute = ready["t"], 0.0
+        else:
+            redone = next((m for m in after if m["iter"] == k), None)
+            if not after or redone is None:
+                continue  # not recovered (the summary counts it as unrecovered)
+            t_j = after[0]["t_start"]
+            ran = t_fault - ev.get("iter_t_start", t_fault)
+            t_remain = max(0.0, healthy - ran)
+            recompute = max(0.0, redone["t_end"] - t_j - t_remain)
         init = t_j - t_fault
-        recompute = max(0.0, redone["t_end"] - t_j - t_remain)
         out.append(
             RecoveryBreakdown(
-                kind="hof" if ev.get("fault") in ("kill", "hang", "exception") else ev["fault"],
-                mode=done["mode"] if done else "unknown",
+                kind="hof"
+                if ev.get("fault") in ("kill", "hang", "exception", "pageloss")
+                else ev["fault"],
+                mode=ready.get("recovery", "unknown") if ready else "unknown",
                 rank=ev["rank"],
                 iteration=k,
                 phase=ev["phase"],
@@ -101,7 +110,7 @@ def analyze_run(
                 init_s=init,
                 recompute_s=recompute,
                 total_s=init + recompute,
-                restored_iter=done.get("restored_iter") if done else None,
+                restored_iter=ready.get("restored_iter") if ready else None,
             )
         )
     return out

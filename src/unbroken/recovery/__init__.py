@@ -5,6 +5,6 @@ States and transitions are explicit (`RecoveryState`); every transition is logge
 actions; the machine itself does no I/O.
 """
 
-from unbroken.recovery.fsm import Action, RecoveryMachine, RecoveryState
+from unbroken.recovery.fsm import FATAL_EXIT, Action, RecoveryMachine, RecoveryState
 
-__all__ = ["Action", "RecoveryMachine", "RecoveryState"]
+__all__ = ["FATAL_EXIT", "Action", "RecoveryMachine", "RecoveryState"]

@@ -6,9 +6,15 @@
     RESTARTING --all started--> RUNNING
     any --max_restarts exceeded / node lost--> FAILED
 
-Checkpoint-restart is the baseline mode: every rank restarts and reloads the newest complete
-checkpoint, then recomputes. Failures reported for an older generation (the other ranks of a
-generation being torn down) are ignored: one failure, one recovery.
+Two recovery modes. `inplace` (the default for hardware-operable failures): new trainer
+processes reattach to the state their state managers retained, repair it and finish or redo the
+interrupted iteration — no checkpoint, no recomputation of completed iterations. `ckpt_restart`
+(the baseline, and the fallback): every rank restarts from the newest complete checkpoint and
+recomputes. A trainer that finds its retained state beyond repair exits with `FATAL_EXIT`; the
+machine then falls back to `ckpt_restart` for that recovery. Failures reported for an older
+generation (the other ranks of a generation being torn down) are ignored: one failure, one
+recovery. A generation that fails without an injected fault and without completing an iteration,
+three times in a row, is a crash loop: FAILED instead of restarting forever.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Action", "RecoveryMachine", "RecoveryState"]
+__all__ = ["FATAL_EXIT", "Action", "RecoveryMachine", "RecoveryState"]
+
+FATAL_EXIT = 3
+"""Exit status of a trainer whose retained state cannot be repaired in place."""
 
 
 class RecoveryState(enum.StrEnum):
@@ -37,6 +46,8 @@ class Action:
     generation: int
     resume: bool = False
     reason: str = ""
+    recovery: str = "fresh"
+    """How the started generation obtains its state: fresh, inplace or ckpt_restart."""
 
 
 @dataclass(slots=True)
@@ -48,6 +59,8 @@ class RecoveryMachine:
     generation: int = 0
     restarts: int = 0
     finished_ranks: set[int] = field(default_factory=set)
+    fallback: bool = False
+    stalled_failures: int = 0
     transitions: list[tuple[str, str, str]] = field(default_factory=list)
 
     def _go(self, new: RecoveryState, reason: str) -> None:
@@ -77,6 +90,9 @@ class RecoveryMachine:
                 self._go(RecoveryState.DONE, "every rank finished")
                 return Action("finish", generation)
             return None
+        if returncode == FATAL_EXIT:
+            self.fallback = True
+            return self._failure(f"rank {rank}: retained state beyond repair; checkpoint fallback")
         return self._failure(f"rank {rank} exited with status {returncode}")
 
     def on_rank_hung(self, rank: int, generation: int, silent_s: float) -> Action | None:
@@ -88,7 +104,15 @@ class RecoveryMachine:
             return None
         return self._failure(f"rank {rank} hung (no heartbeat for {silent_s:.2f}s)")
 
+    def note_progress(self, progressed: bool, injected: bool) -> None:
+        """Before a failure is handled: did the failing generation complete an iteration, and
+        was the failure injected? Three stalled, uninjected failures in a row are a crash loop."""
+        self.stalled_failures = 0 if (progressed or injected) else self.stalled_failures + 1
+
     def _failure(self, reason: str) -> Action:
+        if self.stalled_failures >= 3:
+            self._go(RecoveryState.FAILED, f"{reason}; crash loop (no progress three times)")
+            return Action("fail", self.generation, reason=f"crash loop: {reason}")
         if self.restarts >= self.max_restarts:
             self._go(RecoveryState.FAILED, f"{reason}; max_restarts={self.max_restarts} reached")
             return Action("fail", self.generation, reason=reason)
@@ -101,8 +125,10 @@ class RecoveryMachine:
         self.restarts += 1
         self.generation += 1
         self.finished_ranks.clear()
-        self._go(RecoveryState.RESTARTING, f"{self.mode}: start generation {self.generation}")
-        return Action("start", self.generation, resume=True, reason=self.mode)
+        mode = "ckpt_restart" if self.fallback else self.mode
+        self.fallback = False
+        self._go(RecoveryState.RESTARTING, f"{mode}: start generation {self.generation}")
+        return Action("start", self.generation, resume=True, reason=mode, recovery=mode)
 
     def on_node_lost(self, reason: str) -> Action:
         self._go(RecoveryState.FAILED, f"node lost: {reason}")
