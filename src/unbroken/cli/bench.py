@@ -11,6 +11,9 @@ __all__ = ["add_parser"]
 # name -> module. A benchmark whose module is absent from this checkout is not offered.
 BENCHMARKS = {
     "erasure": "unbroken.cli.bench_erasure",
+    "faults": "unbroken.cli.bench_faults",
+    "recovery": "unbroken.cli.bench_recovery",
+    "detect": "unbroken.cli.bench_detect",
 }
 
 

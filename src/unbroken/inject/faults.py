@@ -46,6 +46,8 @@ class FaultSpec:
     """`pageloss`: first-tier parity pages of the same group to destroy."""
     group: int | None = None
     """`pageloss`: which protection group (default: drawn from the fault's key)."""
+    groups: int = 1
+    """`pageloss`: how many protection groups lose pages (each `pages` + `parity`)."""
 
     @property
     def key(self) -> str:
@@ -70,6 +72,8 @@ class FaultSpec:
                 parts.append(f"parity={self.parity}")
             if self.group is not None:
                 parts.append(f"group={self.group}")
+            if self.groups != 1:
+                parts.append(f"groups={self.groups}")
         return f"{self.kind.value}:{','.join(parts)}"
 
 
@@ -93,7 +97,7 @@ def parse_fault(spec: str) -> FaultSpec:
         if not eq:
             raise UserError(f"fault {spec!r}: expected key=value, got {item!r}")
         fields[name.strip()] = value.strip()
-    known = {"rank", "iter", "phase", "step", "at", "factor", "pages", "parity", "group"}
+    known = {"rank", "iter", "phase", "step", "at", "factor", "pages", "parity", "group", "groups"}
     if unknown := set(fields) - known:
         raise UserError(
             f"fault {spec!r}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}"
@@ -108,13 +112,14 @@ def parse_fault(spec: str) -> FaultSpec:
         pages = int(fields.get("pages", "0"))
         parity = int(fields.get("parity", "0"))
         group = int(fields["group"]) if "group" in fields else None
+        groups = int(fields.get("groups", "1"))
     except KeyError:
         raise UserError(f"fault {spec!r}: 'rank=' is required") from None
     except ValueError as exc:
         raise UserError(f"fault {spec!r}: {exc}") from None
     if (iteration is None) == (at_s is None):
         raise UserError(f"fault {spec!r}: give exactly one trigger, iter=I or at=SECONDS")
-    if kind is FaultKind.PAGELOSS and pages + parity < 1:
+    if kind is FaultKind.PAGELOSS and (pages + parity < 1 or groups < 1):
         raise UserError(f"fault {spec!r}: pageloss needs pages=N and/or parity=N")
     if kind is FaultKind.SLOW and factor <= 1.0:
         raise UserError(f"fault {spec!r}: slow needs factor > 1")
@@ -133,4 +138,5 @@ def parse_fault(spec: str) -> FaultSpec:
         pages=pages,
         parity=parity,
         group=group,
+        groups=groups,
     )

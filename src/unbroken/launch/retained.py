@@ -90,16 +90,18 @@ class RetainedState:
         def punch(fault) -> dict[str, list[int]]:
             assert self.regions is not None
             rng = random.Random(fault.key)
-            g = fault.group if fault.group is not None else rng.randrange(geometry.groups)
-            g %= geometry.groups
             d, seg = geometry.stripe_pages, geometry.segment_pages
-            data = [sg * seg + g * d + p for sg in range(3) for p in range(d)]
-            pages = {"model": sorted(rng.sample(data, min(fault.pages, len(data))))}
-            if fault.parity:
+            if fault.group is not None:
+                chosen = [(fault.group + i) % geometry.groups for i in range(fault.groups)]
+            else:
+                chosen = rng.sample(range(geometry.groups), min(fault.groups, geometry.groups))
+            pages: dict[str, list[int]] = {"model": [], "model_parity": []}
+            for g in chosen:
+                data = [sg * seg + g * d + p for sg in range(3) for p in range(d)]
+                pages["model"] += rng.sample(data, min(fault.pages, len(data)))
                 first_tier = [g * width + r for r in range(prot.parity_pages)]
-                pages["model_parity"] = sorted(
-                    rng.sample(first_tier, min(fault.parity, len(first_tier)))
-                )
+                pages["model_parity"] += rng.sample(first_tier, min(fault.parity, len(first_tier)))
+            pages = {k: sorted(v) for k, v in pages.items() if v}
             for name, idx in pages.items():
                 punch_pages(self.regions[name], idx)
             return pages

@@ -1,0 +1,157 @@
+"""Recovery benchmark: protection overhead and per-failure recovery time, in-place vs
+checkpoint-restart, on identical failure schedules, measured in one run.
+
+On the demo model with 4 CPU ranks (configurable):
+  1. steady-state iteration time with in-place protection (RMU: gradient parity, chunk
+     transactions, marker) vs without it, fault-free, checkpoints off in both, runs alternated;
+  2. the same failure schedule (crashes inside the update, in the backward pass, during the parity
+     update, and one crash with lost retained pages) recovered in place and by checkpoint-restart:
+     detection, initialization, recomputation and total per failure (Leto §8.1), plus the
+     localization and reconstruction times of the in-place repairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from unbroken.config import JobConfig
+
+__all__ = ["add_arguments", "run"]
+
+SCHEDULE = (
+    "kill:rank=1,iter={a},phase=update",
+    "kill:rank=2,iter={b},phase=backward",
+    "pageloss:rank=3,iter={c},phase=parity,pages=2,parity=1",
+    "kill:rank=0,iter={d},phase=writeback",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--iterations", type=int, default=48, help="iterations per run (default 48)")
+    p.add_argument("--repeats", type=int, default=2, help="fault-free runs per variant")
+    p.add_argument("--world-size", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--out", default=None, help="keep the run dirs here (default: a temp dir)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _median_iter(metrics: list[dict[str, Any]], skip: int = 3) -> float:
+    times = [m["iter_s"] for m in metrics if m["iter"] >= skip and not m.get("ckpt_s")]
+    return statistics.median(times)
+
+
+def _say(text: str) -> None:
+    print(f"[recovery] {text}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from unbroken.api import run_job
+    from unbroken.cli.demo import demo_config
+    from unbroken.config import ParallelConfig
+    from unbroken.metrics.log import read_jsonl
+
+    base = demo_config(quick=False)
+    base = dataclasses.replace(
+        base,
+        train=dataclasses.replace(base.train, iterations=args.iterations),
+        parallel=ParallelConfig(world_size=args.world_size),
+        inject=[],
+    )
+    root = Path(args.out or tempfile.mkdtemp(prefix="unbroken-recovery-"))
+    t0 = time.time()
+
+    def variant(mode: str, checkpoints: bool, inject: list[str]) -> JobConfig:
+        return dataclasses.replace(
+            base,
+            recovery=dataclasses.replace(base.recovery, mode=mode),
+            checkpoint=dataclasses.replace(base.checkpoint, enabled=checkpoints),
+            inject=inject,
+        )
+
+    # 1. Steady-state overhead of in-place protection, alternating the two variants.
+    plain_s, protected_s = [], []
+    for r in range(args.repeats):
+        for name, mode, sink in (
+            ("plain", "ckpt_restart", plain_s),
+            ("rmu", "inplace", protected_s),
+        ):
+            out = root / f"steady-{name}-{r}"
+            run_job(variant(mode, False, []), out, quiet=True)
+            metrics = read_jsonl(out / "metrics.jsonl")
+            sink.append(_median_iter(metrics))
+            _say(f"steady {name} #{r}: median iteration {sink[-1] * 1e3:.1f} ms")
+    overhead = statistics.median(protected_s) / statistics.median(plain_s) - 1.0
+
+    # 2. One failure schedule, two recoveries.
+    n = args.iterations
+    marks = dict(a=n // 5, b=2 * n // 5, c=3 * n // 5, d=4 * n // 5)
+    schedule = [f.format(**marks) for f in SCHEDULE]
+    results: dict[str, dict[str, Any]] = {}
+    for mode in ("inplace", "ckpt_restart"):
+        out = root / f"faulty-{mode}"
+        s = run_job(variant(mode, True, schedule), out, reference=False, quiet=True)
+        totals = [r["total_s"] for r in s["recoveries"]]
+        results[mode] = {"summary": s, "totals": totals, "dir": out}
+        _say(f"{mode}: recoveries {[round(t, 2) for t in totals]} s")
+    repairs = [
+        e
+        for e in read_jsonl(results["inplace"]["dir"] / "events.jsonl")
+        if e["kind"] == "inplace_repair" and e["lost_pages"]
+    ]
+    inplace_med = statistics.median(results["inplace"]["totals"])
+    ckpt_med = statistics.median(results["ckpt_restart"]["totals"])
+    out = {
+        "overhead_pct": 100.0 * overhead,
+        "steady_iter_s": {"plain": plain_s, "rmu": protected_s},
+        "inplace_recovery_s": inplace_med,
+        "ckpt_restart_recovery_s": ckpt_med,
+        "speedup": ckpt_med / inplace_med,
+        "localize_ms": statistics.median(e["localize_ms"] for e in repairs) if repairs else None,
+        "reconstruct_ms": (
+            statistics.median(e["reconstruct_ms"] for e in repairs) if repairs else None
+        ),
+        "schedule": schedule,
+        "recoveries": {
+            mode: results[mode]["summary"]["recoveries"] for mode in ("inplace", "ckpt_restart")
+        },
+        "exact": {
+            mode: results[mode]["summary"]["final_state_hash"]
+            == results["inplace"]["summary"]["final_state_hash"]
+            for mode in results
+        },
+        "world_size": args.world_size,
+        "iterations": args.iterations,
+        "seconds": time.time() - t0,
+    }
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(
+        f"protection overhead      {out['overhead_pct']:6.2f} %  (median iteration, "
+        f"{statistics.median(protected_s) * 1e3:.1f} vs {statistics.median(plain_s) * 1e3:.1f} ms)"
+    )
+    print(
+        f"in-place recovery        {inplace_med:6.2f} s   (median of {len(results['inplace']['totals'])})"
+    )
+    print(f"checkpoint-restart       {ckpt_med:6.2f} s")
+    print(f"speedup                  {out['speedup']:6.2f} x")
+    if repairs:
+        print(
+            f"localize / reconstruct   {out['localize_ms']:.2f} ms / {out['reconstruct_ms']:.2f} ms"
+        )
+    print(f"{'failure':44}{'mode':>14}{'detect':>8}{'init':>8}{'recomp':>8}{'total':>8}")
+    for mode in ("inplace", "ckpt_restart"):
+        for r in out["recoveries"][mode]:
+            what = f"{r['kind']} r{r['rank']} it{r['iteration']} {r['phase']}"
+            print(
+                f"{what:44}{mode:>14}{r['detect_s']:8.3f}{r['init_s']:8.2f}"
+                f"{r['recompute_s']:8.2f}{r['total_s']:8.2f}"
+            )
+    return 0
