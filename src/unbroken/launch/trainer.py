@@ -85,6 +85,8 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None) -> int:
         hb = Heartbeat(heartbeat_addr, rank, spec.generation, cfg.recovery.heartbeat_interval_s)
         hb.start()
 
+    # cuBLAS needs a fixed workspace to be deterministic; set before the first CUDA call.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(cfg.train.threads)
     device = _device(cfg)
