@@ -160,7 +160,7 @@ class Agent:
                     generation=t.generation,
                     returncode=code,
                     t=now,
-                    said=t.last_words() if code else "",
+                    said=t.last_words() if code > 0 else "",
                 )
                 continue
             last = t.last_beat if t.last_beat is not None else t.spawned

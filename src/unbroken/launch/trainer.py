@@ -100,7 +100,12 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None) -> int:
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
     gen_store = dist.PrefixStore(f"gen{spec.generation}", store)
     dist.init_process_group(
-        backend, store=gen_store, rank=rank, world_size=spec.world_size, timeout=timeout
+        backend,
+        store=gen_store,
+        rank=rank,
+        world_size=spec.world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
     )
     group = dist.group.WORLD
     t_group = time.time()
