@@ -1,0 +1,283 @@
+"""Pipeline schedules as per-rank action lists: GPipe, 1F1B, interleaved 1F1B and ZB-H1.
+
+Owns two things: the order in which each stage's TP group runs its compute (F, B, W) for a
+schedule, and the placement of the point-to-point actions around that compute. Works on plain
+rank tuples so that `unbroken.parallel.plan` can call it without an import cycle.
+
+[Note: communication placement] Between two consecutive compute actions c_i and c_{i+1} of a
+rank sits one *batch*: the sends of c_i's outputs followed by the receives c_{i+1} needs. A
+runtime posts a batch together (``batch_isend_irecv``) and waits for all of it before c_{i+1};
+this is Megatron's ``send_forward_recv_backward`` pattern, and it is what keeps blocking
+(rendezvous) sends of NCCL/gloo from deadlocking: two neighbours that send to each other post
+both directions in the same batch. Messages on one directed link are matched in FIFO order, as
+NCCL does. `unbroken.parallel.simulate` checks both properties for any action list.
+
+[Note: heterogeneous TP transfers] A message from a TP group of size a to one of size b is split
+into N = max(a, b) chunks (ResiHP §7, Figure 7): chunk c goes from sender ``c * a // N`` to
+receiver ``c * b // N`` (positions in the groups), so each chunk crosses the link exactly once and
+the receivers all-gather the full tensor. Equal degrees give Megatron's scatter/gather.
+
+Never imports torch; never touches a process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from unbroken.parallel.actions import Action, ActionKind
+
+__all__ = ["SCHEDULES", "compute_orders", "compute_steps", "generate_actions", "p2p_chunks"]
+
+SCHEDULES = frozenset({"gpipe", "1f1b", "interleaved_1f1b", "zb_h1"})
+"""Schedule names accepted by `generate_actions`."""
+
+Step = tuple[ActionKind, int, int]
+"""(kind, virtual stage, micro-batch) of one compute action."""
+F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
+
+
+def p2p_chunks(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Chunks of one message from TP group `src` to TP group `dst` ([Note: heterogeneous TP
+    transfers]).
+
+    Returns:
+        ``(chunk, sender rank, receiver rank)`` for each of the max(len(src), len(dst)) chunks.
+    """
+    a, b = len(src), len(dst)
+    n = max(a, b)
+    return [(c, src[c * a // n], dst[c * b // n]) for c in range(n)]
+
+
+def _gpipe(mbs: Sequence[int], stage: int, pp: int) -> list[Step]:
+    return [(F, stage, m) for m in mbs] + [(B, stage, m) for m in mbs]
+
+
+def _one_f_one_b(mbs: Sequence[int], stage: int, pp: int) -> list[Step]:
+    warmup = min(pp - stage - 1, len(mbs))
+    order: list[Step] = [(F, stage, m) for m in mbs[:warmup]]
+    for i in range(len(mbs) - warmup):
+        order += [(F, stage, mbs[warmup + i]), (B, stage, mbs[i])]
+    order += [(B, stage, m) for m in mbs[len(mbs) - warmup :]]
+    return order
+
+
+def _interleaved(mbs: Sequence[int], stage: int, pp: int, v: int) -> list[list[Step]]:
+    """Megatron's interleaved 1F1B for one device group holding v model chunks, as steps.
+
+    Steps follow Megatron's communication rhythm: one F per warm-up step, an (F, B) pair per
+    steady step, one B per cool-down step; the p2p batch sits between steps.
+    """
+    n = len(mbs)
+    if n % pp:
+        raise ValueError(
+            f"interleaved 1F1B needs the micro-batch count ({n}) to be a multiple of pp ({pp})"
+        )
+    total = n * v
+
+    def step(kind: ActionKind, k: int) -> Step:
+        chunk = (k // pp) % v
+        if kind is B:
+            chunk = v - 1 - chunk
+        return (kind, chunk * pp + stage, mbs[(k // (pp * v)) * pp + k % pp])
+
+    warmup = total if n == pp else min((pp - stage - 1) * 2 + (v - 1) * pp, total)
+    steps = [[step(F, k)] for k in range(warmup)]
+    steps += [[step(F, warmup + i), step(B, i)] for i in range(total - warmup)]
+    steps += [[step(B, k)] for k in range(total - warmup, total)]
+    return steps
+
+
+def _zb_h1(
+    work: Mapping[tuple[int, int], Sequence[int]], pp: int
+) -> dict[tuple[int, int], list[Step]]:
+    """ZB-H1 by list scheduling at unit costs (the zero-bubble paper's H1 heuristic).
+
+    Each group, whenever it is free, runs the first ready of: the next B (its input gradient
+    is on the critical path), the next F if fewer than pp - s micro-batches are between F and B
+    (1F1B's activation bound) and fewer than pp weight gradients are deferred, else the oldest
+    deferred W. Deferred W's thus fill the cool-down bubble; with equal F, B and W costs the
+    iteration takes M(F+B+W) + (pp-1)(F+B-W) for M >= pp, against 1F1B's (M+pp-1)(F+B+W).
+    """
+    groups = sorted(work)
+    clock = dict.fromkeys(groups, 0)
+    nf, nb, nw = dict.fromkeys(groups, 0), dict.fromkeys(groups, 0), dict.fromkeys(groups, 0)
+    f_done: dict[tuple[int, int], int] = {}
+    b_done: dict[tuple[int, int], int] = {}
+    orders: dict[tuple[int, int], list[Step]] = {g: [] for g in groups}
+    remaining = sum(3 * len(work[g]) for g in groups)
+    while remaining:
+        best: tuple[int, int, tuple[int, int], ActionKind] | None = None
+        for g in groups:
+            mbs, s = work[g], g[1]
+            candidates = []
+            if nb[g] < nf[g]:
+                m = mbs[nb[g]]
+                ready = f_done[(m, s)] if s == pp - 1 else b_done.get((m, s + 1))
+                if ready is not None:
+                    candidates.append((max(clock[g], ready), 0, B))
+            if nf[g] < len(mbs) and nf[g] - nb[g] < pp - s and nb[g] - nw[g] < pp:
+                ready = 0 if s == 0 else f_done.get((mbs[nf[g]], s - 1))
+                if ready is not None:
+                    candidates.append((max(clock[g], ready), 1, F))
+            if nw[g] < nb[g]:
+                candidates.append((clock[g], 2, W))
+            if candidates:
+                start, prio, kind = min(candidates)
+                if best is None or (start, prio) < best[:2]:
+                    best = (start, prio, g, kind)
+        if best is None:  # pragma: no cover - cannot happen for a consistent placement
+            raise RuntimeError("ZB-H1 list scheduler stalled")
+        start, _, g, kind = best
+        s = g[1]
+        counter = {F: nf, B: nb, W: nw}[kind]
+        m = work[g][counter[g]]
+        counter[g] += 1
+        clock[g] = start + 1
+        if kind is F:
+            f_done[(m, s)] = start + 1
+        elif kind is B:
+            b_done[(m, s)] = start + 1
+        orders[g].append((kind, s, m))
+        remaining -= 1
+    return orders
+
+
+def compute_steps(
+    stage_ranks: Sequence[Sequence[tuple[int, ...]]],
+    microbatches: Sequence[int],
+    schedule: str,
+    virtual_stages: int = 1,
+    executors: Mapping[tuple[int, int], int] | None = None,
+) -> dict[tuple[int, int], list[list[Step]]]:
+    """The compute order of every (replica, physical stage) group, in p2p steps.
+
+    A step is a run of compute actions with no p2p batch between them ([Note: communication
+    placement]); every schedule but interleaved 1F1B has one compute action per step.
+
+    A group runs the micro-batches placed on it; migrated-in micro-batches are interleaved with
+    its own by position within their owner (key: (index in owner, owner)), so every group sees
+    any two micro-batches in the same relative order and the orders are mutually consistent.
+
+    Raises:
+        ValueError: unknown schedule, or a schedule constraint is violated.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    v = virtual_stages
+    num_stages = len(stage_ranks[0])
+    pp = num_stages // v
+    executors = dict(executors or {})
+    starts = [sum(microbatches[:d]) for d in range(len(microbatches))]
+    owner = {starts[d] + i: (d, i) for d, n in enumerate(microbatches) for i in range(n)}
+    if v > 1 and executors:
+        raise ValueError("micro-batch migration is not supported with virtual stages")
+    work: dict[tuple[int, int], list[int]] = {}
+    for d in range(len(stage_ranks)):
+        for s in range(pp):
+            mine = [m for m in owner if executors.get((m, s), owner[m][0]) == d]
+            work[(d, s)] = sorted(mine, key=lambda m: (owner[m][1], owner[m][0]))
+    if schedule == "zb_h1":
+        return {g: [[step] for step in order] for g, order in _zb_h1(work, pp).items()}
+    if schedule == "interleaved_1f1b":
+        if v < 2:
+            raise ValueError("interleaved_1f1b needs virtual_stages >= 2")
+        return {g: _interleaved(mbs, g[1], pp, v) for g, mbs in work.items()}
+    if v != 1:
+        raise ValueError(f"{schedule} takes virtual_stages=1, got {v}")
+    template: Callable[[Sequence[int], int, int], list[Step]] = (
+        _gpipe if schedule == "gpipe" else _one_f_one_b
+    )
+    return {g: [[step] for step in template(mbs, g[1], pp)] for g, mbs in work.items()}
+
+
+def compute_orders(
+    stage_ranks: Sequence[Sequence[tuple[int, ...]]],
+    microbatches: Sequence[int],
+    schedule: str,
+    virtual_stages: int = 1,
+    executors: Mapping[tuple[int, int], int] | None = None,
+) -> dict[tuple[int, int], list[Step]]:
+    """`compute_steps` flattened: each group's compute actions in execution order."""
+    steps = compute_steps(stage_ranks, microbatches, schedule, virtual_stages, executors)
+    return {g: [c for step in group for c in step] for g, group in steps.items()}
+
+
+def generate_actions(
+    *,
+    stage_ranks: Sequence[Sequence[tuple[int, ...]]],
+    microbatches: Sequence[int],
+    schedule: str,
+    virtual_stages: int = 1,
+    executors: Mapping[tuple[int, int], int] | None = None,
+) -> dict[int, tuple[Action, ...]]:
+    """Every rank's action list: compute, point-to-point batches, then REDUCE_GRAD, OPT_STEP.
+
+    Args:
+        stage_ranks: per replica, per virtual stage, the TP group's ranks.
+        microbatches: micro-batches owned by each replica (global ids, see `plan`).
+        schedule: one of `SCHEDULES`.
+        virtual_stages: v (model chunks per device group).
+        executors: (micro-batch, virtual stage) -> replica for migrated work.
+
+    Returns:
+        rank -> actions, placed as in [Note: communication placement].
+
+    Raises:
+        ValueError: unknown schedule or a violated schedule constraint.
+    """
+    executors = dict(executors or {})
+    steps = compute_steps(stage_ranks, microbatches, schedule, virtual_stages, executors)
+    num_stages = len(stage_ranks[0])
+    starts = [sum(microbatches[:d]) for d in range(len(microbatches))]
+    owner = {starts[d] + i: d for d, n in enumerate(microbatches) for i in range(n)}
+
+    def ranks_of(m: int, k: int) -> tuple[int, ...]:
+        return tuple(stage_ranks[executors.get((m, k), owner[m])][k])
+
+    def recvs(kind: ActionKind, k: int, m: int, here: tuple[int, ...], rank: int) -> list[Action]:
+        if kind is F and k > 0 and ranks_of(m, k - 1) != here:
+            return _transfers(ActionKind.RECV_F, k, m, ranks_of(m, k - 1), here, rank)
+        if kind is B and k < num_stages - 1 and ranks_of(m, k + 1) != here:
+            return _transfers(ActionKind.RECV_B, k, m, ranks_of(m, k + 1), here, rank)
+        return []
+
+    def sends(kind: ActionKind, k: int, m: int, here: tuple[int, ...], rank: int) -> list[Action]:
+        if kind is F and k < num_stages - 1 and ranks_of(m, k + 1) != here:
+            return _transfers(ActionKind.SEND_F, k, m, here, ranks_of(m, k + 1), rank)
+        if kind is B and k > 0 and ranks_of(m, k - 1) != here:
+            return _transfers(ActionKind.SEND_B, k, m, here, ranks_of(m, k - 1), rank)
+        return []
+
+    out: dict[int, tuple[Action, ...]] = {}
+    for (d, s), group_steps in sorted(steps.items()):
+        here = tuple(stage_ranks[d][s])
+        for rank in here:
+            acts: list[Action] = []
+            pending: list[Action] = []
+            for step in group_steps:
+                acts += pending  # one batch: the previous step's sends, this step's receives
+                for kind, k, m in step:
+                    acts += recvs(kind, k, m, here, rank)
+                pending = []
+                for kind, k, m in step:
+                    acts.append(Action(kind, k, m))
+                    pending += sends(kind, k, m, here, rank)
+            acts += pending
+            acts += [Action(ActionKind.REDUCE_GRAD), Action(ActionKind.OPT_STEP)]
+            out[rank] = tuple(acts)
+    for rep in stage_ranks:  # ranks of groups with no work still reduce and step
+        for group in rep:
+            for rank in group:
+                out.setdefault(rank, (Action(ActionKind.REDUCE_GRAD), Action(ActionKind.OPT_STEP)))
+    return dict(sorted(out.items()))
+
+
+def _transfers(
+    kind: ActionKind, stage: int, mb: int, src: tuple[int, ...], dst: tuple[int, ...], rank: int
+) -> list[Action]:
+    """This rank's share of one message's chunks, as SEND (rank in src) or RECV (rank in dst)."""
+    chunks = p2p_chunks(src, dst)
+    n = len(chunks)
+    if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+        return [Action(kind, stage, mb, b, c, n) for c, a, b in chunks if a == rank]
+    return [Action(kind, stage, mb, a, c, n) for c, a, b in chunks if b == rank]
