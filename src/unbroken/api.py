@@ -86,8 +86,14 @@ def run_job(
     runs: dict[str, dict[str, Any]] = {}
     ref = None
     if reference:
+        # The reference has no fault-tolerance mechanisms (Leto §8.1): no checkpoints, no
+        # retained state or parity, no shadows. Its update uses the same chunk geometry, so
+        # its states are comparable bit for bit ([Note: chunk-geometry]).
         ref_cfg = dataclasses.replace(
-            cfg, inject=[], checkpoint=dataclasses.replace(cfg.checkpoint, enabled=False)
+            cfg,
+            inject=[],
+            checkpoint=dataclasses.replace(cfg.checkpoint, enabled=False),
+            recovery=dataclasses.replace(cfg.recovery, mode="ckpt_restart", shadow_level=0),
         )
         ref = _outcome_dict(
             Coordinator(ref_cfg, out, "reference", search_path=search, quiet=quiet).run()

@@ -50,7 +50,7 @@ def demo_config(quick: bool) -> JobConfig:
         train=TrainConfig(iterations=iterations, lr=1e-3),
         parallel=ParallelConfig(world_size=4),
         checkpoint=CheckpointConfig(mttf_s=10.0),
-        recovery=RecoveryConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0),
+        recovery=RecoveryConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0),
         inject=faults,
     )
 

@@ -218,6 +218,9 @@ class RecoveryConfig:
     """Recovery for hardware-operable failures: inplace = new trainers reattach to the retained,
     parity-protected state (checkpoint fallback when it is beyond repair); ckpt_restart = restart
     every rank from the newest checkpoint (the baseline)."""
+    shadow_level: int = 3
+    """In-place mode: pre-initialized shadow trainers per rank, at level 1 (imports), 2 (+ device
+    runtime, threads, corpus) or 3 (+ communicators); 0 = none (restart processes)."""
     max_restarts: int = 20
     """Give up after this many recoveries in one run."""
     heartbeat_interval_s: float = 0.1
@@ -236,6 +239,8 @@ class RecoveryConfig:
             )
         if self.max_restarts < 0:
             raise ValueError("recovery.max_restarts must be >= 0")
+        if self.shadow_level not in (0, 1, 2, 3):
+            raise ValueError("recovery.shadow_level must be 0, 1, 2 or 3")
 
 
 @dataclass(kw_only=True, slots=True)

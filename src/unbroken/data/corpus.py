@@ -11,6 +11,7 @@ files.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -104,6 +105,7 @@ def _cached(key: str, build) -> Corpus:
     return corpus
 
 
+@functools.lru_cache(maxsize=4)
 def load_corpus(spec: str, *, jsonl_field: str = "text", max_documents: int = 0) -> Corpus:
     """Load and tokenize a corpus.
 
@@ -111,6 +113,8 @@ def load_corpus(spec: str, *, jsonl_field: str = "text", max_documents: int = 0)
         spec: "stdlib", a folder of text files, or a path to a .jsonl file.
         jsonl_field: the JSON key holding each document's text.
         max_documents: keep only the first K documents (0 = all).
+
+    Memoized per process: a pre-initialized (shadow) trainer loads it before it is promoted.
 
     Raises:
         UserError: the path does not exist, or the corpus holds no text.

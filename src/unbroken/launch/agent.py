@@ -42,6 +42,8 @@ class TrainerProc:
     reported: bool = False
     info: dict = field(default_factory=dict)
     log: str | None = None
+    cpu_mark: int | None = None
+    """CPU ticks when heartbeats were first found late (None while beats are on time)."""
 
     def last_words(self) -> str:
         """The last line the trainer wrote to its log (why it died, if it said)."""
@@ -60,6 +62,8 @@ class Agent:
         self.hb = hb
         self.hb_addr = hb_addr
         self.trainers: dict[int, TrainerProc] = {}
+        self.shadows: dict[int, TrainerProc] = {}
+        """Pre-initialized trainers for the next generation (see unbroken.shadow)."""
         self.state_managers: dict[int, subprocess.Popen] = {}
         self.heartbeat_timeout_s = 2.0
         self.running = True
@@ -79,33 +83,68 @@ class Agent:
                         cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log
                     )
 
+    def _spawn(self, msg: dict, rank: int, generation: int, spec: str, shadow_level: int):
+        cmd = [sys.executable, "-m", "unbroken.launch.trainer", "--spec", spec]
+        cmd += ["--rank", str(rank), "--heartbeat", self.hb_addr]
+        if shadow_level:
+            cmd += ["--shadow", str(shadow_level)]
+        stdin = subprocess.PIPE if shadow_level else subprocess.DEVNULL
+        log_path = None
+        if msg.get("log_dir"):
+            os.makedirs(msg["log_dir"], exist_ok=True)
+            kind = "shadow" if shadow_level else "gen"
+            log_path = os.path.join(msg["log_dir"], f"{kind}{generation}-rank{rank}.log")
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(cmd, stdin=stdin, stdout=log, stderr=log)
+        else:
+            proc = subprocess.Popen(cmd, stdin=stdin)
+        return TrainerProc(rank, generation, proc, time.time(), log=log_path)
+
+    def _shadows_ready(self, generation: int, ranks: list[int]) -> bool:
+        return all(
+            (t := self.shadows.get(r)) is not None
+            and t.generation == generation
+            and t.proc.poll() is None
+            and str(t.info.get("phase", "")).startswith("shadow-ready")
+            for r in ranks
+        )
+
+    def kill_shadows(self) -> None:
+        for t in self.shadows.values():
+            if t.proc.poll() is None:
+                t.proc.kill()
+            t.proc.wait()
+        self.shadows.clear()
+
     def start(self, msg: dict) -> None:
+        """Start a generation: promote its shadows when every rank has a ready one (no process
+        start, no rendezvous), else spawn trainers; then pre-initialize the next shadows."""
         self.heartbeat_timeout_s = float(msg["heartbeat_timeout_s"])
         if msg.get("state_managers"):
             self.ensure_state_managers(msg["state_managers"])
-        now = time.time()
-        for rank in msg["ranks"]:
-            cmd = [
-                sys.executable,
-                "-m",
-                "unbroken.launch.trainer",
-                "--spec",
-                msg["spec"],
-                "--rank",
-                str(rank),
-                "--heartbeat",
-                self.hb_addr,
-            ]
-            log_path = None
-            if msg.get("log_dir"):
-                os.makedirs(msg["log_dir"], exist_ok=True)
-                log_path = os.path.join(msg["log_dir"], f"gen{msg['generation']}-rank{rank}.log")
-                with open(log_path, "ab") as log:
-                    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-            else:
-                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-            self.trainers[rank] = TrainerProc(rank, msg["generation"], proc, now, log=log_path)
-        self.channel.send("started", generation=msg["generation"], t=time.time())
+        gen, ranks = msg["generation"], msg["ranks"]
+        promoted = self._shadows_ready(gen, ranks)
+        if promoted:
+            for r in ranks:
+                t = self.shadows.pop(r)
+                assert t.proc.stdin is not None
+                t.proc.stdin.write((json.dumps({"spec": msg["spec"]}) + "\n").encode())
+                t.proc.stdin.flush()
+                t.last_beat = time.time()
+                self.trainers[r] = t
+        else:
+            self.kill_shadows()
+            for r in ranks:
+                self.trainers[r] = self._spawn(msg, r, gen, msg["spec"], 0)
+        level = int(msg.get("shadow_level") or 0)
+        levels = {}
+        if level and msg.get("next_spec"):
+            for r in ranks:
+                self.shadows[r] = self._spawn(msg, r, gen + 1, msg["next_spec"], level)
+            levels = {"level": level, "generation": gen + 1}
+        self.channel.send(
+            "started", generation=gen, t=time.time(), promoted=promoted, shadows=levels
+        )
 
     def kill_all(self) -> None:
         """SIGKILL every trainer (stopped ones too) and reap them. State managers stay."""
@@ -142,9 +181,12 @@ class Agent:
                 t = self.trainers.get(int(beat["rank"]))
             except (ValueError, KeyError, TypeError):
                 continue  # a garbled datagram is ignored, never fatal
+            if t is None or beat.get("generation") != t.generation:
+                t = self.shadows.get(int(beat["rank"]))
             if t is not None and beat.get("generation") == t.generation:
                 t.last_beat = time.time()
                 t.info = beat
+                t.cpu_mark = None
 
     def check_children(self) -> None:
         now = time.time()
@@ -168,7 +210,7 @@ class Agent:
                 limit = STARTUP_TIMEOUT_S
             else:
                 limit = self.heartbeat_timeout_s
-            if now - last > limit:
+            if now - last > limit and not self._still_working(t):
                 t.reported = True
                 self.channel.send(
                     "rank_hung",
@@ -179,6 +221,30 @@ class Agent:
                     t=now,
                 )
 
+    @staticmethod
+    def _cpu_state(pid: int) -> tuple[str, int]:
+        """(state letter, user+system CPU ticks) of a process, from /proc."""
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return "X", 0
+        return fields[0], int(fields[11]) + int(fields[12])
+
+    def _still_working(self, t: TrainerProc) -> bool:
+        """A trainer whose heartbeats are late but which keeps burning CPU is starved (an
+        oversubscribed machine), not hung: it gets half a timeout more, then is checked again.
+        A stopped (SIGSTOP) process, or one asleep without CPU progress (stuck in a
+        collective), is hung."""
+        state, ticks = self._cpu_state(t.proc.pid)
+        if state == "T":
+            return False
+        previous, t.cpu_mark = t.cpu_mark, ticks
+        if previous is None or ticks > previous:
+            t.last_beat = time.time() - self.heartbeat_timeout_s / 2
+            return True
+        return False
+
     def handle(self, msg: dict) -> None:
         op = msg["op"]
         if op == "start":
@@ -187,6 +253,7 @@ class Agent:
             self.stop(msg)
         elif op == "shutdown":
             self.kill_all()
+            self.kill_shadows()
             self.kill_state_managers()
             self.running = False
 
@@ -205,6 +272,7 @@ class Agent:
                     if not data:
                         # Coordinator gone: nothing may run unsupervised.
                         self.kill_all()
+                        self.kill_shadows()
                         self.kill_state_managers()
                         return
                     for msg in self.channel.feed(data):
@@ -236,11 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     except ProtocolError as exc:
         print(f"unbroken-agent: rejected a control message: {exc}", file=sys.stderr)
         agent.kill_all()
+        agent.kill_shadows()
         agent.kill_state_managers()
         return 1
     except (ConnectionError, OSError) as exc:
         print(f"unbroken-agent: lost the coordinator: {exc}", file=sys.stderr)
         agent.kill_all()
+        agent.kill_shadows()
         agent.kill_state_managers()
         return 1
     return 0

@@ -167,10 +167,16 @@ class Coordinator:
                 self.events.emit(
                     "recovery_start", mode=action.recovery, generation=action.generation
                 )
+            shadow_level = self.cfg.recovery.shadow_level if self._state_sockets() else 0
+            next_spec = None
+            if shadow_level:
+                next_spec = str(self._write_spec(action.generation + 1, True, "inplace"))
             self.agent.channel.send(
                 "start",
                 generation=action.generation,
                 spec=str(spec),
+                shadow_level=shadow_level,
+                next_spec=next_spec,
                 ranks=list(range(self.cfg.parallel.world_size)),
                 heartbeat_timeout_s=self.cfg.recovery.heartbeat_timeout_s,
                 state_managers=self._state_sockets(),
@@ -233,6 +239,10 @@ class Coordinator:
         if not conn.is_agent:
             raise ProtocolError(f"{op!r} before hello")
         if op == "started":
+            if msg.get("promoted"):
+                self.events.emit("shadows_promoted", generation=msg["generation"])
+            if msg.get("shadows"):
+                self.events.emit("shadows_spawned", **msg["shadows"])
             self.fsm.on_started(msg["generation"])
             self._log_transition()
         elif op == "rank_exit":

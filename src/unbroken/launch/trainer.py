@@ -61,7 +61,37 @@ def _device(cfg) -> Any:
     return torch.device("cpu")
 
 
-def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None) -> int:
+def _await_promotion(spec: GenerationSpec, level: int, hb, events, rank: int, t0: float):
+    """A shadow trainer parks here, pre-initialized to `level`, until the agent promotes it by
+    writing the final spec of its generation to its stdin (Leto §6: in-place preinitialization).
+    Returns the final spec."""
+    if hb is not None:
+        hb.phase = f"shadow-ready-L{level}"
+        hb.beat()
+    events.emit(
+        "shadow_ready",
+        rank=rank,
+        level=level,
+        generation=spec.generation,
+        prepare_s=time.time() - t0,
+    )
+    line = sys.stdin.readline()
+    if not line:
+        raise SystemExit(0)  # the agent let the shadow go
+    t_promoted = time.time()
+    final = GenerationSpec.from_json(Path(json.loads(line)["spec"]).read_text())
+    if final.generation != spec.generation:
+        raise RuntimeError(
+            f"promoted into generation {final.generation}, prepared {spec.generation}"
+        )
+    events.emit(
+        "shadow_promoted", rank=rank, level=level, generation=spec.generation, t_promoted=t_promoted
+    )
+    return final
+
+
+def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None, shadow: int = 0) -> int:
+    t_start = time.time()
     import torch
     import torch.distributed as dist
 
@@ -84,6 +114,8 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None) -> int:
     if heartbeat_addr:
         hb = Heartbeat(heartbeat_addr, rank, spec.generation, cfg.recovery.heartbeat_interval_s)
         hb.start()
+    if shadow == 1:  # L1: interpreter up, every import done
+        spec = _await_promotion(spec, 1, hb, events, rank, t_start)
 
     # cuBLAS needs a fixed workspace to be deterministic; set before the first CUDA call.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -95,6 +127,15 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None) -> int:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.empty(1, device=device)  # the CUDA context, part of the device runtime (L2)
+    if not cfg.data.dataset:
+        from unbroken.data import load_corpus
+
+        load_corpus(
+            cfg.data.corpus, jsonl_field=cfg.data.jsonl_field, max_documents=cfg.data.max_documents
+        )
+    if shadow == 2:  # L2: plus device runtime, threads and the corpus in memory
+        spec = _await_promotion(spec, 2, hb, events, rank, t_start)
 
     timeout = timedelta(seconds=cfg.recovery.collective_timeout_s)
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
@@ -109,6 +150,8 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None) -> int:
     )
     group = dist.group.WORLD
     t_group = time.time()
+    if shadow == 3:  # L3: plus the communicators of its generation (a mirror world)
+        spec = _await_promotion(spec, 3, hb, events, rank, t_start)
 
     retained = None
     if cfg.recovery.mode == "inplace":
@@ -259,10 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--heartbeat", default=None)
+    parser.add_argument(
+        "--shadow", type=int, default=0, choices=(0, 1, 2, 3), help="pre-initialize to this level"
+    )
     args = parser.parse_args(argv)
     spec = GenerationSpec.from_json(Path(args.spec).read_text())
     try:
-        code = run(spec, args.rank, args.heartbeat)
+        code = run(spec, args.rank, args.heartbeat, shadow=args.shadow)
         # Everything this process reports is already written with unbuffered os.write; skip the
         # interpreter and gloo teardown (0.8-1.8 s measured) that would only delay the exit.
         sys.stdout.flush()
