@@ -140,3 +140,13 @@ def test_fail_slow_costs_the_degraded_window_then_a_fatal_recovery():
     terms = policy_terms("inplace", STEPS, mix)
     res = simulate(terms, mix, horizon_s=400 * mix.mttf_s, replications=4, seed=5)
     assert abs(res.ettr - closed_form(terms, mix).ettr) < 0.01
+
+
+def test_in_place_recovery_after_the_gradients_keeps_the_iteration():
+    # Iteration 8 runs 71..81; a HOF at 50 % (t=76) in the update phase: RMU finishes the
+    # update after the 5 s recovery, so iteration 8 ends at 76 + 5 + 5 = 86, not 81 + 10.
+    kept = replay_iterations(_terms(), [IterFailure(8, 0.5, "hof", keeps_in_flight=True)], 8)
+    redo = replay_iterations(_terms(), [IterFailure(8, 0.5, "hof")], 8)
+    assert kept.wall_s == pytest.approx(86.0)
+    assert redo.wall_s == pytest.approx(91.0)
+    assert kept.lost_each == [0.0] and redo.lost_each == [0.5]

@@ -65,8 +65,14 @@ class IterFailure:
     `iteration`) has run for `fraction` of its time."""
 
     iteration: int
+    """1-based iteration in flight."""
     fraction: float
+    """How far into it, in [0, 1]."""
     kind: str
+    """hof, fatal or fail-slow."""
+    keeps_in_flight: bool = False
+    """The iteration's elapsed work survives recovery (in-place recovery of a failure after
+    the gradients were protected: RMU finishes the interrupted update, Leto §5)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -190,7 +196,7 @@ class _Replay:
             return self.sched.j0
         return self.sched.completed(t)
 
-    def _crash(self, t: float, kind: str) -> None:
+    def _crash(self, t: float, kind: str, keeps_in_flight: bool = False) -> None:
         cost = self.terms.costs[kind]
         s = self.sched
         recovering = t < s.t0
@@ -212,13 +218,20 @@ class _Replay:
             due = bool(self.interval) and j > 0 and j % self.interval == 0
             first = due and j > self.last_usable
         in_flight = 0.0 if recovering else (t - (s.end(j + 1) - self.a)) / self.a
-        lost = (j - j_new) + min(1.0, max(0.0, in_flight))
+        in_flight = min(1.0, max(0.0, in_flight))
+        kept = 0.0
+        if keeps_in_flight and not cost.rollback and not recovering:
+            kept, in_flight = in_flight * self.a, 0.0
+        lost = (j - j_new) + in_flight
         self.lost += lost
         self.lost_each.append(lost)
         self.crashes += 1
         rec = cost.detect_s + cost.init_s
         self.recovering += rec
-        self.sched = _Schedule(t + rec, j_new, self.a, self.c, self.interval, first)
+        # A kept in-flight iteration resumes where it stopped: its end moves back by the work
+        # already done (the segment starts "earlier" by that much, never before now).
+        start = max(t + rec - kept, t) if kept else t + rec
+        self.sched = _Schedule(start, j_new, self.a, self.c, self.interval, first)
 
     def _checkpoints(self, t: float, j: int) -> tuple[int, int]:
         """The newest checkpoint saved by time t in the current segment, and the newest one
@@ -251,7 +264,7 @@ class _Replay:
         self.sched.pauses.append((max(t, self.sched.t0), delay))
         return t + self.slow_detect_s
 
-    def handle(self, t: float, kind: str) -> float | None:
+    def handle(self, t: float, kind: str, keeps_in_flight: bool = False) -> float | None:
         """Apply a failure at t (kind "evict" is a fail-slow's eviction, not a new failure).
 
         Returns:
@@ -263,7 +276,7 @@ class _Replay:
         self.failures[kind] += 1
         if kind == "fail-slow":
             return self.fail_slow(t)
-        self._crash(t, kind)
+        self._crash(t, kind, keeps_in_flight)
         return None
 
 
@@ -453,4 +466,4 @@ def replay_iterations(
             return _stats(replay, target_iters, done_at, terms)
         t, idx = best
         f = pending.pop(idx)
-        replay.handle(t, f.kind)
+        replay.handle(t, f.kind, f.keeps_in_flight)

@@ -29,6 +29,9 @@ __all__ = ["Validation", "validate_run"]
 
 # Recovery modes of the runtime that keep progress (no rollback to a checkpoint).
 IN_PLACE_MODES = ("inplace", "in_place", "replan")
+# Phases after the gradients are protected: an in-place recovery keeps the iteration's
+# computation and finishes its update (Leto §5; the runtime's phases).
+POST_COMPUTE_PHASES = ("sync", "update", "parity", "writeback", "marker", "boundary")
 # Where in an iteration each phase sits, as a fraction of the iteration (used only when the
 # injection event lacks `iter_t_start`).
 PHASE_FRACTION = MappingProxyType(
@@ -226,7 +229,15 @@ def validate_run(run_dir: str | Path) -> Validation:
         usable_lag=0,  # the runtime's checkpoint save is synchronous: usable when it returns
         costs=costs,
     )
-    schedule = [IterFailure(f["iteration"] + 1, f["fraction"], f["kind"]) for f in failures]
+    schedule = [
+        IterFailure(
+            f["iteration"] + 1,
+            f["fraction"],
+            f["kind"],
+            keeps_in_flight=f["kind"] == "hof" and f["phase"] in POST_COMPUTE_PHASES,
+        )
+        for f in failures
+    ]
     run = replay_iterations(terms, schedule, iterations)
     order = sorted(
         range(len(failures)), key=lambda i: (schedule[i].iteration, schedule[i].fraction)
