@@ -5,9 +5,10 @@ On the demo model with 4 CPU ranks (configurable):
   1. steady-state iteration time with in-place protection (RMU: gradient parity, chunk
      transactions, marker) vs without it, fault-free, checkpoints off in both, runs alternated;
   2. the same failure schedule (crashes inside the update, in the backward pass, during the parity
-     update, and one crash with lost retained pages) recovered in place and by checkpoint-restart:
-     detection, initialization, recomputation and total per failure (Leto §8.1), plus the
-     localization and reconstruction times of the in-place repairs.
+     update, and one crash with lost retained pages) recovered by checkpoint-restart, in place
+     with restarted processes, and in place through shadow trainers pre-initialized to L1, L2
+     and L3: detection, initialization, recomputation and total per failure (Leto §8.1), plus
+     the localization and reconstruction times of the in-place repairs.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ SCHEDULE = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--iterations", type=int, default=48, help="iterations per run (default 48)")
+    p.add_argument("--iterations", type=int, default=60, help="iterations per run (default 60)")
     p.add_argument("--repeats", type=int, default=2, help="fault-free runs per variant")
     p.add_argument("--world-size", type=int, default=4, help="ranks (default 4)")
     p.add_argument("--out", default=None, help="keep the run dirs here (default: a temp dir)")
@@ -67,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.out or tempfile.mkdtemp(prefix="unbroken-recovery-"))
     t0 = time.time()
 
-    def variant(mode: str, checkpoints: bool, inject: list[str]) -> JobConfig:
+    def variant(mode: str, checkpoints: bool, inject: list[str], shadow: int = 0) -> JobConfig:
         return dataclasses.replace(
             base,
-            recovery=dataclasses.replace(base.recovery, mode=mode),
+            recovery=dataclasses.replace(base.recovery, mode=mode, shadow_level=shadow),
             checkpoint=dataclasses.replace(base.checkpoint, enabled=checkpoints),
             inject=inject,
         )
@@ -94,12 +95,19 @@ def run(args: argparse.Namespace) -> int:
     marks = dict(a=n // 5, b=2 * n // 5, c=3 * n // 5, d=4 * n // 5)
     schedule = [f.format(**marks) for f in SCHEDULE]
     results: dict[str, dict[str, Any]] = {}
-    for mode in ("inplace", "ckpt_restart"):
-        out = root / f"faulty-{mode}"
-        s = run_job(variant(mode, True, schedule), out, reference=False, quiet=True)
+    variants = {
+        "ckpt_restart": ("ckpt_restart", 0),
+        "inplace": ("inplace", 0),
+        "L1": ("inplace", 1),
+        "L2": ("inplace", 2),
+        "L3": ("inplace", 3),
+    }
+    for name, (mode, shadow) in variants.items():
+        out = root / f"faulty-{name}"
+        s = run_job(variant(mode, True, schedule, shadow), out, reference=False, quiet=True)
         totals = [r["total_s"] for r in s["recoveries"]]
-        results[mode] = {"summary": s, "totals": totals, "dir": out}
-        _say(f"{mode}: recoveries {[round(t, 2) for t in totals]} s")
+        results[name] = {"summary": s, "totals": totals, "dir": out}
+        _say(f"{name}: recoveries {[round(t, 2) for t in totals]} s")
     repairs = [
         e
         for e in read_jsonl(results["inplace"]["dir"] / "events.jsonl")
@@ -107,24 +115,25 @@ def run(args: argparse.Namespace) -> int:
     ]
     inplace_med = statistics.median(results["inplace"]["totals"])
     ckpt_med = statistics.median(results["ckpt_restart"]["totals"])
+    shadow_med = {lv: statistics.median(results[lv]["totals"]) for lv in ("L1", "L2", "L3")}
     out = {
         "overhead_pct": 100.0 * overhead,
         "steady_iter_s": {"plain": plain_s, "rmu": protected_s},
         "inplace_recovery_s": inplace_med,
         "ckpt_restart_recovery_s": ckpt_med,
         "speedup": ckpt_med / inplace_med,
+        "shadow_recovery_s": shadow_med,
+        "speedup_l3": ckpt_med / shadow_med["L3"],
         "localize_ms": statistics.median(e["localize_ms"] for e in repairs) if repairs else None,
         "reconstruct_ms": (
             statistics.median(e["reconstruct_ms"] for e in repairs) if repairs else None
         ),
         "schedule": schedule,
-        "recoveries": {
-            mode: results[mode]["summary"]["recoveries"] for mode in ("inplace", "ckpt_restart")
-        },
+        "recoveries": {name: results[name]["summary"]["recoveries"] for name in variants},
         "exact": {
-            mode: results[mode]["summary"]["final_state_hash"]
-            == results["inplace"]["summary"]["final_state_hash"]
-            for mode in results
+            name: results[name]["summary"]["final_state_hash"]
+            == results["ckpt_restart"]["summary"]["final_state_hash"]
+            for name in variants
         },
         "world_size": args.world_size,
         "iterations": args.iterations,
@@ -142,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"checkpoint-restart       {ckpt_med:6.2f} s")
     print(f"speedup                  {out['speedup']:6.2f} x")
+    for lv, sec in shadow_med.items():
+        print(f"in-place, {lv} shadows      {sec:6.2f} s")
+    print(f"speedup with L3 shadows  {out['speedup_l3']:6.2f} x")
     if repairs:
         print(
             f"localize / reconstruct   {out['localize_ms']:.2f} ms / {out['reconstruct_ms']:.2f} ms"

@@ -100,13 +100,20 @@ class Agent:
             proc = subprocess.Popen(cmd, stdin=stdin)
         return TrainerProc(rank, generation, proc, time.time(), log=log_path)
 
-    def _shadows_ready(self, generation: int, ranks: list[int]) -> bool:
+    def _shadows_alive(self, generation: int, ranks: list[int]) -> bool:
+        """Every rank has a live shadow for `generation`. It need not have reached its level
+        yet: a promoted shadow finishes its pre-initialization first, which still beats
+        starting a process from nothing."""
         return all(
             (t := self.shadows.get(r)) is not None
             and t.generation == generation
             and t.proc.poll() is None
-            and str(t.info.get("phase", "")).startswith("shadow-ready")
             for r in ranks
+        )
+
+    def _shadows_ready(self, ranks: list[int]) -> int:
+        return sum(
+            str(self.shadows[r].info.get("phase", "")).startswith("shadow-ready") for r in ranks
         )
 
     def kill_shadows(self) -> None:
@@ -123,7 +130,8 @@ class Agent:
         if msg.get("state_managers"):
             self.ensure_state_managers(msg["state_managers"])
         gen, ranks = msg["generation"], msg["ranks"]
-        promoted = self._shadows_ready(gen, ranks)
+        promoted = self._shadows_alive(gen, ranks)
+        ready = self._shadows_ready(ranks) if promoted else 0
         if promoted:
             for r in ranks:
                 t = self.shadows.pop(r)
@@ -143,7 +151,12 @@ class Agent:
                 self.shadows[r] = self._spawn(msg, r, gen + 1, msg["next_spec"], level)
             levels = {"level": level, "generation": gen + 1}
         self.channel.send(
-            "started", generation=gen, t=time.time(), promoted=promoted, shadows=levels
+            "started",
+            generation=gen,
+            t=time.time(),
+            promoted=promoted,
+            shadows_ready=ready,
+            shadows=levels,
         )
 
     def kill_all(self) -> None:

@@ -240,7 +240,12 @@ class Coordinator:
             raise ProtocolError(f"{op!r} before hello")
         if op == "started":
             if msg.get("promoted"):
-                self.events.emit("shadows_promoted", generation=msg["generation"])
+                self.events.emit(
+                    "shadows_promoted",
+                    generation=msg["generation"],
+                    ready=msg.get("shadows_ready", 0),
+                    level=self.cfg.recovery.shadow_level,
+                )
             if msg.get("shadows"):
                 self.events.emit("shadows_spawned", **msg["shadows"])
             self.fsm.on_started(msg["generation"])

@@ -29,6 +29,10 @@ class RecoveryBreakdown:
     recompute_s: float
     total_s: float
     restored_iter: int | None
+    shadow_level: int = 0
+    """Level of the shadow trainers promoted for this recovery (0: processes restarted)."""
+    shadows_ready: int = 0
+    """How many of them had reached that level when promoted."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,6 +101,16 @@ def analyze_run(
             t_remain = max(0.0, healthy - ran)
             recompute = max(0.0, redone["t_end"] - t_j - t_remain)
         init = t_j - t_fault
+        promoted = next(
+            (
+                e
+                for e in events
+                if e["kind"] == "shadows_promoted"
+                and e["t"] >= t_fault
+                and (ready is None or e["t"] <= ready["t"])
+            ),
+            None,
+        )
         out.append(
             RecoveryBreakdown(
                 kind="hof"
@@ -111,6 +125,8 @@ def analyze_run(
                 recompute_s=recompute,
                 total_s=init + recompute,
                 restored_iter=ready.get("restored_iter") if ready else None,
+                shadow_level=promoted["level"] if promoted else 0,
+                shadows_ready=promoted.get("ready", 0) if promoted else 0,
             )
         )
     return out

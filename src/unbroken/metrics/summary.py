@@ -103,12 +103,14 @@ def format_table(summary: dict[str, Any]) -> str:
     if summary["recoveries"]:
         lines += [
             "",
-            f"{'failure':34}{'mode':>14}{'detect s':>10}{'init s':>9}{'recomp s':>10}{'total s':>9}",
+            f"{'failure':34}{'mode':>14}{'shadow':>8}{'detect s':>10}{'init s':>9}"
+            f"{'recomp s':>10}{'total s':>9}",
         ]
         for r in summary["recoveries"]:
             what = f"{r['kind']} rank {r['rank']} it {r['iteration']} {r['phase']}"
+            shadow = f"L{r['shadow_level']}" if r.get("shadow_level") else "-"
             lines.append(
-                f"{what:34}{r['mode']:>14}{r['detect_s']:>10.3f}{r['init_s']:>9.2f}"
+                f"{what:34}{r['mode']:>14}{shadow:>8}{r['detect_s']:>10.3f}{r['init_s']:>9.2f}"
                 f"{r['recompute_s']:>10.2f}{r['total_s']:>9.2f}"
             )
     return "\n".join(lines)
