@@ -103,7 +103,7 @@ def test_make_plan_rejects_bad_inputs(kwargs: dict, message: str) -> None:
 
 
 def _layout(*groups: tuple[tuple[int, ...], tuple[int, int]]) -> Replica:
-    return Replica(tuple(StageGroup(r, l) for r, l in groups))
+    return Replica(tuple(StageGroup(ranks, layers) for ranks, layers in groups))
 
 
 @pytest.mark.parametrize(

@@ -61,7 +61,7 @@ _TEXT = re.compile(
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class Action:
     """One step in a rank's ordered action list.
 
@@ -116,6 +116,9 @@ class Action:
     def is_send(self) -> bool:
         """True for SEND_F and SEND_B."""
         return self.kind in _SEND_KINDS
+
+    def __repr__(self) -> str:
+        return f"parse_action({str(self)!r})"
 
     def __str__(self) -> str:
         if self.kind in _GLOBAL_KINDS:

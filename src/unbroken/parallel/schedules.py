@@ -12,6 +12,14 @@ this is Megatron's ``send_forward_recv_backward`` pattern, and it is what keeps 
 both directions in the same batch. Messages on one directed link are matched in FIFO order, as
 NCCL does. `unbroken.parallel.simulate` checks both properties for any action list.
 
+[Note: migration placement] With micro-batches migrated between replicas, groups run different
+micro-batch sets and the adjacent-neighbour pairing above no longer lines up (a group may send
+F_j to a peer that runs B_i first). Then each receive is placed by a witness instead: the compute
+orders are replayed at unit cost with instant transfers, and the receive of a message produced
+at time t goes into the receiver's batch at time t. Every transfer then sits at the same instant
+on both ends of the witness, which is itself a blocking-send execution, so the lists cannot
+deadlock; the price is that a receive may be posted earlier than strictly needed.
+
 [Note: heterogeneous TP transfers] A message from a TP group of size a to one of size b is split
 into N = max(a, b) chunks (ResiHP §7, Figure 7): chunk c goes from sender ``c * a // N`` to
 receiver ``c * b // N`` (positions in the groups), so each chunk crosses the link exactly once and
@@ -87,46 +95,71 @@ def _interleaved(mbs: Sequence[int], stage: int, pp: int, v: int) -> list[list[S
     return steps
 
 
-def _zb_h1(
-    work: Mapping[tuple[int, int], Sequence[int]], pp: int
+def _list_schedule(
+    work: Mapping[tuple[int, int], Sequence[int]], pp: int, schedule: str
 ) -> dict[tuple[int, int], list[Step]]:
-    """ZB-H1 by list scheduling at unit costs (the zero-bubble paper's H1 heuristic).
+    """Compute orders by list scheduling at unit costs: ZB-H1, and any schedule with migration.
 
-    Each group, whenever it is free, runs the first ready of: the next B (its input gradient
-    is on the critical path), the next F if fewer than pp - s micro-batches are between F and B
-    (1F1B's activation bound) and fewer than pp weight gradients are deferred, else the oldest
-    deferred W. Deferred W's thus fill the cool-down bubble; with equal F, B and W costs the
-    iteration takes M(F+B+W) + (pp-1)(F+B-W) for M >= pp, against 1F1B's (M+pp-1)(F+B+W).
+    Each group runs its micro-batches in list order; whenever it is free it starts the first
+    ready of, by priority:
+
+    - ``zb_h1`` (the zero-bubble paper's H1 heuristic): the next B (its input gradient is on
+      the critical path); the next F if fewer than pp - s micro-batches are between F and B
+      (1F1B's activation bound) and fewer than pp weight gradients are deferred; else the oldest
+      deferred W. Deferred W's fill the cool-down bubble; with equal F, B and W costs the
+      iteration takes M(F+B+W) + (pp-1)(F+B-W) for M >= pp, against 1F1B's (M+pp-1)(F+B+W).
+    - ``1f1b``: the next B, else the next F within the pp - s bound.
+    - ``gpipe``: every F, then the B's.
+
+    The result is a unit-cost execution, so the orders of all groups are mutually consistent
+    even when groups run different micro-batch sets (migration). Should the activation bounds
+    ever stall every group, an F is let through regardless, which always makes progress.
     """
     groups = sorted(work)
+    split = schedule == "zb_h1"
     clock = dict.fromkeys(groups, 0)
     nf, nb, nw = dict.fromkeys(groups, 0), dict.fromkeys(groups, 0), dict.fromkeys(groups, 0)
     f_done: dict[tuple[int, int], int] = {}
     b_done: dict[tuple[int, int], int] = {}
     orders: dict[tuple[int, int], list[Step]] = {g: [] for g in groups}
-    remaining = sum(3 * len(work[g]) for g in groups)
+    remaining = sum((3 if split else 2) * len(work[g]) for g in groups)
+
+    def bounded(g: tuple[int, int]) -> bool:
+        if schedule == "gpipe":
+            return True
+        within = nf[g] - nb[g] < pp - g[1]
+        return within and (nb[g] - nw[g] < pp if split else True)
+
+    def candidates(g: tuple[int, int], relaxed: bool) -> list[tuple[int, int, ActionKind]]:
+        mbs, s = work[g], g[1]
+        found = []
+        f_prio, b_prio = (0, 1) if schedule == "gpipe" else (1, 0)
+        if nb[g] < nf[g] and (schedule != "gpipe" or nf[g] == len(mbs)):
+            m = mbs[nb[g]]
+            ready = f_done[(m, s)] if s == pp - 1 else b_done.get((m, s + 1))
+            if ready is not None:
+                found.append((max(clock[g], ready), b_prio, B))
+        if nf[g] < len(mbs) and (relaxed or bounded(g)):
+            ready = 0 if s == 0 else f_done.get((mbs[nf[g]], s - 1))
+            if ready is not None:
+                found.append((max(clock[g], ready), f_prio, F))
+        if split and nw[g] < nb[g]:
+            found.append((clock[g], 2, W))
+        return found
+
     while remaining:
         best: tuple[int, int, tuple[int, int], ActionKind] | None = None
-        for g in groups:
-            mbs, s = work[g], g[1]
-            candidates = []
-            if nb[g] < nf[g]:
-                m = mbs[nb[g]]
-                ready = f_done[(m, s)] if s == pp - 1 else b_done.get((m, s + 1))
-                if ready is not None:
-                    candidates.append((max(clock[g], ready), 0, B))
-            if nf[g] < len(mbs) and nf[g] - nb[g] < pp - s and nb[g] - nw[g] < pp:
-                ready = 0 if s == 0 else f_done.get((mbs[nf[g]], s - 1))
-                if ready is not None:
-                    candidates.append((max(clock[g], ready), 1, F))
-            if nw[g] < nb[g]:
-                candidates.append((clock[g], 2, W))
-            if candidates:
-                start, prio, kind = min(candidates)
-                if best is None or (start, prio) < best[:2]:
-                    best = (start, prio, g, kind)
-        if best is None:  # pragma: no cover - cannot happen for a consistent placement
-            raise RuntimeError("ZB-H1 list scheduler stalled")
+        for relaxed in (False, True):
+            for g in groups:
+                found = candidates(g, relaxed)
+                if found:
+                    start, prio, kind = min(found)
+                    if best is None or (start, prio) < best[:2]:
+                        best = (start, prio, g, kind)
+            if best is not None:
+                break
+        if best is None:  # pragma: no cover - an F is always ready once bounds are relaxed
+            raise RuntimeError("list scheduler stalled")
         start, _, g, kind = best
         s = g[1]
         counter = {F: nf, B: nb, W: nw}[kind]
@@ -176,8 +209,9 @@ def compute_steps(
         for s in range(pp):
             mine = [m for m in owner if executors.get((m, s), owner[m][0]) == d]
             work[(d, s)] = sorted(mine, key=lambda m: (owner[m][1], owner[m][0]))
-    if schedule == "zb_h1":
-        return {g: [[step] for step in order] for g, order in _zb_h1(work, pp).items()}
+    if schedule == "zb_h1" or executors:
+        orders = _list_schedule(work, pp, schedule)
+        return {g: [[step] for step in order] for g, order in orders.items()}
     if schedule == "interleaved_1f1b":
         if v < 2:
             raise ValueError("interleaved_1f1b needs virtual_stages >= 2")
@@ -248,15 +282,17 @@ def generate_actions(
             return _transfers(ActionKind.SEND_B, k, m, here, ranks_of(m, k - 1), rank)
         return []
 
+    witness = _unit_times(steps, num_stages) if executors else None
     out: dict[int, tuple[Action, ...]] = {}
     for (d, s), group_steps in sorted(steps.items()):
         here = tuple(stage_ranks[d][s])
+        posted_before = _recv_slots(group_steps, witness, num_stages)
         for rank in here:
             acts: list[Action] = []
             pending: list[Action] = []
-            for step in group_steps:
-                acts += pending  # one batch: the previous step's sends, this step's receives
-                for kind, k, m in step:
+            for j, step in enumerate(group_steps):
+                acts += pending  # one batch: the previous step's sends, these receives
+                for kind, k, m in posted_before[j]:
                     acts += recvs(kind, k, m, here, rank)
                 pending = []
                 for kind, k, m in step:
@@ -270,6 +306,63 @@ def generate_actions(
             for rank in group:
                 out.setdefault(rank, (Action(ActionKind.REDUCE_GRAD), Action(ActionKind.OPT_STEP)))
     return dict(sorted(out.items()))
+
+
+def _producer(step: Step, num_stages: int) -> Step | None:
+    """The remote-able compute whose output `step` consumes (None for the first F / last B)."""
+    kind, k, m = step
+    if kind is F and k > 0:
+        return (F, k - 1, m)
+    if kind is B and k < num_stages - 1:
+        return (B, k + 1, m)
+    return None
+
+
+def _unit_times(
+    steps: Mapping[tuple[int, int], list[list[Step]]], num_stages: int
+) -> dict[Step, int]:
+    """Start time of every compute when each costs 1 and transfers are instant (the witness of
+    [Note: migration placement])."""
+    orders = {g: [c for step in group for c in step] for g, group in steps.items()}
+    pos = dict.fromkeys(orders, 0)
+    clock = dict.fromkeys(orders, 0)
+    start: dict[Step, int] = {}
+    left = sum(len(o) for o in orders.values())
+    while left:
+        progressed = False
+        for g, order in orders.items():
+            while pos[g] < len(order):
+                kind, k, m = step = order[pos[g]]
+                needs = [_producer(step, num_stages)]
+                needs += [(F, k, m)] if kind is B else [(B, k, m)] if kind is W else []
+                if any(n is not None and n not in start for n in needs):
+                    break
+                ready = max((start[n] + 1 for n in needs if n is not None), default=0)
+                start[step] = max(clock[g], ready)
+                clock[g] = start[step] + 1
+                pos[g] += 1
+                left -= 1
+                progressed = True
+        if not progressed:  # pragma: no cover - compute_steps never yields inconsistent orders
+            raise RuntimeError("compute orders are mutually inconsistent")
+    return start
+
+
+def _recv_slots(
+    group_steps: list[list[Step]], witness: dict[Step, int] | None, num_stages: int
+) -> list[list[Step]]:
+    """For each step, the computes whose inputs are received in the batch just before it."""
+    if witness is None:
+        return group_steps
+    starts = [min(witness[c] for c in step) for step in group_steps]
+    slots: list[list[Step]] = [[] for _ in group_steps]
+    for step in group_steps:
+        for c in step:
+            producer = _producer(c, num_stages)
+            if producer is not None:
+                ready = witness[producer] + 1
+                slots[next(j for j, t in enumerate(starts) if t >= ready)].append(c)
+    return slots
 
 
 def _transfers(
