@@ -164,7 +164,7 @@ class _Replay:
                 if a.is_comm:
                     continue
                 if a.is_compute:
-                    base: tuple = ("compute", group, a)
+                    base: tuple = ("compute", group, str(a))
                     assert a.stage is not None and a.microbatch is not None
                     self.work[(rank, i)] = Work(
                         d,
@@ -326,7 +326,11 @@ class _Replay:
 
 
 def simulate(
-    plan: ParallelPlan, costs: Costs, *, sends: Literal["rendezvous", "eager"] = "eager"
+    plan: ParallelPlan,
+    costs: Costs,
+    *,
+    sends: Literal["rendezvous", "eager"] = "eager",
+    check_blocking: bool = True,
 ) -> Timeline:
     """Replay one iteration of `plan` under `costs` (see the module docstring for the model).
 
@@ -335,6 +339,9 @@ def simulate(
         costs: per-action costs.
         sends: timing of sends: ``"eager"`` (a send never waits) or ``"rendezvous"`` (a send
             waits for its receive: blocking p2p).
+        check_blocking: with eager timing, also replay under blocking sends to report orders
+            that would hang there (one more replay; callers that time a plan already known
+            to be sound, like the fail-slow detector in a loop, may skip it).
 
     Returns:
         The timeline; check ``timeline.ok`` or ``timeline.deadlocks`` before trusting times.
@@ -347,7 +354,7 @@ def simulate(
     replay = _Replay(plan, costs, eager=sends == "eager")
     replay.run()
     stuck = replay.stuck()
-    if not stuck and replay.eager:
+    if not stuck and replay.eager and check_blocking:
         blocking = _Replay(plan, costs, eager=False)
         blocking.run()
         stuck_blocking = [
