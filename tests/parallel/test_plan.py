@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import pickle
 
 import pytest
 
@@ -57,6 +58,13 @@ def test_json_round_trip_is_exact(schedule: str) -> None:
     assert again == plan
     assert again.to_json() == plan.to_json()
     assert json.loads(plan.to_json(indent=2))["actions"]["0"][0] == "0F0"
+
+
+def test_plans_pickle() -> None:
+    plan = make_plan(
+        dp=2, pp=2, tp=1, num_layers=4, microbatches=2, migrations=[Migration(0, 1, 1)]
+    )
+    assert pickle.loads(pickle.dumps(plan)) == plan
 
 
 def test_plans_are_deterministic_values() -> None:

@@ -1,7 +1,7 @@
 """The parallel plan: who holds which layers, who runs which micro-batch, and every rank's steps.
 
 Owns `ParallelPlan`, the value the planner emits, the worker interpreter executes, and the
-simulator and detector time ([Note: plans are data] in ARCHITECTURE.md). A plan is a pure
+simulator and detector time ("Plans are data" in ARCHITECTURE.md). A plan is a pure
 function of its inputs: every rank calls `make_plan` (or `plan_for`) with the same arguments and
 gets an equal value, and `to_json`/`from_json` round-trip it exactly so the coordinator can ship
 one instead.
@@ -308,6 +308,10 @@ class ParallelPlan:
             "migrations": [[m.microbatch, m.stage, m.replica] for m in self.migrations],
             "actions": {str(r): [str(a) for a in acts] for r, acts in self.actions.items()},
         }
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        """Pickle through JSON (the read-only `actions` mapping does not pickle by itself)."""
+        return (ParallelPlan.from_json, (self.to_json(),))
 
     def to_json(self, indent: int | None = None) -> str:
         """Serialize; `from_json(plan.to_json()) == plan` for every plan."""

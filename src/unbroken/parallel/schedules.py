@@ -189,7 +189,9 @@ def compute_steps(
 
     A group runs the micro-batches placed on it; migrated-in micro-batches are interleaved with
     its own by position within their owner (key: (index in owner, owner)), so every group sees
-    any two micro-batches in the same relative order and the orders are mutually consistent.
+    any two micro-batches in the same relative order. With migrations, or for ZB-H1, the orders
+    come from `_list_schedule` (a unit-cost execution, hence mutually consistent); otherwise
+    from the textbook templates.
 
     Raises:
         ValueError: unknown schedule, or a schedule constraint is violated.
