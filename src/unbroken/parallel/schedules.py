@@ -30,6 +30,7 @@ Never imports torch; never touches a process group.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Mapping, Sequence
 
 from unbroken.parallel.actions import Action, ActionKind
@@ -147,17 +148,33 @@ def _list_schedule(
             found.append((clock[g], 2, W))
         return found
 
+    # Each group's best candidate sits in a heap; it changes only when the group itself or the
+    # producer it waits for advances, so only those are refreshed (stale entries are skipped).
+    executor_of = {(m, g[1]): g for g in groups for m in work[g]}
+    heap: list[tuple[int, int, tuple[int, int], int, ActionKind]] = []
+    version = dict.fromkeys(groups, 0)
+
+    def refresh(g: tuple[int, int]) -> None:
+        version[g] += 1
+        found = candidates(g, relaxed=False)
+        if found:
+            start, prio, kind = min(found)
+            heapq.heappush(heap, (start, prio, g, version[g], kind))
+
+    for g in groups:
+        refresh(g)
     while remaining:
         best: tuple[int, int, tuple[int, int], ActionKind] | None = None
-        for relaxed in (False, True):
+        while heap and best is None:
+            start, prio, g, ver, kind = heapq.heappop(heap)
+            if ver == version[g]:
+                best = (start, prio, g, kind)
+        if best is None:  # every group is held by its bounds: let an F through
             for g in groups:
-                found = candidates(g, relaxed)
-                if found:
+                found = candidates(g, relaxed=True)
+                if found and (best is None or min(found)[:2] < best[:2]):
                     start, prio, kind = min(found)
-                    if best is None or (start, prio) < best[:2]:
-                        best = (start, prio, g, kind)
-            if best is not None:
-                break
+                    best = (start, prio, g, kind)
         if best is None:  # pragma: no cover - an F is always ready once bounds are relaxed
             raise RuntimeError("list scheduler stalled")
         start, _, g, kind = best
@@ -172,6 +189,10 @@ def _list_schedule(
             b_done[(m, s)] = start + 1
         orders[g].append((kind, s, m))
         remaining -= 1
+        refresh(g)
+        consumer = executor_of.get((m, s + 1) if kind is F else (m, s - 1))
+        if kind is not W and consumer is not None and consumer != g:
+            refresh(consumer)
     return orders
 
 
@@ -212,7 +233,13 @@ def compute_steps(
             mine = [m for m in owner if executors.get((m, s), owner[m][0]) == d]
             work[(d, s)] = sorted(mine, key=lambda m: (owner[m][1], owner[m][0]))
     if schedule == "zb_h1" or executors:
-        orders = _list_schedule(work, pp, schedule)
+        # Without migration the replicas are independent pipelines: schedule each on its own.
+        parts = (
+            [work]
+            if executors
+            else [{g: mbs for g, mbs in work.items() if g[0] == d} for d in range(len(stage_ranks))]
+        )
+        orders = {g: o for part in parts for g, o in _list_schedule(part, pp, schedule).items()}
         return {g: [[step] for step in order] for g, order in orders.items()}
     if schedule == "interleaved_1f1b":
         if v < 2:
