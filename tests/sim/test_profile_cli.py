@@ -83,3 +83,13 @@ def test_bad_flags_are_user_errors(capsys):
     assert main(["simulate", "--validate", "/nonexistent"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("unbroken: error:") for line in err)
+
+
+def test_profile_and_model_together_is_an_error(tmp_path):
+    from unbroken.sim.scenario import load_scenario
+
+    (tmp_path / "p.json").write_text(json.dumps(PROFILE))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[[workload]]\nprofile = "p.json"\nmodel = "olmoe"\n')
+    with pytest.raises(UserError, match="either profile or model"):
+        load_scenario(config=cfg)

@@ -225,6 +225,8 @@ def scenario_from_table(raw: dict[str, Any], where: str, base: Path) -> Scenario
     for i, table in enumerate(tables):
         w_where = f"{where} [[workload]] #{i + 1}"
         wc = build(WorkloadConfig, table, w_where)
+        if wc.profile and (wc.model is not None or wc.hardware is not None):
+            raise UserError(f"{w_where}: give either profile or model + hardware, not both")
         if wc.profile:
             inputs, steps = load_profile(base / wc.profile)
             label = wc.label or Path(wc.profile).stem
