@@ -77,6 +77,12 @@ def test_plans_are_deterministic_values() -> None:
         a.schedule = "gpipe"  # type: ignore[misc]
 
 
+def test_make_plan_positional_form() -> None:
+    assert make_plan(2, 2, 1, 8, 4, "gpipe") == make_plan(
+        dp=2, pp=2, tp=1, num_layers=8, microbatches=4, schedule="gpipe"
+    )
+
+
 def test_split_layers() -> None:
     assert split_layers(10, 4) == (3, 3, 2, 2)
     assert split_layers(12, 3, [1.0, 0.25, 1.0]) == (5, 2, 5)  # ResiHP Fig. 5 repartition

@@ -433,7 +433,6 @@ def plan_for(
 
 
 def make_plan(
-    *,
     dp: int,
     pp: int,
     tp: int | Sequence[int] | Sequence[Sequence[int]],
@@ -441,8 +440,9 @@ def make_plan(
     microbatches: int | Sequence[int],
     schedule: str = "1f1b",
     layer_split: Sequence[int] | None = None,
-    stage_weights: Sequence[float] | None = None,
     virtual_stages: int = 1,
+    *,
+    stage_weights: Sequence[float] | None = None,
     migrations: Sequence[Migration] = (),
 ) -> ParallelPlan:
     """Build a plan from parallel degrees, numbering ranks as in [Note: rank numbering].
