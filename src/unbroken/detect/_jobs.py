@@ -1,0 +1,196 @@
+"""Real short data-parallel training jobs for `unbroken bench detect`, timed per rank.
+
+`run_jobs` starts `world_size` worker processes once (gloo over a TCPStore, one CPU thread
+each) and runs the jobs one after another in them: each job builds a fresh model, state and
+sampler (`build_training`) from its own seeds, trains for real on the stdlib corpus with
+variable-length packing (`varlen_loss`), and fires its faults through the project's own
+`unbroken.inject.Injector` (a `slow` fault really sleeps). A `PhaseTimer` after the injector
+records every rank's compute timings. Reusing the processes only saves the ~5 s process and
+group start per job; nothing carries over between jobs but the warm allocator.
+
+`run_job`/the coordinator cannot carry the timer hook (the trainer's hook list is fixed in
+`unbroken.launch.trainer`), hence this runner. Each rank writes `job{j}-rank{r}.jsonl` (one
+line per iteration: `iter`, `t_start`, `t_end`, `doc_lengths`, and the `RankTiming` fields);
+injections go to `events.jsonl`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+__all__ = ["BenchJob", "BenchSetup", "run_jobs"]
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchSetup:
+    """The training jobs' shape (the same for every job)."""
+
+    world_size: int = 2
+    """Data-parallel ranks (processes)."""
+    tokens_per_microbatch: int = 2048
+    """Token budget N of a packed micro-batch."""
+    microbatches: int = 3
+    """Micro-batches per rank per iteration (all but the last are timed cleanly)."""
+    iterations: int = 40
+    """Iterations per job."""
+    n_layers: int = 1
+    """Layers of the tiny reference model."""
+    n_heads: int = 1
+    """Attention heads (one head of 64: the cheapest attention per token pair on CPU)."""
+    threads: int = 1
+    """Torch threads per rank."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 2:
+            raise ValueError("bench: world_size must be >= 2 (validation compares ranks)")
+        if self.microbatches < 2:
+            raise ValueError("bench: microbatches must be >= 2 (the last one is not timed)")
+        if self.iterations < 20:
+            raise ValueError("bench: iterations must be >= 20")
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchJob:
+    index: int
+    seed: int
+    """Model and data seed of this job."""
+    faults: list[str] = field(default_factory=list)
+    """Fault specs (`unbroken.inject` syntax)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job_config(setup: BenchSetup, job: BenchJob):
+    from unbroken.config import (
+        CheckpointConfig,
+        DataConfig,
+        JobConfig,
+        ModelConfig,
+        ParallelConfig,
+        TrainConfig,
+    )
+
+    return JobConfig(
+        model=ModelConfig(
+            preset="tiny", n_layers=setup.n_layers, n_heads=setup.n_heads, n_kv_heads=setup.n_heads
+        ),
+        data=DataConfig(
+            tokens_per_microbatch=setup.tokens_per_microbatch,
+            microbatches=setup.microbatches,
+            seed=job.seed,
+        ),
+        train=TrainConfig(
+            iterations=setup.iterations, lr=1e-3, seed=job.seed, threads=setup.threads
+        ),
+        parallel=ParallelConfig(world_size=setup.world_size),
+        checkpoint=CheckpointConfig(enabled=False),
+        inject=list(job.faults),
+    )
+
+
+def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from unbroken.detect.timing import PhaseTimer
+    from unbroken.detect.varlen import varlen_loss
+    from unbroken.inject import Injector, parse_fault
+    from unbroken.metrics.log import JsonlLog
+    from unbroken.train import Trainer
+    from unbroken.train.build import build_training
+    from unbroken.update import PlainUpdater
+
+    s = BenchSetup(**setup)
+    torch.set_num_threads(s.threads)
+    # Not deterministic: that mode disables the CPU flash-attention kernel of SDPA, and the
+    # bench measures time, not bit-exactness.
+    store = dist.TCPStore(
+        "127.0.0.1", port, s.world_size, is_master=rank == 0, timeout=timedelta(seconds=120)
+    )
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("group", store), rank=rank, world_size=s.world_size
+    )
+    device = torch.device("cpu")
+    for spec in jobs:
+        job = BenchJob(**spec)
+        cfg = _job_config(s, job)
+        built = build_training(cfg, n_shards=s.world_size, device=device)
+        events = JsonlLog(Path(out) / "events.jsonl", run=f"job{job.index}")
+        log = JsonlLog(Path(out) / f"job{job.index}-rank{rank}.jsonl")
+        injector = Injector(
+            [parse_fault(f) for f in job.faults],
+            rank,
+            dist.PrefixStore(f"job{job.index}", store),
+            events.emit,
+            time.time(),
+        )
+        timer = PhaseTimer(rank=rank)
+        trainer = Trainer(
+            model=built.model,
+            state=built.state,
+            source=built.source,
+            shard=rank,
+            cfg=cfg.train,
+            group=dist.group.WORLD,
+            device=device,
+            hooks=[injector, timer],
+            updater=PlainUpdater(built.state, built.geometry, built.step),
+            loss_fn=varlen_loss,
+        )
+        t0 = time.time()
+        for it in range(s.iterations):
+            res = trainer.run_iteration(it)
+            rec = timer.records[-1]
+            log.write(
+                {
+                    "iter": it,
+                    "t_start": res.t_start,
+                    "t_end": res.t_end,
+                    "doc_lengths": [list(d) for d in res.doc_lengths],
+                    "loss": res.loss,
+                }
+                | rec.to_dict()
+            )
+        log.close()
+        events.close()
+        dist.barrier()
+        if rank == 0:
+            wall = time.time() - t0
+            print(
+                f"  job {job.index + 1}/{len(jobs)}: {s.iterations} iterations in {wall:.1f} s"
+                f" ({wall / s.iterations:.3f} s/iter), faults: {', '.join(job.faults) or '-'}",
+                file=sys.stderr,
+                flush=True,
+            )
+    dist.destroy_process_group()
+
+
+def run_jobs(setup: BenchSetup, jobs: list[BenchJob], out: Path) -> None:
+    """Run `jobs` in `setup.world_size` fresh processes; per-rank logs land under `out`.
+
+    Raises:
+        RuntimeError: a worker process failed.
+    """
+    import torch.multiprocessing as mp
+
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("job*-rank*.jsonl"), out / "events.jsonl"]:
+        old.unlink(missing_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", str(setup.threads))
+    mp.start_processes(
+        _worker,
+        args=(asdict(setup), [asdict(j) for j in jobs], str(out), _free_port()),
+        nprocs=setup.world_size,
+        join=True,
+        start_method="spawn",
+    )

@@ -1,0 +1,297 @@
+"""The online workload-aware fail-slow detector (ResiHP §5.2) and its Greyhound-style baseline.
+
+Per iteration the caller feeds an `Observation`: the iteration time, the packed documents of
+every replica's micro-batches and, when available, each rank's `RankTiming`. The detector
+
+1. warms up: skips the first `skip_iters` iterations (process start), then fits the workload
+   model (alpha, beta on the timed micro-batches; the sync constant on the iterations) and the
+   change-point prior on the next `warmup_iters`;
+2. runs BOCPD on the iteration-time series (normalized by the warm-up median);
+3. at a change point covering iterations c..t compares the observed time of c..t with the
+   predicted healthy time of the same workload. Observed > `slow_ratio` (1.25, ResiHP §5.2) x
+   predicted: validation. Otherwise the change is benign (workload-induced): its points are
+   removed from the series (BOCPD is restored to its state before c) and validation is skipped;
+4. validation localizes: per rank, observed / predicted compute time of its timed
+   micro-batches over c..t; the rank with the largest ratio is slow if it exceeds the median of
+   the other ranks' ratios by `localize_ratio`; the quotient is the slowdown factor. Found: a
+   `FailSlowReport` (also sent to the sink as a `DetectionEvent`). Not found: a false alarm.
+
+`baseline=True` is the same detector without step 3's workload filter (Greyhound): every change
+point to a slower level goes to validation (a change to a faster level is accepted as the new
+normal, as a slowdown detector would), and a validation that finds no slow rank is a false
+alarm. Both modes count the time spent in `observe` and in validation.
+
+The detector never reads the fault injector's records, never sleeps, and never talks to ranks:
+what it knows comes from the observations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import statistics
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from unbroken.detect.bocpd import Bocpd, BocpdConfig, BocpdState, ChangePoint
+from unbroken.detect.events import DetectionEvent, DetectionKind, DetectionSink
+from unbroken.detect.timing import RankTiming
+from unbroken.detect.workload import WorkloadPredictor
+
+__all__ = [
+    "Decision",
+    "DetectorConfig",
+    "FailSlowDetector",
+    "FailSlowReport",
+    "Observation",
+    "Verdict",
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class DetectorConfig:
+    """Thresholds of the fail-slow detector (sources in docs/detect.md)."""
+
+    skip_iters: int = 2
+    """First iterations ignored (process start, allocator and cache warm-up)."""
+    warmup_iters: int = 10
+    """Iterations after the skipped ones that fit alpha, beta, the sync constant and the prior."""
+    slow_ratio: float = 1.25
+    """Observed > slow_ratio x predicted at a change point -> validation (ResiHP §5.2)."""
+    localize_ratio: float = 1.2
+    """A rank is slow when its observed/predicted compute ratio is this much over its peers'."""
+    noise_floor: float = 0.02
+    """Smallest relative standard deviation assumed for a run of the series (prior)."""
+    history: int = 8
+    """Accepted points before a change that define the level it changed from (baseline)."""
+    baseline: bool = False
+    """Greyhound-style: no workload filter; every slowdown change point is validated."""
+    bocpd: BocpdConfig = field(default_factory=BocpdConfig)
+
+    def __post_init__(self) -> None:
+        if self.skip_iters < 0 or self.warmup_iters < 3:
+            raise ValueError("detector.skip_iters must be >= 0 and warmup_iters >= 3")
+        if self.slow_ratio <= 1.0 or self.localize_ratio <= 1.0:
+            raise ValueError("detector.slow_ratio and localize_ratio must be > 1")
+        if not 0.0 < self.noise_floor < 1.0:
+            raise ValueError("detector.noise_floor must be in (0, 1)")
+        if self.history < 1:
+            raise ValueError("detector.history must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the detector sees of one iteration.
+
+    Attributes:
+        iteration: the iteration number.
+        seconds: its wall time (rank 0's `iter_s`).
+        doc_lengths: `[replica][micro-batch] -> segment lengths`; in a data-parallel plan rank
+            r runs replica r.
+        ranks: per-rank timings of this iteration (`PhaseTimer`), or None if not collected.
+    """
+
+    iteration: int
+    seconds: float
+    doc_lengths: Sequence[Sequence[Sequence[int]]]
+    ranks: Mapping[int, RankTiming] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FailSlowReport:
+    """A validated fail-slow: `rank` (pipeline `stage`) runs `factor` x slower than healthy,
+    since iteration `iteration`; detected after iteration `detected_at`."""
+
+    rank: int
+    stage: int
+    factor: float
+    iteration: int
+    detected_at: int
+
+
+class Verdict(enum.StrEnum):
+    WARMUP = "warmup"
+    QUIET = "quiet"
+    """No change point."""
+    ACCEPTED = "accepted"
+    """A change point to a faster level (baseline), kept as the new normal."""
+    BENIGN = "benign"
+    """A change point explained by the workload: dropped from the series, not validated."""
+    FALSE_ALARM = "false_alarm"
+    """Validated, no slow rank found."""
+    FAIL_SLOW = "fail_slow"
+    """Validated, slow rank found and reported."""
+    KNOWN = "known"
+    """Validated, the slow rank was already reported."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    verdict: Verdict
+    iteration: int
+    change: ChangePoint | None = None
+    change_iteration: int | None = None
+    observed_over_predicted: float | None = None
+    report: FailSlowReport | None = None
+    validation_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Point:
+    obs: Observation
+    x: float
+    before: BocpdState
+
+
+class FailSlowDetector:
+    """Feed `observe` once per iteration, in order."""
+
+    def __init__(
+        self, cfg: DetectorConfig | None = None, *, sink: DetectionSink | None = None
+    ) -> None:
+        self.cfg = cfg or DetectorConfig()
+        self.sink = sink
+        self.predictor: WorkloadPredictor | None = None
+        self.bocpd: Bocpd | None = None
+        self.scale = 1.0
+        self._seen = 0
+        self._warm: list[Observation] = []
+        self._points: deque[_Point] = deque(maxlen=self.cfg.bocpd.lag + self.cfg.history + 2)
+        self.reported: dict[int, FailSlowReport] = {}
+        self.observe_s = 0.0
+        """Total seconds spent in `observe` (detector overhead)."""
+        self.validations: list[float] = []
+        """Seconds of each validation run."""
+
+    # -- warm-up ---------------------------------------------------------------------------
+
+    def _finish_warmup(self) -> None:
+        mb_samples = []
+        for obs in self._warm:
+            for rank, t in (obs.ranks or {}).items():
+                lengths = obs.doc_lengths[rank]
+                mb_samples += [(lengths[m], s) for m, s in enumerate(t.mb_s)]
+        if not mb_samples:
+            raise ValueError(
+                "fail-slow warm-up needs per-rank micro-batch timings (PhaseTimer records)"
+            )
+        self.predictor = WorkloadPredictor.fit_data_parallel(
+            mb_samples, [(o.doc_lengths, o.seconds) for o in self._warm]
+        )
+        self.scale = statistics.median(o.seconds for o in self._warm)
+        xs = [o.seconds / self.scale for o in self._warm]
+        var = max(statistics.pvariance(xs), self.cfg.noise_floor**2)
+        prior = dataclasses.replace(self.cfg.bocpd, mu0=1.0, beta0=self.cfg.bocpd.alpha0 * var)
+        self.bocpd = Bocpd(prior)
+        for obs in self._warm:
+            before = self.bocpd.snapshot()
+            x = obs.seconds / self.scale
+            self.bocpd.update(x)
+            self._points.append(_Point(obs=obs, x=x, before=before))
+        self.bocpd.last_index = self.bocpd.t - 1
+
+    # -- online ----------------------------------------------------------------------------
+
+    def observe(self, obs: Observation) -> Decision:
+        t0 = time.perf_counter()
+        try:
+            return self._observe(obs)
+        finally:
+            self.observe_s += time.perf_counter() - t0
+
+    def _observe(self, obs: Observation) -> Decision:
+        self._seen += 1
+        cfg = self.cfg
+        if self._seen <= cfg.skip_iters:
+            return Decision(verdict=Verdict.WARMUP, iteration=obs.iteration)
+        if self.bocpd is None:
+            self._warm.append(obs)
+            if len(self._warm) == cfg.warmup_iters:
+                self._finish_warmup()
+            return Decision(verdict=Verdict.WARMUP, iteration=obs.iteration)
+        before = self.bocpd.snapshot()
+        x = obs.seconds / self.scale
+        cp = self.bocpd.update(x)
+        self._points.append(_Point(obs=obs, x=x, before=before))
+        if cp is None:
+            return Decision(verdict=Verdict.QUIET, iteration=obs.iteration)
+        n_new = cp.at - cp.index + 1
+        window = list(self._points)[-n_new:]
+        older = list(self._points)[:-n_new][-cfg.history :]
+        observed = sum(p.obs.seconds for p in window)
+        predicted = sum(self.predictor.iteration_time(p.obs.doc_lengths) for p in window)
+        ratio = observed / predicted if predicted > 0 else float("inf")
+        common = dict(
+            iteration=obs.iteration,
+            change=cp,
+            change_iteration=window[0].obs.iteration,
+            observed_over_predicted=ratio,
+        )
+        if cfg.baseline:
+            level_before = statistics.fmean(p.x for p in older) if older else 1.0
+            if statistics.fmean(p.x for p in window) <= level_before:
+                return Decision(verdict=Verdict.ACCEPTED, **common)
+        elif ratio <= cfg.slow_ratio:
+            # Benign: forget these points, as if they had never been fed.
+            self.bocpd.restore(window[0].before)
+            self.bocpd.last_index = cp.index - 1
+            for _ in range(n_new):
+                self._points.pop()
+            return Decision(verdict=Verdict.BENIGN, **common)
+        v0 = time.perf_counter()
+        found = self._localize([p.obs for p in window])
+        spent = time.perf_counter() - v0
+        self.validations.append(spent)
+        if found is None:
+            return Decision(verdict=Verdict.FALSE_ALARM, validation_s=spent, **common)
+        rank, factor = found
+        if rank in self.reported:
+            return Decision(verdict=Verdict.KNOWN, validation_s=spent, **common)
+        report = FailSlowReport(
+            rank=rank,
+            stage=0,
+            factor=factor,
+            iteration=window[0].obs.iteration,
+            detected_at=obs.iteration,
+        )
+        self.reported[rank] = report
+        if self.sink is not None:
+            self.sink.emit(
+                DetectionEvent(
+                    kind=DetectionKind.FAIL_SLOW,
+                    rank=rank,
+                    stage=0,
+                    factor=factor,
+                    iteration=report.iteration,
+                    detected_at=report.detected_at,
+                    reason=(
+                        f"iterations {report.iteration}..{obs.iteration} took {ratio:.2f}x the "
+                        f"predicted healthy time; rank {rank} computes {factor:.2f}x slower "
+                        "than its peers"
+                    ),
+                )
+            )
+        return Decision(verdict=Verdict.FAIL_SLOW, report=report, validation_s=spent, **common)
+
+    def _localize(self, window: Sequence[Observation]) -> tuple[int, float] | None:
+        """(slow rank, factor) from per-rank compute over predicted, or None."""
+        observed: dict[int, float] = {}
+        predicted: dict[int, float] = {}
+        for obs in window:
+            for rank, t in (obs.ranks or {}).items():
+                lengths = obs.doc_lengths[rank]
+                observed[rank] = observed.get(rank, 0.0) + sum(t.mb_s)
+                predicted[rank] = predicted.get(rank, 0.0) + sum(
+                    self.predictor.mb.predict(lengths[m]) for m in range(len(t.mb_s))
+                )
+        ratios = {r: observed[r] / predicted[r] for r in observed if predicted[r] > 0}
+        if len(ratios) < 2:
+            return None
+        slow = max(ratios, key=lambda r: ratios[r])
+        peers = statistics.median(v for r, v in ratios.items() if r != slow)
+        factor = ratios[slow] / peers
+        if factor < self.cfg.localize_ratio:
+            return None
+        return slow, factor

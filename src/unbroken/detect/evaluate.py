@@ -1,0 +1,207 @@
+"""Replays measured jobs through the detector (ours and the Greyhound-style baseline) and scores
+both, as in ResiHP §8.2 (Tables 4 and 5).
+
+Input per job: rank 0's iteration times, every rank's `RankTiming` and documents, and the
+injected fault (rank, iteration) from the event log — the fault is used only for scoring,
+never shown to the detector. Both detectors see the same observations.
+
+Scores (per mode):
+- `mb_mape`: |predicted - measured| / measured over every timed micro-batch of every rank in
+  the healthy iterations after warm-up (the model fitted on warm-up predicts; %).
+- `iter_mape`: the same for the predicted healthy iteration time against rank 0's `iter_s`.
+- `false_alarms_per_job`: validations started on a change point that begins before the fault
+  (or in a fault-free job) — each one is validation work a healthy job did not need.
+- `validation_s_per_false_alarm`: mean seconds the detector spent validating one of them.
+- `accuracy`: jobs classified correctly (faulty: the first report names the injected rank at
+  or after the fault's iteration; fault-free: no report).
+- `detect_delay_iters`: mean over detected faults of (report iteration - fault iteration).
+- `overhead_pct`: detector time (every `observe` call, plus the `PhaseTimer` hook's own cost
+  per iteration) over the iterations' wall time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unbroken.detect.detector import DetectorConfig, FailSlowDetector, Observation, Verdict
+from unbroken.detect.timing import PhaseTimer, RankTiming
+from unbroken.metrics.log import read_jsonl
+from unbroken.train.phases import Phase
+
+__all__ = ["JobSeries", "Score", "load_jobs", "score_jobs", "timer_cost_s"]
+
+
+@dataclass(slots=True)
+class JobSeries:
+    """One measured job."""
+
+    index: int
+    observations: list[Observation]
+    fault_rank: int | None = None
+    fault_iter: int | None = None
+    fault_spec: str = ""
+
+
+@dataclass(slots=True)
+class Score:
+    mb_mape: float = 0.0
+    iter_mape: float = 0.0
+    false_alarms_per_job: float = 0.0
+    validation_s_per_false_alarm: float = 0.0
+    accuracy: float = 0.0
+    detect_delay_iters: float | None = None
+    overhead_pct: float = 0.0
+    benign_dropped_per_job: float = 0.0
+    validations_per_job: float = 0.0
+    detail: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mb_mape": self.mb_mape,
+            "iter_mape": self.iter_mape,
+            "false_alarms_per_job": self.false_alarms_per_job,
+            "validation_s_per_false_alarm": self.validation_s_per_false_alarm,
+            "accuracy": self.accuracy,
+            "detect_delay_iters": self.detect_delay_iters,
+            "overhead_pct": self.overhead_pct,
+            "benign_dropped_per_job": self.benign_dropped_per_job,
+            "validations_per_job": self.validations_per_job,
+        }
+
+
+def load_jobs(out: Path, world_size: int) -> list[JobSeries]:
+    """Read `job{j}-rank{r}.jsonl` and `events.jsonl` written by the bench's runner."""
+    faults: dict[int, dict] = {}
+    for e in read_jsonl(out / "events.jsonl"):
+        if e.get("kind") == "failure_injected":
+            faults.setdefault(int(e["run"].removeprefix("job")), e)
+    jobs = []
+    j = 0
+    while (out / f"job{j}-rank0.jsonl").exists():
+        per_rank = [
+            {r["iter"]: r for r in read_jsonl(out / f"job{j}-rank{k}.jsonl")}
+            for k in range(world_size)
+        ]
+        obs = []
+        for it in sorted(per_rank[0]):
+            if not all(it in p for p in per_rank):
+                break
+            rows = [p[it] for p in per_rank]
+            obs.append(
+                Observation(
+                    iteration=it,
+                    seconds=rows[0]["t_end"] - rows[0]["t_start"],
+                    doc_lengths=[[tuple(d) for d in row["doc_lengths"]] for row in rows],
+                    ranks={k: RankTiming.from_dict(row) for k, row in enumerate(rows)},
+                )
+            )
+        f = faults.get(j)
+        jobs.append(
+            JobSeries(
+                index=j,
+                observations=obs,
+                fault_rank=None if f is None else int(f["rank"]),
+                fault_iter=None if f is None else int(f["iter"]),
+                fault_spec="" if f is None else f["spec"],
+            )
+        )
+        j += 1
+    return jobs
+
+
+def timer_cost_s(calls: int = 20000) -> float:
+    """Seconds one `PhaseTimer` hook call costs (measured here, mean over `calls`)."""
+    timer = PhaseTimer(rank=0)
+    t0 = time.perf_counter()
+    for i in range(calls // 4):
+        timer(Phase.FORWARD, i, 0, 2)
+        timer(Phase.BACKWARD, i, 0, 2)
+        timer(Phase.FORWARD, i, 1, 2)
+        timer(Phase.PROTECT, i, 0, 1)
+    return (time.perf_counter() - t0) / calls
+
+
+def _healthy(job: JobSeries, obs: Observation) -> bool:
+    return job.fault_iter is None or obs.iteration < job.fault_iter
+
+
+def score_jobs(jobs: Sequence[JobSeries], cfg: DetectorConfig) -> Score:
+    """Replay every job through a fresh detector with `cfg` and score it."""
+    hook_s = timer_cost_s()
+    mb_err: list[float] = []
+    it_err: list[float] = []
+    false_alarms, fa_validation_s, correct, delays = 0, 0.0, 0, []
+    benign, validations, det_s, wall_s = 0, 0, 0.0, 0.0
+    detail = []
+    for job in jobs:
+        det = FailSlowDetector(cfg)
+        first_report = None
+        for obs in job.observations:
+            d = det.observe(obs)
+            wall_s += obs.seconds
+            calls = sum(2 * len(t.forward_s) + 1 for t in (obs.ranks or {}).values())
+            det_s += hook_s * calls / max(1, len(obs.ranks or {1: 0}))
+            if d.verdict is Verdict.BENIGN:
+                benign += 1
+            if d.verdict in (Verdict.FALSE_ALARM, Verdict.FAIL_SLOW, Verdict.KNOWN):
+                validations += 1
+                before_fault = job.fault_iter is None or (
+                    d.change_iteration is not None and d.change_iteration < job.fault_iter
+                )
+                if before_fault:
+                    false_alarms += 1
+                    fa_validation_s += d.validation_s
+            if d.report is not None and first_report is None:
+                first_report = d.report
+            p = det.predictor
+            if p is not None and d.verdict is not Verdict.WARMUP and _healthy(job, obs):
+                pred = p.iteration_time(obs.doc_lengths)
+                it_err.append(abs(pred - obs.seconds) / obs.seconds)
+                for rank, t in (obs.ranks or {}).items():
+                    for m, s in enumerate(t.mb_s):
+                        mb_err.append(abs(p.mb.predict(obs.doc_lengths[rank][m]) - s) / s)
+        det_s += det.observe_s
+        if job.fault_iter is None:
+            ok = first_report is None
+        else:
+            ok = (
+                first_report is not None
+                and first_report.rank == job.fault_rank
+                and first_report.detected_at >= job.fault_iter
+            )
+            if ok:
+                delays.append(first_report.detected_at - job.fault_iter)
+        correct += ok
+        detail.append(
+            {
+                "job": job.index,
+                "fault": job.fault_spec or None,
+                "report": None
+                if first_report is None
+                else {
+                    "rank": first_report.rank,
+                    "factor": round(first_report.factor, 3),
+                    "iteration": first_report.iteration,
+                    "detected_at": first_report.detected_at,
+                },
+                "correct": bool(ok),
+            }
+        )
+    n = max(1, len(jobs))
+    return Score(
+        mb_mape=100.0 * statistics.fmean(mb_err) if mb_err else float("nan"),
+        iter_mape=100.0 * statistics.fmean(it_err) if it_err else float("nan"),
+        false_alarms_per_job=false_alarms / n,
+        validation_s_per_false_alarm=fa_validation_s / false_alarms if false_alarms else 0.0,
+        accuracy=correct / n,
+        detect_delay_iters=statistics.fmean(delays) if delays else None,
+        overhead_pct=100.0 * det_s / wall_s if wall_s else 0.0,
+        benign_dropped_per_job=benign / n,
+        validations_per_job=validations / n,
+        detail=detail,
+    )

@@ -1,0 +1,113 @@
+"""Per-rank phase timings, recorded by a trainer phase hook, for fail-slow validation.
+
+Validation must say *which* rank is slow. In data-parallel training every rank's iteration time
+is the same (all wait at the gradient all-reduce), so only a rank's own compute time tells the
+slow one apart. `PhaseTimer` is a `Trainer` hook (`unbroken.train.phases.PhaseHook`) that
+stamps the start of each forward/backward micro-batch and the protect phase, which yields:
+
+- `mb_s`: forward+backward of every micro-batch but the last (FORWARD m -> FORWARD m+1); the
+  last one's backward ends inside the all-reduce, where waiting for peers is mixed in;
+- `forward_s`: the forward of every micro-batch (FORWARD m -> BACKWARD m);
+- `compute_s`: FORWARD 0 -> last BACKWARD start, pure local compute;
+- `reduce_s`: last BACKWARD start -> PROTECT: the last backward plus the all-reduce (with the
+  wait for the slowest peer).
+
+Put it after the fault injector in the hook list: a `slow` fault stalls inside the injector's
+hook call for the phase step that just ended, so the timer's stamp then falls after the stall
+and each interval holds its own stall. The timer never sleeps, allocates per iteration only a
+small record, and takes no locks; it must never talk to other ranks (gathering is the caller's
+choice).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from unbroken.train.phases import Phase
+
+__all__ = ["PhaseTimer", "RankTiming"]
+
+
+@dataclass(frozen=True, slots=True)
+class RankTiming:
+    """One rank's timings of one iteration (seconds)."""
+
+    rank: int
+    iteration: int
+    mb_s: tuple[float, ...]
+    forward_s: tuple[float, ...]
+    compute_s: float
+    reduce_s: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "rank": self.rank,
+            "iter": self.iteration,
+            "mb_s": list(self.mb_s),
+            "forward_s": list(self.forward_s),
+            "compute_s": self.compute_s,
+            "reduce_s": self.reduce_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RankTiming:
+        return cls(
+            rank=int(d["rank"]),
+            iteration=int(d["iter"]),
+            mb_s=tuple(d["mb_s"]),
+            forward_s=tuple(d["forward_s"]),
+            compute_s=float(d["compute_s"]),
+            reduce_s=float(d["reduce_s"]),
+        )
+
+
+@dataclass(slots=True)
+class PhaseTimer:
+    """A phase hook recording this rank's `RankTiming` per iteration.
+
+    Args:
+        rank: this trainer's rank (copied into the records).
+        on_record: called with each finished record (at the PROTECT hook); records are also
+            kept in `records` (the last `keep` of them).
+        keep: how many records to keep.
+        clock: monotonic clock (tests pass a fake one).
+    """
+
+    rank: int
+    on_record: Callable[[RankTiming], None] | None = None
+    keep: int = 64
+    clock: Callable[[], float] = time.perf_counter
+    records: list[RankTiming] = field(default_factory=list)
+    _fwd: list[float] = field(default_factory=list)
+    _bwd: list[float] = field(default_factory=list)
+    _iteration: int = -1
+
+    def __call__(self, phase: Phase, iteration: int, step: int, n_steps: int) -> None:
+        now = self.clock()
+        if phase is Phase.FORWARD:
+            if step == 0:
+                self._fwd, self._bwd, self._iteration = [], [], iteration
+            self._fwd.append(now)
+        elif phase is Phase.BACKWARD:
+            self._bwd.append(now)
+        elif phase is Phase.PROTECT and iteration == self._iteration and self._bwd:
+            self._finish(now)
+
+    def _finish(self, now: float) -> None:
+        f, b = self._fwd, self._bwd
+        n = min(len(f), len(b))
+        rec = RankTiming(
+            rank=self.rank,
+            iteration=self._iteration,
+            mb_s=tuple(f[m + 1] - f[m] for m in range(n - 1)),
+            forward_s=tuple(b[m] - f[m] for m in range(n)),
+            compute_s=b[n - 1] - f[0],
+            reduce_s=now - b[n - 1],
+        )
+        self._iteration = -1
+        self.records.append(rec)
+        del self.records[: -self.keep]
+        if self.on_record is not None:
+            self.on_record(rec)

@@ -1,0 +1,68 @@
+import pytest
+
+from unbroken.detect.detector import DetectorConfig, FailSlowDetector, Verdict
+from unbroken.detect.events import DetectionKind, ListSink
+
+from .synth import series
+
+
+def _replay(obs, baseline=False):
+    sink = ListSink()
+    det = FailSlowDetector(DetectorConfig(baseline=baseline), sink=sink)
+    return [det.observe(o) for o in obs], sink
+
+
+@pytest.mark.parametrize(("rank", "factor"), [(0, 1.54), (1, 2.22), (1, 3.33)])
+def test_persistent_slowdown_is_reported_within_three_iterations(rank, factor):
+    decisions, sink = _replay(series(slow_rank=rank, slow_iter=30, factor=factor, seed=rank))
+    reports = [d.report for d in decisions if d.report]
+    assert len(reports) == 1
+    rep = reports[0]
+    assert rep.rank == rank
+    assert rep.stage == 0
+    assert 30 <= rep.detected_at <= 33
+    assert rep.factor == pytest.approx(factor, rel=0.1)
+    assert not [d for d in decisions if d.verdict is Verdict.FALSE_ALARM]
+    assert [e.kind for e in sink.events] == [DetectionKind.FAIL_SLOW]
+
+
+def _blocks(it, rng):
+    # Workload regimes: cheap multi-document micro-batches, and after warm-up every 12
+    # iterations a run of 3 with expensive single-document ones: the iteration time jumps up
+    # by ~1.8x for several iterations at a time.
+    return 1 if it >= 20 and it % 12 < 3 else 6
+
+
+def test_workload_swings_raise_no_report_but_baseline_alarms():
+    obs = series(iterations=80, pieces=_blocks, seed=3)
+    ours, ours_sink = _replay(obs)
+    base, _ = _replay(obs, baseline=True)
+    assert ours_sink.events == []
+    assert not [d for d in ours if d.verdict in (Verdict.FALSE_ALARM, Verdict.FAIL_SLOW)]
+    assert [d for d in ours if d.verdict is Verdict.BENIGN]
+    assert len([d for d in base if d.verdict is Verdict.FALSE_ALARM]) >= 2
+    assert not [d for d in base if d.verdict is Verdict.FAIL_SLOW]
+
+
+def test_slowdown_amid_workload_swings_is_still_found():
+    obs = series(iterations=80, pieces=_blocks, seed=4, slow_rank=1, slow_iter=50, factor=1.54)
+    decisions, _ = _replay(obs)
+    reports = [d.report for d in decisions if d.report]
+    assert reports and reports[0].rank == 1 and reports[0].detected_at <= 53
+
+
+def test_warmup_needs_rank_timings():
+    det = FailSlowDetector(DetectorConfig(skip_iters=0, warmup_iters=3))
+    obs = [
+        o.__class__(iteration=o.iteration, seconds=o.seconds, doc_lengths=o.doc_lengths)
+        for o in series(iterations=3)
+    ]
+    det.observe(obs[0])
+    det.observe(obs[1])
+    with pytest.raises(ValueError, match="PhaseTimer"):
+        det.observe(obs[2])
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="slow_ratio"):
+        DetectorConfig(slow_ratio=1.0)

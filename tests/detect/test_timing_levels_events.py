@@ -1,0 +1,74 @@
+import json
+
+import pytest
+
+from unbroken.detect.detector import DetectorConfig, FailSlowDetector
+from unbroken.detect.events import DetectionEvent, DetectionKind, JsonlSink
+from unbroken.detect.levels import Level, slow_factor_for, throughput_loss
+from unbroken.detect.timing import PhaseTimer
+from unbroken.train.phases import Phase
+
+from .synth import series
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_phase_timer_splits_micro_batches_and_reduce():
+    clock = FakeClock()
+    got = []
+    timer = PhaseTimer(rank=3, on_record=got.append, clock=clock)
+    # 3 micro-batches: forward 1 s, backward 2 s each; all-reduce 0.5 s after the last backward.
+    for m in range(3):
+        timer(Phase.FORWARD, 7, m, 3)
+        clock.now += 1.0
+        timer(Phase.BACKWARD, 7, m, 3)
+        clock.now += 2.0 if m < 2 else 2.5
+    timer(Phase.PROTECT, 7, 0, 1)
+    (rec,) = got
+    assert rec.rank == 3 and rec.iteration == 7
+    assert rec.mb_s == (3.0, 3.0)
+    assert rec.forward_s == (1.0, 1.0, 1.0)
+    assert rec.compute_s == 7.0
+    assert rec.reduce_s == 2.5
+    assert timer.records == [rec]
+
+
+def test_localization_picks_the_slowed_rank_among_four():
+    obs = series(world=4, slow_rank=2, slow_iter=25, factor=1.8, seed=5)
+    det = FailSlowDetector(DetectorConfig())
+    reports = [d.report for o in obs if (d := det.observe(o)).report]
+    assert [r.rank for r in reports] == [2]
+    assert reports[0].factor == pytest.approx(1.8, rel=0.1)
+
+
+@pytest.mark.parametrize(("level", "loss"), [("weak", 0.35), ("medium", 0.55), ("severe", 0.70)])
+def test_levels_cost_their_throughput_share(level, loss):
+    for share in (1.0, 0.6):
+        f = slow_factor_for(level, share)
+        assert throughput_loss(f, share) == pytest.approx(loss)
+    assert slow_factor_for(Level.WEAK) < slow_factor_for(Level.MEDIUM) < slow_factor_for("severe")
+
+
+def test_unknown_level_is_rejected():
+    with pytest.raises(ValueError):
+        slow_factor_for("mild")
+
+
+def test_jsonl_sink_writes_the_event_log_format(tmp_path):
+    sink = JsonlSink(tmp_path / "events.jsonl", run="train")
+    sink.emit(
+        DetectionEvent(
+            kind=DetectionKind.FAIL_SLOW, rank=1, stage=0, factor=2.0, iteration=5, detected_at=6
+        )
+    )
+    sink.close()
+    (rec,) = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert rec["run"] == "train" and rec["kind"] == "failure_detected"
+    assert rec["reason"] == "fail_slow" and rec["rank"] == 1 and rec["detected_iter"] == 6
+    assert isinstance(rec["t"], float)

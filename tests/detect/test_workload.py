@@ -1,0 +1,35 @@
+import numpy as np
+import pytest
+
+from unbroken.detect.workload import DataParallelSchedule, MicroBatchModel, WorkloadPredictor
+
+from .synth import ALPHA, BETA, mb_time, split
+
+
+def test_fit_recovers_alpha_and_beta():
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(60):
+        d = split(rng, int(rng.integers(1, 6)))
+        samples.append((d, mb_time(d) * (1 + 0.002 * rng.standard_normal())))
+    m = MicroBatchModel.fit(samples)
+    assert m.alpha == pytest.approx(ALPHA, rel=0.02)
+    assert m.beta == pytest.approx(BETA, rel=0.02)
+
+
+def test_fit_without_spread_in_sum_sq_predicts_the_mean():
+    m = MicroBatchModel.fit([((2048,), 1.0), ((2048,), 1.2)])
+    assert m.beta == 0.0
+    assert m.predict((2048,)) == pytest.approx(1.1)
+
+
+def test_data_parallel_iteration_is_max_of_replica_sums_plus_sync():
+    sched = DataParallelSchedule(sync_s=0.5)
+    assert sched.iteration_time([[1.0, 2.0], [4.0]]) == 4.5
+
+
+def test_predictor_fits_the_sync_constant():
+    mb = [((1024, 1024), 0.3), ((2048,), 0.5), ((512, 1536), 0.35)]
+    lengths = [[(2048,), (2048,)], [(1024, 1024), (2048,)]]
+    p = WorkloadPredictor.fit_data_parallel(mb, [(lengths, 1.25)] * 3)
+    assert p.iteration_time(lengths) == pytest.approx(1.25, rel=1e-6)
