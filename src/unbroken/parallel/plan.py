@@ -181,9 +181,11 @@ class ParallelPlan:
 
     def placement(self) -> dict[tuple[int, int], int]:
         """The explicit placement (micro-batch, virtual stage) -> replica for every pair."""
+        moved = {(m.microbatch, m.stage): m.replica for m in self.migrations}
         return {
-            (mb, k): self.executor(mb, k)
-            for mb in range(self.total_microbatches)
+            (mb, k): moved.get((mb, k), d)
+            for d in range(self.dp)
+            for mb in self.microbatch_ids(d)
             for k in range(self.num_stages)
         }
 
