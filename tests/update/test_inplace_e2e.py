@@ -31,6 +31,7 @@ def test_crash_at_every_update_operation_recovers_in_place_bit_exact(tmp_path):
     assert all(r["mode"] == "inplace" for r in s["recoveries"])
     assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
     assert _events(tmp_path, "checkpoint_loaded") == []
+    assert _events(tmp_path, "shadow_promoted")  # takeovers went through shadow trainers
     repairs = _events(tmp_path, "inplace_repair")
     lost = [r for r in repairs if r["lost_pages"]]
     assert len(lost) == 1

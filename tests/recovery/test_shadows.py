@@ -1,0 +1,92 @@
+"""Shadow trainers: a crash is taken over by pre-initialized shadows (no checkpoint, exact);
+a shadow lost before the takeover is survived by starting fresh processes, still exact."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+from unbroken.api import run_job
+from unbroken.metrics.log import read_jsonl
+
+from ..foundation.conftest import tiny_job
+
+
+def _wait_for(predicate, timeout=180.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.05)  # polling files another process writes; not used to order events
+    raise TimeoutError("condition not reached")
+
+
+def _dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def _pids(pattern: str) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    cmd = fh.read().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if pattern in cmd:
+                out.append(int(entry))
+    return out
+
+
+def test_l3_shadows_take_over_a_crash_exactly(tmp_path):
+    faults = ["kill:rank=1,iter=9,phase=update"]
+    cfg = tiny_job(iterations=14, inject=faults, interval=0)
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["bit_exact"] is True and s["failures_recovered"] == 1
+    (r,) = s["recoveries"]
+    assert r["mode"] == "inplace" and r["shadow_level"] == 3
+    events = read_jsonl(tmp_path / "events.jsonl")
+    promoted = [e for e in events if e["kind"] == "shadow_promoted"]
+    assert {e["rank"] for e in promoted} == {0, 1}
+    assert not [e for e in events if e["kind"] == "checkpoint_loaded"]
+
+
+def test_a_lost_shadow_is_survived_by_fresh_processes(tmp_path):
+    cfg = tiny_job(iterations=60, interval=0)
+    ref = run_job(
+        dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, shadow_level=0)),
+        tmp_path / "ref",
+        quiet=True,
+    )
+    out = tmp_path / "run"
+    result: dict = {}
+    job = threading.Thread(target=lambda: result.update(run_job(cfg, out, quiet=True)))
+    job.start()
+
+    def shadows_ready():
+        evs = [e for e in read_jsonl(out / "events.jsonl") if e["kind"] == "shadow_ready"]
+        return len({e["rank"] for e in evs if e["generation"] == 1}) == 2
+
+    _wait_for(shadows_ready)
+    spec = str(out / "specs" / "train-gen1.json")
+    shadow = [p for p in _pids(spec) if p != os.getpid()]
+    trainers = _pids(str(out / "specs" / "train-gen0.json"))
+    assert shadow and trainers, "the job finished before the test could act"
+    os.kill(shadow[0], signal.SIGKILL)  # a shadow dies ...
+    _wait_for(lambda: _dead(shadow[0]))  # (the kernel has made it a zombie or reaped it)
+    os.kill(trainers[0], signal.SIGKILL)  # ... then an active trainer crashes
+    job.join(timeout=600)
+    assert result["state"] == "done"
+    events = read_jsonl(out / "events.jsonl")
+    assert [e for e in events if e["kind"] == "failure_detected"]
+    assert not [e for e in events if e["kind"] == "shadows_promoted" and e["generation"] == 1]
+    assert result["final_state_hash"] == ref["final_state_hash"]
