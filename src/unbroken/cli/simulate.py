@@ -70,7 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--horizon-mttf", type=float, help="discrete-event run length in MTTFs")
     parser.add_argument("--seed", type=int, help="discrete-event base seed")
     parser.add_argument("--json", action="store_true", help="print one JSON object, no table")
-    parser.add_argument("--png", metavar="PATH", help="chart path (default: sim-NAME.png)")
+    parser.add_argument("--png", metavar="PATH", help="chart path (default: runs/sim/NAME.png)")
     parser.add_argument("--no-png", action="store_true", help="do not write a chart")
     parser.set_defaults(func=run)
 
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     rows, skipped = evaluate(scenario, des=des, progress=_Progress())
     if not args.no_png:
         name = scenario.name if not args.mttf else f"{scenario.name}-mttf{args.mttf}"
-        png = Path(args.png or f"sim-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.png")
+        png = Path(args.png or f"runs/sim/{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.png")
         title = f"unbroken simulate: {scenario.name} (closed-form ETTR, Leto App. C.3)"
         write_chart(rows, png, title)
         print(f"chart: {png}", file=sys.stderr)
