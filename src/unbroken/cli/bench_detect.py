@@ -39,7 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
     parser.add_argument("--out", default=None, help="keep the per-rank logs here")
     parser.add_argument(
-        "--replay", default=None, help="score the logs already in this dir (run no jobs)"
+        "--replay",
+        nargs="+",
+        default=None,
+        help="score the logs already in these dirs (run no jobs)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -61,7 +64,7 @@ def _schedule(n_jobs: int, iterations: int, world: int, seed: int, first: int) -
             it = rng.randrange(first, iterations - 8)
             rank = rng.randrange(world)
             faults.append(f"slow:rank={rank},iter={it},factor={slow_factor_for(level):.3f}")
-        jobs.append(BenchJob(index=j, seed=1000 + j, faults=faults))
+        jobs.append(BenchJob(index=j, seed=1000 * (seed + 1) + j, faults=faults))
     return jobs
 
 
@@ -120,9 +123,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--iterations must be >= {first + 10} (warm-up + room for a fault)")
     t0 = time.time()
     if args.replay:
-        out = Path(args.replay)
-        if not (out / "job0-rank0.jsonl").exists():
-            raise UserError(f"--replay {out}: no job0-rank0.jsonl there")
+        dirs = [Path(d) for d in args.replay]
+        for d in dirs:
+            if not (d / "job0-rank0.jsonl").exists():
+                raise UserError(f"--replay {d}: no job0-rank0.jsonl there")
     else:
         out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="unbroken-detect-"))
         jobs = _schedule(args.jobs, args.iterations, args.world_size, args.seed, first)
@@ -134,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         run_jobs(setup, jobs, out)
-    series = load_jobs(out, args.world_size)
+        dirs = [out]
+    series = [job for d in dirs for job in load_jobs(d, args.world_size)]
     print(f"scoring {len(series)} jobs (ours, baseline)...", file=sys.stderr, flush=True)
     ours = score_jobs(series, cfg)
     base = score_jobs(series, DetectorConfig(baseline=True))
