@@ -77,7 +77,7 @@ def run_job(
     _check_user_objects(cfg, search)
     out = Path(out)
     if fresh and out.exists():
-        for name in ("events.jsonl", "metrics.jsonl", "summary.json", "plot.png"):
+        for name in ("events.jsonl", "metrics.jsonl", "timings.jsonl", "summary.json", "plot.png"):
             (out / name).unlink(missing_ok=True)
         for name in ("checkpoints", "specs"):
             shutil.rmtree(out / name, ignore_errors=True)

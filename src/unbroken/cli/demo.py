@@ -35,7 +35,10 @@ def demo_config(quick: bool) -> JobConfig:
     faults = [
         "kill:rank=1,iter=8,phase=update",
         "pageloss:rank=2,iter=15,phase=writeback,pages=2,parity=1",
-        "exception:rank=0,iter=22,phase=backward",
+        "exception:rank=0,iter=20,phase=backward",
+        # A persistent fail-slow: rank 3 computes 3x slower from here on; the workload-aware
+        # detector must find it (and not the swings of variable-length data).
+        f"slow:rank=3,iter={iterations - 8},factor=3",
     ]
     if not quick:
         faults += [

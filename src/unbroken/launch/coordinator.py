@@ -24,9 +24,10 @@ import torch.distributed as dist
 from unbroken.config import JobConfig, to_dict
 from unbroken.launch.progress import Progress
 from unbroken.launch.protocol import AGENT_OPS, Channel, ProtocolError
+from unbroken.launch.slowwatch import SlowWatch
 from unbroken.launch.trainer import GenerationSpec
 from unbroken.metrics.analysis import analyze_run
-from unbroken.metrics.log import JsonlLog, read_jsonl
+from unbroken.metrics.log import JsonlLog, JsonlTail, read_jsonl
 from unbroken.recovery import Action, RecoveryMachine, RecoveryState
 
 __all__ = ["Coordinator", "RunOutcome"]
@@ -91,6 +92,10 @@ class Coordinator:
         self.agent_proc: subprocess.Popen | None = None
         self.final_hash: str | None = None
         self._metrics_seen = 0
+        self._rows: list[dict[str, Any]] = []
+        self._metrics_tail = JsonlTail(self.run_dir / "metrics.jsonl")
+        self._timings_tail = JsonlTail(self.run_dir / "timings.jsonl")
+        self.slow_watch = SlowWatch(cfg.parallel.world_size, self.events, self.progress.say)
         self._pending_recoveries: list[dict[str, Any]] = []
         self._done_reason = ""
         self._metrics_at_start = 0
@@ -322,12 +327,18 @@ class Coordinator:
             self._drop(conn, f"malformed message ({type(exc).__name__}: {exc})")
 
     def _poll_metrics(self) -> None:
-        path = self.run_dir / "metrics.jsonl"
-        rows = [m for m in read_jsonl(path) if m.get("run") == self.run_name]
-        for m in rows[self._metrics_seen :]:
+        for t in self._timings_tail.read_new():
+            if t.get("run") == self.run_name:
+                self.slow_watch.add_timing(t)
+        for m in self._metrics_tail.read_new():
+            if m.get("run") != self.run_name:
+                continue
+            self._rows.append(m)
             self.progress.iteration(m)
-            self._check_recovered(rows, m)
-        self._metrics_seen = len(rows)
+            self._check_recovered(self._rows, m)
+            self.slow_watch.add_metric(m)
+        self._metrics_seen = len(self._rows)
+        self.slow_watch.pump()
 
     def _check_recovered(self, rows: list[dict[str, Any]], m: dict[str, Any]) -> None:
         if not self._pending_recoveries:
@@ -390,7 +401,12 @@ class Coordinator:
             self._poll_metrics()
         finally:
             self._shutdown()
-        self.events.emit("job_end", state=self.fsm.state.value, reason=self._done_reason)
+        self.events.emit(
+            "job_end",
+            state=self.fsm.state.value,
+            reason=self._done_reason,
+            detector_s=self.slow_watch.overhead_s,
+        )
         events = [
             e for e in read_jsonl(self.run_dir / "events.jsonl") if e.get("run") == self.run_name
         ]

@@ -184,7 +184,10 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None, shadow: int
     injector = Injector(faults, rank, store, events.emit, job_t0)
     if retained is not None:
         injector.page_loss = retained.page_loss_target(built.geometry)
-    hooks = [injector] + ([hb] if hb else [])
+    from unbroken.detect.timing import PhaseTimer
+
+    timer = PhaseTimer(rank)  # after the injector: a `slow` stall lands in its own interval
+    hooks = [injector, timer] + ([hb] if hb else [])
     autocast = None
     if device.type == "cuda" and cfg.train.precision in ("auto", "bf16"):
         autocast = torch.bfloat16
@@ -224,7 +227,10 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None, shadow: int
             recovery=spec.recovery,
             group_s=t_group,
         )
-    _train_loop(cfg, spec, rank, trainer, start_iter, ckpt, store, group, events, metrics)
+    timings = JsonlLog(run_dir / "timings.jsonl", run=spec.run_name)
+    _train_loop(
+        cfg, spec, rank, trainer, start_iter, ckpt, store, group, events, metrics, timer, timings
+    )
     dist.barrier(group=group)
     if rank == 0:
         events.emit("trainer_done", generation=spec.generation, final_state_hash=state.state_hash())
@@ -236,7 +242,9 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None, shadow: int
     return 0
 
 
-def _train_loop(cfg, spec, rank, trainer, start_iter, ckpt, store, group, events, metrics) -> None:
+def _train_loop(
+    cfg, spec, rank, trainer, start_iter, ckpt, store, group, events, metrics, timer, timings
+) -> None:
     from unbroken.checkpoint import save_checkpoint
     from unbroken.checkpoint.interval import young_interval
 
@@ -252,6 +260,15 @@ def _train_loop(cfg, spec, rank, trainer, start_iter, ckpt, store, group, events
     for it in range(start_iter, total):
         result = trainer.run_iteration(it)
         healthy.append(result.seconds)
+        if timer.records and timer.records[-1].iteration == it:
+            # Per-rank compute timings and workload, for fail-slow validation (unbroken.detect).
+            timings.write(
+                {
+                    **timer.records[-1].to_dict(),
+                    "generation": spec.generation,
+                    "doc_lengths": [list(x) for x in result.doc_lengths],
+                }
+            )
         ckpt_s = 0.0
         if cfg.checkpoint.enabled:
             if interval is None and len(healthy) >= 3:

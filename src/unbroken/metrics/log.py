@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JsonlLog", "read_jsonl"]
+__all__ = ["JsonlLog", "JsonlTail", "read_jsonl"]
 
 
 class JsonlLog:
@@ -51,3 +51,29 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+class JsonlTail:
+    """Reads the records appended to a JSON-lines file since the last call (a torn last line
+    is left for the next call)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._offset = 0
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self._offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out

@@ -58,6 +58,17 @@ def build_summary(
         "mttf_s": config["checkpoint"]["mttf_s"],
         "world_size": config["parallel"]["world_size"],
         "recovery_mode": config["recovery"]["mode"],
+        "fail_slow": [
+            {k: e[k] for k in ("rank", "stage", "factor", "since_iter", "detected_at")}
+            for e in f_events
+            if e["kind"] == "fail_slow"
+        ],
+        "slow_injected": [
+            {"rank": e["rank"], "iter": e["iter"], "spec": e["spec"]}
+            for e in f_events
+            if e["kind"] == "failure_injected" and e["fault"] == "slow"
+        ],
+        "change_points": sum(e["kind"] == "change_point" for e in f_events),
     }
     if reference is not None:
         summary.update(
@@ -100,6 +111,11 @@ def format_table(summary: dict[str, Any]) -> str:
         f"failures: {summary['failures_recovered']}/{summary['failures_injected']} recovered   "
         f"checkpoint interval: {summary['ckpt_interval']} it, cost {summary['ckpt_cost_s']:.3f}s",
     ]
+    for fs in summary["fail_slow"]:
+        lines.append(
+            f"fail-slow detected: rank {fs['rank']} {fs['factor']:.2f}x slower since iteration "
+            f"{fs['since_iter']}, reported after iteration {fs['detected_at']}"
+        )
     if summary["recoveries"]:
         lines += [
             "",

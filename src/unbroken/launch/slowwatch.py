@@ -1,0 +1,91 @@
+"""The coordinator's fail-slow watch: feeds every completed iteration — rank 0's iteration time
+plus every rank's compute timings and micro-batch workload (`timings.jsonl`) — to the
+workload-aware detector (`unbroken.detect.FailSlowDetector`), once per iteration and in order,
+and turns its decisions into events. Redone iterations (after a recovery) are not fed again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unbroken.detect import DetectorConfig, FailSlowDetector, Observation, RankTiming, Verdict
+from unbroken.metrics.log import JsonlLog
+
+__all__ = ["SlowWatch"]
+
+
+class SlowWatch:
+    def __init__(self, world_size: int, events: JsonlLog, say, cfg: DetectorConfig | None = None):
+        self.world_size = world_size
+        self.events = events
+        self.say = say
+        self.detector = FailSlowDetector(cfg)
+        self._timings: dict[int, dict[int, dict[str, Any]]] = {}
+        self._metrics: dict[int, dict[str, Any]] = {}
+        self._last_fed = -1
+
+    def add_timing(self, rec: dict[str, Any]) -> None:
+        if rec["iter"] > self._last_fed:
+            self._timings.setdefault(rec["iter"], {})[rec["rank"]] = rec
+
+    def add_metric(self, m: dict[str, Any]) -> None:
+        if m["iter"] > self._last_fed:
+            self._metrics[m["iter"]] = m
+
+    def pump(self) -> None:
+        """Feed every iteration whose metrics and all ranks' timings have arrived."""
+        while self._metrics:
+            it = min(self._metrics)
+            ranks = self._timings.get(it, {})
+            if len(ranks) < self.world_size:
+                if any(i > it for i in self._metrics) and len(self._metrics) > 3:
+                    self._drop(it)  # a rank died mid-iteration; never complete
+                    continue
+                return
+            m = self._metrics.pop(it)
+            self._timings.pop(it, None)
+            self._last_fed = it
+            obs = Observation(
+                iteration=it,
+                seconds=m["iter_s"] - m.get("ckpt_s", 0.0),
+                doc_lengths=[ranks[r]["doc_lengths"] for r in sorted(ranks)],
+                ranks={r: RankTiming.from_dict(ranks[r]) for r in ranks},
+            )
+            self._decide(self.detector.observe(obs))
+
+    def _drop(self, it: int) -> None:
+        self._metrics.pop(it, None)
+        self._timings.pop(it, None)
+        self._last_fed = max(self._last_fed, it)
+
+    def _decide(self, d) -> None:
+        if d.verdict in (Verdict.WARMUP, Verdict.QUIET, Verdict.ACCEPTED, Verdict.KNOWN):
+            return
+        fields = {
+            "verdict": d.verdict.value,
+            "iteration": d.iteration,
+            "change_iteration": d.change_iteration,
+            "observed_over_predicted": d.observed_over_predicted,
+            "validation_s": d.validation_s,
+        }
+        if d.report is not None:
+            r = d.report
+            self.events.emit(
+                "fail_slow",
+                rank=r.rank,
+                stage=r.stage,
+                factor=r.factor,
+                since_iter=r.iteration,
+                detected_at=r.detected_at,
+                **fields,
+            )
+            self.say(
+                f"fail-slow detected: rank {r.rank} runs {r.factor:.2f}x slower since iteration "
+                f"{r.iteration} (detected after iteration {r.detected_at})"
+            )
+        else:
+            self.events.emit("change_point", **fields)
+
+    @property
+    def overhead_s(self) -> float:
+        return self.detector.observe_s
