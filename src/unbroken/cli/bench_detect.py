@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch (N)")
     parser.add_argument("--microbatches", type=int, default=3, help="micro-batches per rank")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    parser.add_argument(
+        "--pin-cpus", type=int, default=-1, help="pin rank r to CPU OFFSET+r (default: no)"
+    )
     parser.add_argument("--out", default=None, help="keep the per-rank logs here")
     parser.add_argument(
         "--replay",
@@ -116,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             tokens_per_microbatch=args.tokens,
             microbatches=args.microbatches,
             iterations=args.iterations,
+            pin_cpus=args.pin_cpus,
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -45,6 +45,8 @@ class BenchSetup:
     """Attention heads (one head of 64: the cheapest attention per token pair on CPU)."""
     threads: int = 1
     """Torch threads per rank."""
+    pin_cpus: int = -1
+    """Pin rank r to CPU pin_cpus + r (-1: no pinning; the OS may migrate ranks)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
@@ -111,6 +113,8 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
     from unbroken.update import PlainUpdater
 
     s = BenchSetup(**setup)
+    if s.pin_cpus >= 0:
+        os.sched_setaffinity(0, {(s.pin_cpus + rank) % (os.cpu_count() or 1)})
     torch.set_num_threads(s.threads)
     # Not deterministic: that mode disables the CPU flash-attention kernel of SDPA, and the
     # bench measures time, not bit-exactness.

@@ -53,7 +53,7 @@ class BocpdConfig:
     """Flat density of an outlier: 1 / width of the range the fed values can take."""
     min_run: int = 2
     """Points a new run needs before it counts: 2 ignores one-point outliers."""
-    lag: int = 3
+    lag: int = 5
     """Largest run length that still counts as 'a change just happened'."""
     threshold: float = 0.8
     """Posterior mass on run lengths 1..lag needed to declare a change."""
