@@ -16,8 +16,10 @@ injections go to `events.jsonl`.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -122,7 +124,11 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
         "127.0.0.1", port, s.world_size, is_master=rank == 0, timeout=timedelta(seconds=120)
     )
     dist.init_process_group(
-        "gloo", store=dist.PrefixStore("group", store), rank=rank, world_size=s.world_size
+        "gloo",
+        store=dist.PrefixStore("group", store),
+        rank=rank,
+        world_size=s.world_size,
+        timeout=timedelta(seconds=300),
     )
     device = torch.device("cpu")
     for spec in jobs:
@@ -182,19 +188,54 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
 def run_jobs(setup: BenchSetup, jobs: list[BenchJob], out: Path) -> None:
     """Run `jobs` in `setup.world_size` fresh processes; per-rank logs land under `out`.
 
+    Workers are `python -m unbroken.detect._jobs SPEC RANK` processes (not multiprocessing's
+    spawn, which re-runs the caller's `__main__` and breaks under `python -m unbroken`).
+
     Raises:
         RuntimeError: a worker process failed.
     """
-    import torch.multiprocessing as mp
-
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("job*-rank*.jsonl"), out / "events.jsonl"]:
         old.unlink(missing_ok=True)
-    os.environ.setdefault("OMP_NUM_THREADS", str(setup.threads))
-    mp.start_processes(
-        _worker,
-        args=(asdict(setup), [asdict(j) for j in jobs], str(out), _free_port()),
-        nprocs=setup.world_size,
-        join=True,
-        start_method="spawn",
+    spec = out / "bench-spec.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "setup": asdict(setup),
+                "jobs": [asdict(j) for j in jobs],
+                "out": str(out),
+                "port": _free_port(),
+            }
+        )
     )
+    env = dict(os.environ, OMP_NUM_THREADS=str(setup.threads))
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "unbroken.detect._jobs", str(spec), str(r)], env=env
+        )
+        for r in range(setup.world_size)
+    ]
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                break  # one rank died: its peers would wait in a collective until timeout
+            time.sleep(0.2)  # polling child processes, not synchronizing with them
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise RuntimeError(f"bench worker exit codes {codes}")
+
+
+def _main(argv: list[str]) -> None:
+    spec = json.loads(Path(argv[0]).read_text())
+    _worker(int(argv[1]), spec["setup"], spec["jobs"], spec["out"], spec["port"])
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
