@@ -17,9 +17,9 @@ every replica's micro-batches and, when available, each rank's `RankTiming`. The
    `FailSlowReport` (also sent to the sink as a `DetectionEvent`). Not found: a false alarm.
 
 `baseline=True` is the same detector without step 3's workload filter (Greyhound): every change
-point to a slower level goes to validation (a change to a faster level is accepted as the new
-normal, as a slowdown detector would), and a validation that finds no slow rank is a false
-alarm. Both modes count the time spent in `observe` and in validation.
+point goes to validation, and a validation that finds no slow rank is a false alarm. With
+`baseline_slowdowns_only` only change points to a slower level are validated (a change to a
+faster level is accepted as the new normal), a stricter baseline reported next to it. Both modes count the time spent in `observe` and in validation.
 
 The detector never reads the fault injector's records, never sleeps, and never talks to ranks:
 what it knows comes from the observations.
@@ -67,7 +67,10 @@ class DetectorConfig:
     history: int = 8
     """Accepted points before a change that define the level it changed from (baseline)."""
     baseline: bool = False
-    """Greyhound-style: no workload filter; every slowdown change point is validated."""
+    """Greyhound-style: no workload filter; every change point is validated."""
+    baseline_slowdowns_only: bool = False
+    """Baseline variant: validate only change points to a slower level (a speed-up is taken
+    as the new normal). Stricter than the issue's baseline; reported next to it."""
     bocpd: BocpdConfig = field(default_factory=BocpdConfig)
 
     def __post_init__(self) -> None:
@@ -116,7 +119,7 @@ class Verdict(enum.StrEnum):
     QUIET = "quiet"
     """No change point."""
     ACCEPTED = "accepted"
-    """A change point to a faster level (baseline), kept as the new normal."""
+    """A change point to a faster level (slowdowns-only baseline), kept as the new normal."""
     BENIGN = "benign"
     """A change point explained by the workload: dropped from the series, not validated."""
     FALSE_ALARM = "false_alarm"
@@ -230,9 +233,10 @@ class FailSlowDetector:
             observed_over_predicted=ratio,
         )
         if cfg.baseline:
-            level_before = statistics.fmean(p.x for p in older) if older else 1.0
-            if statistics.fmean(p.x for p in window) <= level_before:
-                return Decision(verdict=Verdict.ACCEPTED, **common)
+            if cfg.baseline_slowdowns_only:
+                level_before = statistics.fmean(p.x for p in older) if older else 1.0
+                if statistics.fmean(p.x for p in window) <= level_before:
+                    return Decision(verdict=Verdict.ACCEPTED, **common)
         elif ratio <= cfg.slow_ratio:
             # Benign: forget these points, as if they had never been fed.
             self.bocpd.restore(window[0].before)
