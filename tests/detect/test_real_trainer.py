@@ -1,0 +1,52 @@
+"""One tiny in-process iteration of the real trainer with the PhaseTimer hook (no processes)."""
+
+import torch
+
+from unbroken.config import DataConfig, JobConfig, ModelConfig, TrainConfig
+from unbroken.detect.timing import PhaseTimer
+from unbroken.detect.varlen import varlen_loss
+from unbroken.train import Trainer
+from unbroken.train.build import build_training
+from unbroken.train.loop import reference_loss
+from unbroken.update import PlainUpdater
+
+
+def _built():
+    cfg = JobConfig(
+        model=ModelConfig(preset="tiny"),
+        data=DataConfig(tokens_per_microbatch=256, microbatches=3, max_documents=200),
+        train=TrainConfig(iterations=1),
+    )
+    return cfg, build_training(cfg, n_shards=1, device=torch.device("cpu"))
+
+
+def test_phase_timer_records_a_real_iteration():
+    cfg, b = _built()
+    timer = PhaseTimer(rank=0)
+    trainer = Trainer(
+        model=b.model,
+        state=b.state,
+        source=b.source,
+        shard=0,
+        cfg=cfg.train,
+        group=None,
+        device=torch.device("cpu"),
+        hooks=[timer],
+        updater=PlainUpdater(b.state, b.geometry, b.step),
+        loss_fn=varlen_loss,
+    )
+    res = trainer.run_iteration(0)
+    (rec,) = timer.records
+    assert rec.iteration == 0 and len(rec.mb_s) == 2 and len(rec.forward_s) == 3
+    assert all(s > 0 for s in rec.mb_s) and rec.compute_s >= sum(rec.mb_s)
+    assert len(res.doc_lengths) == 3
+
+
+def test_varlen_loss_equals_the_masked_reference_loss():
+    _, b = _built()
+    cpu = torch.device("cpu")
+    for mb in b.source.iteration(0, 0):
+        with torch.no_grad():
+            ref = reference_loss(b.model, mb, cpu)
+            var = varlen_loss(b.model, mb, cpu)
+        torch.testing.assert_close(var, ref, rtol=1e-5, atol=1e-5)
