@@ -25,6 +25,8 @@ after all-reduce buckets. `comm_factor_for` below gives the factor once that exi
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from types import MappingProxyType
 
 __all__ = ["LEVEL_LOSS", "Level", "comm_factor_for", "slow_factor_for", "throughput_loss"]
 
@@ -35,7 +37,9 @@ class Level(enum.StrEnum):
     SEVERE = "severe"
 
 
-LEVEL_LOSS: dict[Level, float] = {Level.WEAK: 0.35, Level.MEDIUM: 0.55, Level.SEVERE: 0.70}
+LEVEL_LOSS: Mapping[Level, float] = MappingProxyType(
+    {Level.WEAK: 0.35, Level.MEDIUM: 0.55, Level.SEVERE: 0.70}
+)
 """Unmitigated throughput loss of each level (ResiHP §8.3)."""
 
 
