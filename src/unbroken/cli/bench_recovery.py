@@ -39,7 +39,7 @@ SCHEDULE = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--iterations", type=int, default=60, help="iterations per run (default 60)")
+    p.add_argument("--iterations", type=int, default=100, help="iterations per run (default 100)")
     p.add_argument("--repeats", type=int, default=2, help="fault-free runs per variant")
     p.add_argument("--world-size", type=int, default=4, help="ranks (default 4)")
     p.add_argument("--out", default=None, help="keep the run dirs here (default: a temp dir)")

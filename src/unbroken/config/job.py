@@ -229,6 +229,10 @@ class RecoveryConfig:
     """A trainer silent for this long is declared hung (must exceed heartbeat_interval_s)."""
     collective_timeout_s: float = 60.0
     """Timeout of the trainers' process groups (must exceed heartbeat_timeout_s)."""
+    node_heartbeat_s: float = 0.5
+    """Agent -> coordinator beat period (the second level of heartbeats)."""
+    node_timeout_s: float = 5.0
+    """A node whose agent is silent this long (or whose connection drops) is lost."""
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s < self.collective_timeout_s:
@@ -236,6 +240,11 @@ class RecoveryConfig:
                 "recovery timeouts must satisfy 0 < heartbeat_interval_s < heartbeat_timeout_s "
                 f"< collective_timeout_s (got {self.heartbeat_interval_s}, "
                 f"{self.heartbeat_timeout_s}, {self.collective_timeout_s})"
+            )
+        if not 0 < self.node_heartbeat_s < self.node_timeout_s:
+            raise ValueError(
+                "recovery: need 0 < node_heartbeat_s < node_timeout_s "
+                f"(got {self.node_heartbeat_s}, {self.node_timeout_s})"
             )
         if self.max_restarts < 0:
             raise ValueError("recovery.max_restarts must be >= 0")

@@ -14,6 +14,7 @@ in the environment variable UNBROKEN_JOB_SECRET.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import selectors
@@ -29,6 +30,7 @@ from unbroken.launch.protocol import COORDINATOR_OPS, Channel, ProtocolError
 __all__ = ["main"]
 
 TICK_S = 0.005
+SHADOW_NICE = 10
 STARTUP_TIMEOUT_S = 300.0
 
 
@@ -66,6 +68,8 @@ class Agent:
         """Pre-initialized trainers for the next generation (see unbroken.shadow)."""
         self.state_managers: dict[int, subprocess.Popen] = {}
         self.heartbeat_timeout_s = 2.0
+        self.node_beat_s = 0.5
+        self._last_node_beat = 0.0
         self.running = True
 
     # -- commands -------------------------------------------------------------------------
@@ -89,15 +93,18 @@ class Agent:
         if shadow_level:
             cmd += ["--shadow", str(shadow_level)]
         stdin = subprocess.PIPE if shadow_level else subprocess.DEVNULL
+        # Shadows pre-initialize in the background: at a lower CPU priority they do not slow
+        # the active trainers they stand behind (they restore their priority when promoted).
+        nice = (lambda: os.nice(SHADOW_NICE)) if shadow_level else None
         log_path = None
         if msg.get("log_dir"):
             os.makedirs(msg["log_dir"], exist_ok=True)
             kind = "shadow" if shadow_level else "gen"
             log_path = os.path.join(msg["log_dir"], f"{kind}{generation}-rank{rank}.log")
             with open(log_path, "ab") as log:
-                proc = subprocess.Popen(cmd, stdin=stdin, stdout=log, stderr=log)
+                proc = subprocess.Popen(cmd, stdin=stdin, stdout=log, stderr=log, preexec_fn=nice)
         else:
-            proc = subprocess.Popen(cmd, stdin=stdin)
+            proc = subprocess.Popen(cmd, stdin=stdin, preexec_fn=nice)
         return TrainerProc(rank, generation, proc, time.time(), log=log_path)
 
     def _shadows_alive(self, generation: int, ranks: list[int]) -> bool:
@@ -127,6 +134,7 @@ class Agent:
         """Start a generation: promote its shadows when every rank has a ready one (no process
         start, no rendezvous), else spawn trainers; then pre-initialize the next shadows."""
         self.heartbeat_timeout_s = float(msg["heartbeat_timeout_s"])
+        self.node_beat_s = float(msg.get("node_heartbeat_s", self.node_beat_s))
         if msg.get("state_managers"):
             self.ensure_state_managers(msg["state_managers"])
         gen, ranks = msg["generation"], msg["ranks"]
@@ -135,6 +143,8 @@ class Agent:
         if promoted:
             for r in ranks:
                 t = self.shadows.pop(r)
+                with contextlib.suppress(OSError):  # full priority now (needs privilege)
+                    os.setpriority(os.PRIO_PROCESS, t.proc.pid, 0)
                 assert t.proc.stdin is not None
                 t.proc.stdin.write((json.dumps({"spec": msg["spec"]}) + "\n").encode())
                 t.proc.stdin.flush()
@@ -291,6 +301,12 @@ class Agent:
                     for msg in self.channel.feed(data):
                         self.handle(msg)
             self.check_children()
+            now = time.time()
+            if now - self._last_node_beat >= self.node_beat_s:
+                # The node's liveness for the coordinator: a decision-free beat, one per interval
+                # (raw trainer heartbeats never leave the node).
+                self._last_node_beat = now
+                self.channel.send("beat", t=now, trainers=len(self.trainers))
 
 
 def main(argv: list[str] | None = None) -> int:

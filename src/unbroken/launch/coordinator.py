@@ -184,6 +184,7 @@ class Coordinator:
                 next_spec=next_spec,
                 ranks=list(range(self.cfg.parallel.world_size)),
                 heartbeat_timeout_s=self.cfg.recovery.heartbeat_timeout_s,
+                node_heartbeat_s=self.cfg.recovery.node_heartbeat_s,
                 state_managers=self._state_sockets(),
                 log_dir=str(self.run_dir / "logs" / self.run_name),
             )
@@ -233,6 +234,12 @@ class Coordinator:
 
     def _handle(self, conn: _Conn, msg: dict[str, Any]) -> None:
         op = msg["op"]
+        if conn.is_agent or op == "hello":
+            self._agent_seen = time.time()
+        if op == "beat":
+            if not conn.is_agent:
+                raise ProtocolError("beat before hello")
+            return
         if op == "hello":
             if self.agent is not None:
                 raise ProtocolError("a second agent for node 0")
@@ -296,6 +303,7 @@ class Coordinator:
         conn.channel.sock.close()
         if conn.is_agent:
             self.agent = None
+            self.events.emit("node_lost", node=0, reason=reason)
             self._execute_lost(reason)
 
     def _execute_lost(self, reason: str) -> None:
@@ -378,6 +386,7 @@ class Coordinator:
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> RunOutcome:
         self._last_failure_t = 0.0
+        self._agent_seen = time.time()
         self._start_services()
         self.events.emit("job_start", world_size=self.cfg.parallel.world_size, port=self.port)
         self.progress.say(
@@ -395,6 +404,10 @@ class Coordinator:
                 self._poll_metrics()
                 if self.agent is None and time.time() - t_hello > HELLO_TIMEOUT_S:
                     self._execute_lost("no agent connected")
+                silent = time.time() - self._agent_seen
+                if self.agent is not None and silent > self.cfg.recovery.node_timeout_s:
+                    self.events.emit("node_lost", node=0, reason="beats stopped", silent_s=silent)
+                    self._execute_lost(f"node 0: agent silent for {silent:.1f}s")
                 agent_gone = self.agent_proc is not None and self.agent_proc.poll() is not None
                 if agent_gone and self.fsm.state not in (RecoveryState.DONE, RecoveryState.FAILED):
                     self._execute_lost(f"agent exited with status {self.agent_proc.returncode}")

@@ -1,7 +1,10 @@
 """The coordinator's fail-slow watch: feeds every completed iteration — rank 0's iteration time
 plus every rank's compute timings and micro-batch workload (`timings.jsonl`) — to the
 workload-aware detector (`unbroken.detect.FailSlowDetector`), once per iteration and in order,
-and turns its decisions into events. Redone iterations (after a recovery) are not fed again.
+and turns its decisions into events. Redone iterations (after a recovery) are not fed again,
+and the first `GRACE_ITERS` iterations of a new trainer generation are not fed at all: right
+after a recovery the new shadows start up and caches are cold — a transient of the recovery,
+not of a device.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from typing import Any
 from unbroken.detect import DetectorConfig, FailSlowDetector, Observation, RankTiming, Verdict
 from unbroken.metrics.log import JsonlLog
 
-__all__ = ["SlowWatch"]
+__all__ = ["GRACE_ITERS", "SlowWatch"]
+
+GRACE_ITERS = 3
 
 
 class SlowWatch:
@@ -23,12 +28,18 @@ class SlowWatch:
         self._timings: dict[int, dict[int, dict[str, Any]]] = {}
         self._metrics: dict[int, dict[str, Any]] = {}
         self._last_fed = -1
+        self._generation = 0
+        self._grace_until = -1
 
     def add_timing(self, rec: dict[str, Any]) -> None:
         if rec["iter"] > self._last_fed:
             self._timings.setdefault(rec["iter"], {})[rec["rank"]] = rec
 
     def add_metric(self, m: dict[str, Any]) -> None:
+        generation = m.get("generation", 0)
+        if generation != self._generation:
+            self._generation = generation
+            self._grace_until = m["iter"] + GRACE_ITERS - 1
         if m["iter"] > self._last_fed:
             self._metrics[m["iter"]] = m
 
@@ -45,6 +56,8 @@ class SlowWatch:
             m = self._metrics.pop(it)
             self._timings.pop(it, None)
             self._last_fed = it
+            if it <= self._grace_until:
+                continue
             obs = Observation(
                 iteration=it,
                 seconds=m["iter_s"] - m.get("ckpt_s", 0.0),

@@ -11,6 +11,7 @@ falls back to checkpoint-restart); anything else is a failure for the agent to r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -79,6 +80,8 @@ def _await_promotion(spec: GenerationSpec, level: int, hb, events, rank: int, t0
     if not line:
         raise SystemExit(0)  # the agent let the shadow go
     t_promoted = time.time()
+    with contextlib.suppress(OSError):  # back to normal priority (needs privilege to raise it)
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
     final = GenerationSpec.from_json(Path(json.loads(line)["spec"]).read_text())
     if final.generation != spec.generation:
         raise RuntimeError(
