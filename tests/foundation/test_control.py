@@ -104,3 +104,20 @@ def test_coordinator_rejects_intruders_and_finishes_the_job(tmp_path):
     reasons = " ".join(e["reason"] for e in rejected)
     assert len(rejected) == 3
     assert "bad frame length" in reasons and "authentication failed" in reasons
+
+
+def test_jsonl_tail_reads_only_new_complete_lines(tmp_path):
+    from unbroken.metrics.log import JsonlLog, JsonlTail
+
+    path = tmp_path / "x.jsonl"
+    tail = JsonlTail(path)
+    assert tail.read_new() == []
+    log = JsonlLog(path)
+    log.write({"a": 1})
+    with path.open("a") as fh:
+        fh.write('{"b": ')  # a torn line is left for later
+    assert tail.read_new() == [{"a": 1}]
+    with path.open("a") as fh:
+        fh.write("2}\n")
+    assert tail.read_new() == [{"b": 2}]
+    assert tail.read_new() == []

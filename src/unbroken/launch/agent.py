@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import selectors
@@ -30,6 +31,16 @@ from unbroken.launch.protocol import COORDINATOR_OPS, Channel, ProtocolError
 __all__ = ["main"]
 
 TICK_S = 0.005
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: SIGKILL it when the agent dies, so no trainer outlives its
+    supervisor (the agent is single-threaded, so the spawning thread is the agent itself)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 SHADOW_NICE = 10
 STARTUP_TIMEOUT_S = 300.0
 
@@ -95,16 +106,24 @@ class Agent:
         stdin = subprocess.PIPE if shadow_level else subprocess.DEVNULL
         # Shadows pre-initialize in the background: at a lower CPU priority they do not slow
         # the active trainers they stand behind (they restore their priority when promoted).
-        nice = (lambda: os.nice(SHADOW_NICE)) if shadow_level else None
+        nice = SHADOW_NICE if shadow_level else 0
+
+        def preexec() -> None:
+            _die_with_parent()
+            if nice:
+                os.nice(nice)
+
         log_path = None
         if msg.get("log_dir"):
             os.makedirs(msg["log_dir"], exist_ok=True)
             kind = "shadow" if shadow_level else "gen"
             log_path = os.path.join(msg["log_dir"], f"{kind}{generation}-rank{rank}.log")
             with open(log_path, "ab") as log:
-                proc = subprocess.Popen(cmd, stdin=stdin, stdout=log, stderr=log, preexec_fn=nice)
+                proc = subprocess.Popen(
+                    cmd, stdin=stdin, stdout=log, stderr=log, preexec_fn=preexec
+                )
         else:
-            proc = subprocess.Popen(cmd, stdin=stdin, preexec_fn=nice)
+            proc = subprocess.Popen(cmd, stdin=stdin, preexec_fn=preexec)
         return TrainerProc(rank, generation, proc, time.time(), log=log_path)
 
     def _shadows_alive(self, generation: int, ranks: list[int]) -> bool:

@@ -1,0 +1,69 @@
+"""Second-level detection: the coordinator loses a node when its agent's connection drops
+(SIGKILL) or its beats stop (SIGSTOP); the latency of each is within its configured bound."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from unbroken.api import run_job
+from unbroken.metrics.log import read_jsonl
+
+from ..foundation.conftest import tiny_job
+from .test_shadows import _wait_for
+
+
+def _agent_pid(out) -> int:
+    def find():
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    cmd = fh.read().split(b"\0")
+            except OSError:
+                continue
+            if b"unbroken.launch.agent" in cmd and os.getppid() != int(entry):
+                env_port = json.loads((out / "coordinator-train.json").read_text())["port"]
+                if f"127.0.0.1:{env_port}".encode() in cmd:
+                    return int(entry)
+        return None
+
+    return _wait_for(find)
+
+
+@pytest.mark.parametrize(("sig", "bound_s"), [(signal.SIGKILL, 1.0), (signal.SIGSTOP, 1.0 + 1.5)])
+def test_agent_loss_is_detected_within_its_bound(tmp_path, sig, bound_s):
+    cfg = tiny_job(iterations=400, interval=0)
+    cfg = dataclasses.replace(
+        cfg,
+        recovery=dataclasses.replace(
+            cfg.recovery, node_heartbeat_s=0.2, node_timeout_s=1.0, shadow_level=0
+        ),
+    )
+    result: dict = {}
+    job = threading.Thread(target=lambda: result.update(run_job(cfg, tmp_path, quiet=True)))
+    job.start()
+    _wait_for(lambda: (tmp_path / "metrics.jsonl").exists())  # training is under way
+    pid = _agent_pid(tmp_path)
+    t_loss = time.time()
+    os.kill(pid, sig)
+    job.join(timeout=120)
+    if sig == signal.SIGSTOP:
+        with contextlib.suppress(ProcessLookupError):  # the coordinator may have killed it
+            os.kill(pid, signal.SIGKILL)
+    assert not job.is_alive()
+    assert result["state"] == "failed"
+    lost = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "node_lost"]
+    assert len(lost) == 1
+    latency = lost[0]["t"] - t_loss
+    assert 0 <= latency < bound_s, latency
+    reason = lost[0]["reason"]
+    assert ("closed" in reason) if sig == signal.SIGKILL else ("beats stopped" in reason)
