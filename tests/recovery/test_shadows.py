@@ -61,7 +61,7 @@ def test_l3_shadows_take_over_a_crash_exactly(tmp_path):
 
 
 def test_a_lost_shadow_is_survived_by_fresh_processes(tmp_path):
-    cfg = tiny_job(iterations=60, interval=0)
+    cfg = tiny_job(iterations=150, interval=0)
     ref = run_job(
         dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, shadow_level=0)),
         tmp_path / "ref",
@@ -72,14 +72,11 @@ def test_a_lost_shadow_is_survived_by_fresh_processes(tmp_path):
     job = threading.Thread(target=lambda: result.update(run_job(cfg, out, quiet=True)))
     job.start()
 
-    def shadows_ready():
-        evs = [e for e in read_jsonl(out / "events.jsonl") if e["kind"] == "shadow_ready"]
-        return len({e["rank"] for e in evs if e["generation"] == 1}) == 2
-
-    _wait_for(shadows_ready)
     spec = str(out / "specs" / "train-gen1.json")
-    shadow = [p for p in _pids(spec) if p != os.getpid()]
-    trainers = _pids(str(out / "specs" / "train-gen0.json"))
+    # Training under way, and both shadows for generation 1 started (ready or not).
+    _wait_for(lambda: (out / "metrics.jsonl").exists() and len(_pids(f"--spec {spec}")) == 2)
+    shadow = _pids(f"--spec {spec}")
+    trainers = _pids("--spec " + str(out / "specs" / "train-gen0.json"))
     assert shadow and trainers, "the job finished before the test could act"
     os.kill(shadow[0], signal.SIGKILL)  # a shadow dies ...
     _wait_for(lambda: _dead(shadow[0]))  # (the kernel has made it a zombie or reaped it)

@@ -28,6 +28,8 @@ class SlowWatch:
         self._timings: dict[int, dict[int, dict[str, Any]]] = {}
         self._metrics: dict[int, dict[str, Any]] = {}
         self._last_fed = -1
+        self.disabled: str | None = None
+        """Why the watch stopped (a dataset without document lengths, a detector error)."""
         self._generation = 0
         self._grace_until = -1
 
@@ -43,8 +45,25 @@ class SlowWatch:
         if m["iter"] > self._last_fed:
             self._metrics[m["iter"]] = m
 
+    def _disable(self, reason: str) -> None:
+        self.disabled = reason
+        self._metrics.clear()
+        self._timings.clear()
+        self.events.emit("detector_disabled", reason=reason)
+        self.say(f"fail-slow detection off: {reason}")
+
     def pump(self) -> None:
-        """Feed every iteration whose metrics and all ranks' timings have arrived."""
+        """Feed every iteration whose metrics and all ranks' timings have arrived. The watch is
+        an observer: whatever goes wrong in it switches it off with an event, never stops the
+        job."""
+        if self.disabled:
+            return
+        try:
+            self._pump()
+        except Exception as exc:
+            self._disable(f"{type(exc).__name__}: {exc}")
+
+    def _pump(self) -> None:
         while self._metrics:
             it = min(self._metrics)
             ranks = self._timings.get(it, {})
@@ -58,6 +77,9 @@ class SlowWatch:
             self._last_fed = it
             if it <= self._grace_until:
                 continue
+            if not all(any(mb) for r in ranks.values() for mb in r["doc_lengths"] or [[]]):
+                self._disable("the data source reports no document lengths (T_MB = aN + b sum l^2)")
+                return
             obs = Observation(
                 iteration=it,
                 seconds=m["iter_s"] - m.get("ckpt_s", 0.0),

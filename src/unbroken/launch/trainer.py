@@ -142,7 +142,10 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None, shadow: int
 
     timeout = timedelta(seconds=cfg.recovery.collective_timeout_s)
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
-    gen_store = dist.PrefixStore(f"gen{spec.generation}", store)
+    # Shadows rendezvous under their own prefix: if the agent discards a generation's shadows
+    # (one died) and starts fresh processes instead, those must not meet the shadows' keys.
+    prefix = f"gen{spec.generation}" + ("-shadow" if shadow else "")
+    gen_store = dist.PrefixStore(prefix, store)
     dist.init_process_group(
         backend,
         store=gen_store,
@@ -256,8 +259,19 @@ def _train_loop(
     interval = cfg.checkpoint.interval or None
     if interval is None and store.check([interval_key]):
         interval = int(store.get(interval_key).decode())
-    if rank == 0 and not store.check(["ckpt/cost_s"]) and ckpt.cost_s:
-        store.set("ckpt/cost_s", repr(ckpt.cost_s))
+    if cfg.checkpoint.enabled and interval is None and not store.check(["ckpt/cost_s"]):
+        # Young's formula needs the checkpoint cost. If no generation measured it yet (the
+        # first one failed before), measure it now with a real checkpoint. Every rank checked
+        # the store before the save's first barrier and rank 0 sets the key after it, so all
+        # ranks take the same branch.
+        if not ckpt.cost_s:
+            ckpt.cost_s = save_checkpoint(
+                ckpt.root, state, start_iter, group=group, rank=rank, keep=cfg.checkpoint.keep
+            )
+            if rank == 0:
+                events.emit("checkpoint_saved", iter=start_iter, seconds=ckpt.cost_s)
+        if rank == 0:
+            store.set("ckpt/cost_s", repr(ckpt.cost_s))
     healthy: list[float] = []
     total = cfg.train.iterations
     for it in range(start_iter, total):
