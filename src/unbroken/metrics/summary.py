@@ -13,7 +13,9 @@ __all__ = ["build_summary", "format_table"]
 def _run_stats(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     done: dict[int, dict[str, Any]] = {m["iter"]: m for m in metrics}
     return {
-        "iterations": len(done),
+        # Iterations run in order, so the last one completed counts them all — including an
+        # iteration whose update in-place recovery finished (it has no metrics row of its own).
+        "iterations": max(done) + 1 if done else 0,
         "wall_s": wall_time(metrics),
         "mean_iter_s": healthy_iter_s(metrics),
         "final_loss": done[max(done)]["loss"] if done else None,
