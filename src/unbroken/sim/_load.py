@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
-import types
-import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
+from unbroken.config.loader import config_from_dict
 from unbroken.errors import UserError
 
 __all__ = ["build", "check_positive", "check_range", "read_json", "read_toml"]
@@ -46,39 +45,12 @@ def read_json(path: str | Path) -> Any:
         raise UserError(f"{path}: invalid JSON: {exc}") from None
 
 
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(value, args[0], where)
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise UserError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise UserError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if hint is str:
-        if not isinstance(value, str):
-            raise UserError(f"{where}: expected a string, got {value!r}")
-        return value
-    if origin is tuple:
-        (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
-        if not isinstance(value, list | tuple):
-            raise UserError(f"{where}: expected a list, got {value!r}")
-        return tuple(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
-    return value
-
-
 def build(cls: type[T], table: dict[str, Any], where: str) -> T:
     """Construct dataclass `cls` from `table`, rejecting keys it does not declare.
+
+    The key and type checks are the project's one strict loader
+    (`unbroken.config.loader.config_from_dict`); this adds the simulator's rule that a required
+    key must be present, named in the error.
 
     Args:
         cls: a dataclass whose fields carry plain type hints.
@@ -94,25 +66,21 @@ def build(cls: type[T], table: dict[str, Any], where: str) -> T:
     """
     if not isinstance(table, dict):
         raise UserError(f"{where}: expected a table, got {table!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    for key in table:
-        if key not in fields:
-            raise UserError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(fields))})")
-    kwargs = {k: _coerce(v, hints[k], f"{where}: {k}") for k, v in table.items()}
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
     missing = [
-        name
-        for name, f in fields.items()
-        if name not in kwargs
+        f.name
+        for f in fields
+        if f.name not in table
         and f.default is dataclasses.MISSING
         and f.default_factory is dataclasses.MISSING
     ]
-    if missing:
+    if missing and set(table) <= {f.name for f in fields}:
         raise UserError(f"{where}: missing key {missing[0]!r}")
     try:
-        return cls(**kwargs)
+        return config_from_dict(cls, table, where)
     except UserError as exc:
-        raise UserError(f"{where}: {exc}") from None
+        text = str(exc)
+        raise UserError(text if text.startswith(where) else f"{where}: {text}") from None
 
 
 def check_positive(obj: Any, *names: str) -> None:
