@@ -91,7 +91,6 @@ class Coordinator:
         self.agent: _Conn | None = None
         self.agent_proc: subprocess.Popen | None = None
         self.final_hash: str | None = None
-        self._metrics_seen = 0
         self._rows: list[dict[str, Any]] = []
         self._metrics_tail = JsonlTail(self.run_dir / "metrics.jsonl")
         self._timings_tail = JsonlTail(self.run_dir / "timings.jsonl")
@@ -167,7 +166,7 @@ class Coordinator:
         assert self.agent is not None
         if action.op == "start":
             spec = self._write_spec(action.generation, action.resume, action.recovery)
-            self._metrics_at_start = self._metrics_seen
+            self._metrics_at_start = len(self._rows)
             if action.resume:
                 self.events.emit(
                     "recovery_start", mode=action.recovery, generation=action.generation
@@ -201,13 +200,20 @@ class Coordinator:
             self.events.emit("state", old=old, new=new, reason=reason, **self.fsm.snapshot())
 
     # -- inputs -------------------------------------------------------------------------
+    def _run_events(self) -> list[dict[str, Any]]:
+        """This run's events so far (the log is shared with other runs of the same dir)."""
+        return [
+            e for e in read_jsonl(self.run_dir / "events.jsonl") if e.get("run") == self.run_name
+        ]
+
     def _last_injection(self, rank: int) -> dict[str, Any] | None:
         evs = [
             e
-            for e in read_jsonl(self.run_dir / "events.jsonl")
-            if e.get("run") == self.run_name and e["kind"] == "failure_injected"
+            for e in self._run_events()
+            if e["kind"] == "failure_injected"
+            and e["rank"] == rank
+            and e["t"] > self._last_failure_t
         ]
-        evs = [e for e in evs if e["rank"] == rank and e["t"] > self._last_failure_t]
         return evs[-1] if evs else None
 
     def _failure(self, msg: dict[str, Any], reason: str) -> None:
@@ -223,7 +229,7 @@ class Coordinator:
         )
         self._last_failure_t = msg["t"]
         self.fsm.note_progress(
-            progressed=self._metrics_seen > self._metrics_at_start, injected=inj is not None
+            progressed=len(self._rows) > self._metrics_at_start, injected=inj is not None
         )
         self.progress.say(
             f"failure detected: rank {msg['rank']} {reason}"
@@ -345,7 +351,6 @@ class Coordinator:
             self.progress.iteration(m)
             self._check_recovered(self._rows, m)
             self.slow_watch.add_metric(m)
-        self._metrics_seen = len(self._rows)
         self.slow_watch.pump()
 
     def _check_recovered(self, rows: list[dict[str, Any]], m: dict[str, Any]) -> None:
@@ -355,9 +360,7 @@ class Coordinator:
         if m["iter"] < inj["iter"] or m["t_start"] <= inj["t"]:
             return
         self._pending_recoveries.pop(0)
-        events = [
-            e for e in read_jsonl(self.run_dir / "events.jsonl") if e.get("run") == self.run_name
-        ]
+        events = self._run_events()
         found = [
             r
             for r in analyze_run(rows, events)
@@ -420,15 +423,13 @@ class Coordinator:
             reason=self._done_reason,
             detector_s=self.slow_watch.overhead_s,
         )
-        events = [
-            e for e in read_jsonl(self.run_dir / "events.jsonl") if e.get("run") == self.run_name
-        ]
+        events = self._run_events()
         final = next(
             (e["final_state_hash"] for e in reversed(events) if e["kind"] == "trainer_done"), None
         )
-        metrics = [
-            m for m in read_jsonl(self.run_dir / "metrics.jsonl") if m.get("run") == self.run_name
-        ]
+        # Rows written after the last poll (a failed run's trainers are killed in _shutdown).
+        late = [m for m in self._metrics_tail.read_new() if m.get("run") == self.run_name]
+        metrics = self._rows + late
         return RunOutcome(
             run_name=self.run_name,
             state=self.fsm.state.value,
