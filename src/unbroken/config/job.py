@@ -221,6 +221,9 @@ class RecoveryConfig:
     shadow_level: int = 3
     """In-place mode: pre-initialized shadow trainers per rank, at level 1 (imports), 2 (+ device
     runtime, threads, corpus) or 3 (+ communicators); 0 = none (restart processes)."""
+    shadow_start: Literal["fork", "exec"] = "fork"
+    """How shadows start: fork = from the node's pre-imported fork server (L1 at once, see
+    unbroken.shadow.forkserver); exec = a fresh interpreter each (every import paid again)."""
     max_restarts: int = 20
     """Give up after this many recoveries in one run."""
     heartbeat_interval_s: float = 0.1
@@ -250,6 +253,8 @@ class RecoveryConfig:
             raise ValueError("recovery.max_restarts must be >= 0")
         if self.shadow_level not in (0, 1, 2, 3):
             raise ValueError("recovery.shadow_level must be 0, 1, 2 or 3")
+        if self.shadow_start not in ("fork", "exec"):
+            raise ValueError("recovery.shadow_start must be 'fork' or 'exec'")
 
 
 @dataclass(kw_only=True, slots=True)

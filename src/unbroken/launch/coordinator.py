@@ -180,6 +180,7 @@ class Coordinator:
                 generation=action.generation,
                 spec=str(spec),
                 shadow_level=shadow_level,
+                shadow_start=self.cfg.recovery.shadow_start,
                 next_spec=next_spec,
                 ranks=list(range(self.cfg.parallel.world_size)),
                 heartbeat_timeout_s=self.cfg.recovery.heartbeat_timeout_s,
