@@ -1,0 +1,130 @@
+"""Assemble one rank's engine from a `JobConfig` and a `ParallelPlan`.
+
+The counterpart of `unbroken.train.build.build_training` for a plan: the rank's `StageModel`
+on "meta", its `FlatLayout`, the flat state (fresh, or the caller's retained buffers through
+`allocate`), initial values cut from the reference model's deterministic init (so every plan
+starts from the same full model as the single-process trainer), the data source with one
+shard per replica, the plan's groups and the updater.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from unbroken.config import JobConfig
+from unbroken.data import PackedStream, Sampler, load_corpus
+from unbroken.engine.groups import PlanGroups
+from unbroken.engine.interpreter import PlanWorker
+from unbroken.engine.sharding import load_from_full
+from unbroken.engine.stage import StageModel
+from unbroken.errors import UserError
+from unbroken.model import FlatLayout, build_model, init_parameters, materialize, resolve_args
+from unbroken.model.flat import bind_grads
+from unbroken.parallel import ParallelPlan
+from unbroken.train import AdamW, TrainState
+from unbroken.train.build import state_geometry
+from unbroken.update import ChunkStep, PlainUpdater
+
+__all__ = ["EngineRank", "build_worker", "full_initial_params"]
+
+
+@dataclass(slots=True)
+class EngineRank:
+    """What `build_worker` made for one rank."""
+
+    worker: PlanWorker
+    model: StageModel
+    state: TrainState
+    groups: PlanGroups
+
+
+def full_initial_params(cfg: JobConfig) -> dict[str, torch.Tensor]:
+    """The reference model's initial parameters by name (as `build_training` initializes)."""
+    model = build_model(resolve_args(cfg.model), device="meta")
+    layout = FlatLayout.of(model)
+    flat = torch.zeros(layout.numel)
+    init_parameters(layout, flat, std=cfg.train.init_std, seed=cfg.train.seed)
+    return layout.views(flat)
+
+
+def build_worker(
+    cfg: JobConfig,
+    plan: ParallelPlan,
+    world: dist.ProcessGroup,
+    *,
+    device: torch.device,
+    allocate=None,
+    hooks=(),
+) -> EngineRank:
+    """Build this rank's stage model in flat storage, its groups and its `PlanWorker`.
+
+    Collective over the default group (process groups are created); every rank calls it.
+
+    Args:
+        cfg: the job (reference model only; `model.factory` is not supported here).
+        plan: the plan every rank derived.
+        world: the group whose ranks are the plan's ranks.
+        device: where to compute.
+        allocate: `(layout, geometry, device) -> (TrainState, fresh)` for retained buffers;
+            default fresh tensors. Nothing is initialized when the buffers are not fresh.
+        hooks: phase hooks for the worker.
+
+    Raises:
+        UserError: a user model, or a plan that does not fit the model.
+    """
+    if cfg.model.factory:
+        raise UserError("the hybrid-parallel engine runs the reference model only")
+    args = resolve_args(cfg.model)
+    if plan.num_layers != args.n_layers:
+        raise UserError(f"the plan has {plan.num_layers} layers, the model {args.n_layers}")
+    if any(n != cfg.data.microbatches for n in plan.microbatches):
+        raise UserError(
+            f"the plan gives replicas {list(plan.microbatches)} micro-batches; "
+            f"data.microbatches is {cfg.data.microbatches}"
+        )
+    groups = PlanGroups.build(plan, world)
+    ranges: list[tuple[int, int]] = []
+    if plan.actions.get(groups.rank):
+        d, s = plan.locate(groups.rank)
+        stages = plan.replicas[d].stages
+        ranges = [g.layers for k, g in enumerate(stages) if k % plan.pp == s]
+    try:
+        model = StageModel(args, ranges, groups.tp, device="meta")
+    except ValueError as exc:
+        raise UserError(f"plan: {exc}") from None
+    layout = FlatLayout.of(model)
+    geometry = state_geometry(cfg, max(layout.numel, 1))
+    if allocate is None:
+        state, fresh = TrainState.allocate(layout, device, geometry.padded_numel), True
+    else:
+        state, fresh = allocate(layout, geometry, device)
+    if fresh:
+        load_from_full(
+            full_initial_params(cfg), layout, state.params, groups.tp.size, groups.tp.rank
+        )
+    materialize(model, layout, state.params)
+    bind_grads(model, layout, state.grads)
+    corpus = load_corpus(
+        cfg.data.corpus, jsonl_field=cfg.data.jsonl_field, max_documents=cfg.data.max_documents
+    )
+    source = Sampler(
+        PackedStream(corpus, cfg.data.tokens_per_microbatch, cfg.data.seed),
+        plan.dp,
+        cfg.data.microbatches,
+    )
+    step = ChunkStep(geometry, AdamW.from_config(cfg.train), layout.decay_end)
+    worker = PlanWorker(
+        plan=plan,
+        model=model,
+        state=state,
+        source=source,
+        cfg=cfg.train,
+        groups=groups,
+        updater=PlainUpdater(state, geometry, step),
+        device=device,
+        hooks=hooks,
+    )
+    return EngineRank(worker=worker, model=model, state=state, groups=groups)

@@ -1,0 +1,293 @@
+"""The worker interpreter: runs one rank's action list of a `ParallelPlan` for one iteration.
+
+`PlanWorker.run_iteration` walks the rank's actions in order and keeps the iteration contract
+of `unbroken.train` (compute → protect → sync → update → boundary):
+
+- ``F``/``B``/``W``: forward, backward, weight-gradient of one micro-batch through one virtual
+  stage of the rank's `StageModel` (TP collectives inside);
+- a run of ``SEND_*``/``RECV_*``: one batch, posted together and waited for
+  (`unbroken.engine.transfer`, [Note: chunked messages]);
+- ``REDUCE_GRAD``: end of the compute phase; gradients averaged over the DP group, as the
+  reference trainer does (all-reduce, then divide by the replica count);
+- ``OPT_STEP``: protect, sync (loss and global gradient norm over the world), the updater's
+  chunked AdamW over the flat state, boundary — the same `updater` object the single-process
+  trainer uses (`PlainUpdater`, or the resumable one of in-place recovery).
+
+[Note: split backward] When the rank's list holds ``kW m`` for a ``kB m`` (ZB-H1), B computes
+only the input gradient (`torch.autograd.grad` on the retained graph) and W the weight gradients
+(`torch.autograd.backward(..., inputs=stage parameters)`), which walks the graph a second time:
+correct and bit-identical to the fused backward, but B + W costs more than one fused backward
+here (torch.distributed.pipelining's `stage_backward_weight` avoids that by keeping the
+intermediate gradients; not done yet). Without a W, B is the full backward.
+
+[Note: loss scale] Each micro-batch's loss is divided by (total micro-batches / replicas), which
+is the reference trainer's `loss / len(batches)` when replicas own equal counts, and the
+gradient all-reduce over replicas is divided by the replica count as there.
+
+Gradients land in the caller's flat gradient buffer (`bind_grads`); parameters are only
+updated by the updater — [Note: flat-storage] holds for every plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unbroken.config import TrainConfig
+from unbroken.engine.groups import PlanGroups
+from unbroken.engine.sharding import replicated
+from unbroken.engine.stage import MicroBatchInputs, StageModel
+from unbroken.engine.transfer import run_batch
+from unbroken.parallel import Action, ActionKind, ParallelPlan
+from unbroken.train import BatchSource, IterationResult, Phase, PhaseHook, TrainState, lr_at
+
+__all__ = ["PlanWorker"]
+
+_REDUCE_BUCKET = 1 << 25
+_K = ActionKind
+
+
+class PlanWorker:
+    """Executes one rank's actions of `plan` on its `StageModel` over flat `state`.
+
+    Args:
+        plan: the plan; this rank's list is `plan.actions[groups.rank]`.
+        model: the rank's stage model, parameters materialized in `state.params` and gradients
+            bound to `state.grads`.
+        state: the flat buffers (caller-provided; retained memory under in-place recovery).
+        source: micro-batches as a pure function of (iteration, shard); shard = owner replica.
+        cfg: optimizer, schedule and clipping.
+        groups: this rank's process groups for `plan`.
+        updater: `protect / record_sync / update / boundary`, as for `unbroken.train.Trainer`.
+        device: where to compute.
+        hooks: phase hooks (fault injection, timing), called as by the trainer.
+    """
+
+    def __init__(
+        self,
+        *,
+        plan: ParallelPlan,
+        model: StageModel,
+        state: TrainState,
+        source: BatchSource,
+        cfg: TrainConfig,
+        groups: PlanGroups,
+        updater: Any,
+        device: torch.device,
+        hooks: Sequence[PhaseHook] = (),
+    ) -> None:
+        self.plan, self.model, self.state = plan, model, state
+        self.source, self.cfg, self.groups = source, cfg, groups
+        self.updater, self.device, self.hooks = updater, device, list(hooks)
+        self.rank = groups.rank
+        self.actions = plan.actions.get(self.rank, ())
+        self.layers = {}
+        if self.actions:
+            d, s = plan.locate(self.rank)
+            rep = plan.replicas[d]
+            self.layers = {k: g.layers for k, g in enumerate(rep.stages) if k % plan.pp == s}
+        self.last_stage = plan.num_stages - 1
+        self.split = {(a.stage, a.microbatch) for a in self.actions if a.kind is _K.W}
+        self.loss_div = plan.total_microbatches / plan.dp
+        self.reports_loss = groups.tp.rank == 0 and any(
+            a.kind is _K.F and a.stage == self.last_stage for a in self.actions
+        )
+        self._counted = self._norm_slices()
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _hook(self, phase: Phase, iteration: int, step: int = 0, n_steps: int = 1) -> None:
+        for hook in self.hooks:
+            hook(phase, iteration, step, n_steps)
+
+    def _norm_slices(self) -> list[tuple[int, int]]:
+        """Flat ranges this rank adds to the global gradient norm: its replica-0 shards, with
+        replicated tensors counted on TP position 0 only (each element once)."""
+        if not self.actions or self.plan.locate(self.rank)[0] != 0:
+            return []
+        return [
+            (s.offset, s.offset + s.numel)
+            for s in self.state.layout.slots
+            if self.groups.tp.rank == 0 or not replicated(s.name)
+        ]
+
+    def _microbatch(self, iteration: int, mb: int) -> Any:
+        owner = self.plan.owner(mb)
+        batches = self._batches.get(owner)
+        if batches is None:
+            batches = self._batches[owner] = self.source.iteration(iteration, owner)
+        return batches[mb - self.plan.microbatch_ids(owner).start]
+
+    def _inputs(self, iteration: int, mb: int) -> MicroBatchInputs:
+        if mb not in self._mb_inputs:
+            batch = self._microbatch(iteration, mb)
+            self._mb_inputs[mb] = MicroBatchInputs.of(batch, self.device)
+        return self._mb_inputs[mb]
+
+    def _numel(self, mb: int) -> int:
+        return self._inputs(self._iteration, mb).tokens.shape[0] * self.model.args.dim
+
+    def _payload(self, a: Action) -> torch.Tensor:
+        if a.kind is _K.SEND_F:
+            return self._outputs[(a.stage, a.microbatch)].detach().reshape(-1)
+        return self._input_grads[(a.stage, a.microbatch)].reshape(-1)
+
+    # -- compute ----------------------------------------------------------------------------
+    def _forward(self, iteration: int, k: int, mb: int) -> None:
+        inputs = self._inputs(iteration, mb)
+        x = None
+        if k > 0:
+            got = self._received.pop((_K.RECV_F, k, mb), None)
+            if got is None:  # the previous virtual stage ran on this rank
+                got = self._outputs[(k - 1, mb)].detach()
+            x = got.view(inputs.tokens.shape[0], -1).requires_grad_()
+            self._stage_inputs[(k, mb)] = x
+        out = self.model(self.layers[k], x, inputs)
+        if k == self.last_stage:
+            out = out / self.loss_div
+            if self.reports_loss:
+                self._loss += float(out.detach())
+                self._tokens += int(getattr(self._microbatch(iteration, mb), "n_tokens", 0))
+        self._outputs[(k, mb)] = out
+
+    def _output_grad(self, k: int, mb: int) -> torch.Tensor | None:
+        if k == self.last_stage:
+            return None
+        got = self._received.pop((_K.RECV_B, k, mb), None)
+        if got is None:  # the next virtual stage ran on this rank
+            got = self._input_grads.pop((k + 1, mb))
+        return got.view_as(self._outputs[(k, mb)])
+
+    def _backward(self, k: int, mb: int) -> None:
+        out, grad = self._outputs[(k, mb)], self._output_grad(k, mb)
+        x = self._stage_inputs.get((k, mb))
+        if (k, mb) in self.split:
+            self._pending_w[(k, mb)] = grad
+            if x is not None:
+                (gx,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+                self._input_grads[(k, mb)] = gx
+            return
+        torch.autograd.backward(out, grad)
+        del self._outputs[(k, mb)]
+        if x is not None:
+            self._input_grads[(k, mb)] = self._stage_inputs.pop((k, mb)).grad
+
+    def _weight(self, k: int, mb: int) -> None:
+        grad = self._pending_w.pop((k, mb))
+        params = self.model.stage_parameters(self.layers[k])
+        torch.autograd.backward(self._outputs.pop((k, mb)), grad, inputs=params)
+        self._stage_inputs.pop((k, mb), None)
+
+    # -- reductions ------------------------------------------------------------------------
+    def _reduce_grads(self) -> None:
+        g = self.groups
+        if g.dp is None or g.dp_size == 1:
+            return
+        grads = self.state.grads
+        for a in range(0, grads.numel(), _REDUCE_BUCKET):
+            dist.all_reduce(grads[a : a + _REDUCE_BUCKET], group=g.dp)
+        grads.div_(g.dp_size)
+
+    def _sync(self, iteration: int) -> tuple[float, float, float]:
+        self._hook(Phase.SYNC, iteration)
+        grads = self.state.grads
+        sq = sum(
+            (float(grads[lo:hi].double().square().sum()) for lo, hi in self._counted), start=0.0
+        )
+        t = torch.tensor([self._loss, sq, self._tokens], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.groups.world)
+        loss, norm = float(t[0]) / self.plan.dp, float(t[1]) ** 0.5
+        self._tokens = int(t[2])
+        clip = self.cfg.grad_clip
+        scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+        return loss, norm, scale
+
+    # -- the iteration ---------------------------------------------------------------------
+    def _reset(self, iteration: int) -> None:
+        self._iteration = iteration
+        self._batches: dict[int, Any] = {}
+        self._mb_inputs: dict[int, MicroBatchInputs] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._stage_inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self._received: dict[tuple[ActionKind, int, int], torch.Tensor] = {}
+        self._pending_w: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._loss, self._tokens = 0.0, 0
+
+    def _batch(self, batch: list[Action]) -> None:
+        self._received.update(
+            run_batch(
+                batch,
+                world=self.groups.world,
+                tp=self.groups.tp,
+                payload=self._payload,
+                numel=self._numel,
+                num_stages=self.plan.num_stages,
+                num_microbatches=self.plan.total_microbatches,
+                dtype=self.state.params.dtype,
+                device=self.device,
+            )
+        )
+        for a in batch:  # a sent input gradient is not needed any more
+            if a.kind is _K.SEND_B and a.chunk == a.num_chunks - 1:
+                self._input_grads.pop((a.stage, a.microbatch), None)
+
+    def run_iteration(self, iteration: int) -> IterationResult:
+        """Run this rank's action list once: compute, reduce, sync, update.
+
+        Raises:
+            RuntimeError: the list does not end with REDUCE_GRAD, OPT_STEP.
+        """
+        t0 = time.time()
+        self._reset(iteration)
+        if not self.actions:  # a standby: it only takes part in the world-wide sync
+            loss, norm, _ = self._sync(iteration)
+            return IterationResult(iteration, loss, norm, 0.0, self._tokens, (), t0, time.time())
+        self.state.grads.zero_()
+        tail = [a.kind for a in self.actions[-2:]]
+        if tail != [_K.REDUCE_GRAD, _K.OPT_STEP]:
+            raise RuntimeError(f"rank {self.rank}: action list must end REDUCE_GRAD, OPT_STEP")
+        batch: list[Action] = []
+        n_mb = self.plan.total_microbatches
+        for a in self.actions[:-2]:
+            if a.is_comm:
+                batch.append(a)
+                continue
+            if batch:
+                self._batch(batch)
+                batch = []
+            if a.kind is _K.F:
+                self._hook(Phase.FORWARD, iteration, a.microbatch, n_mb)
+                self._forward(iteration, a.stage, a.microbatch)
+            elif a.kind is _K.B:
+                self._hook(Phase.BACKWARD, iteration, a.microbatch, n_mb)
+                self._backward(a.stage, a.microbatch)
+            else:
+                self._weight(a.stage, a.microbatch)
+        if batch:
+            self._batch(batch)
+        self._reduce_grads()
+        self._hook(Phase.PROTECT, iteration)
+        self.updater.protect(iteration)
+        loss, norm, scale = self._sync(iteration)
+        lr = lr_at(self.cfg, iteration)
+        self.updater.record_sync(iteration, loss=loss, grad_norm=norm, grad_scale=scale, lr=lr)
+        with torch.no_grad():
+            self.updater.update(iteration, lr=lr, grad_scale=scale, hook=self._hook)
+        self._hook(Phase.BOUNDARY, iteration)
+        self.updater.boundary(iteration)
+        if self._outputs or self._pending_w:
+            raise RuntimeError(f"rank {self.rank}: work left over {sorted(self._outputs)}")
+        return IterationResult(
+            iteration=iteration,
+            loss=loss,
+            grad_norm=norm,
+            lr=lr,
+            tokens=self._tokens,
+            doc_lengths=(),
+            t_start=t0,
+            t_end=time.time(),
+        )

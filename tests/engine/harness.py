@@ -1,0 +1,218 @@
+"""Run plans on local gloo processes and the single-process reference, and compare them.
+
+`run_plans(cases, world_size, tmp)` starts `world_size` processes once (spawn, FileStore in
+`tmp`), runs every case's plan for its iterations in turn (each case builds its own groups, a
+new `PlanGroups` per plan), and returns per case the losses and the full (unsharded) gradients
+and parameters of every replica after the last iteration. `reference(cfg, dp, iterations)` runs
+the same iterations through `unbroken.train`'s `Trainer` in this process, shard by shard, with
+the data-parallel average done the way the trainer's all-reduce does it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from unbroken.config import DataConfig, JobConfig, ModelConfig, ProtectionConfig, TrainConfig
+from unbroken.parallel import ParallelPlan
+
+ENGINE_MODEL = ModelConfig(preset="tiny", dim=64, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=128)
+"""Tiny, with GQA (2 query heads per kv-group) and sizes every TP degree up to 8 divides."""
+
+
+def engine_job(*, microbatches: int = 4, tokens: int = 32, grad_clip: float = 1.0) -> JobConfig:
+    return JobConfig(
+        model=ENGINE_MODEL,
+        data=DataConfig(tokens_per_microbatch=tokens, microbatches=microbatches, max_documents=60),
+        train=TrainConfig(iterations=10, lr=1e-3, grad_clip=grad_clip),
+        protection=ProtectionConfig(page_bytes=4096, stripe_pages=2, chunk_bytes=1024),
+    )
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    plan: ParallelPlan
+    cfg: JobConfig
+    iterations: int = 2
+
+
+@dataclass
+class Outcome:
+    losses: list[float]
+    grad_norms: list[float]
+    grads: list[dict[str, torch.Tensor]]
+    """Per replica: full gradient tensors by name (after the DP average)."""
+    params: list[dict[str, torch.Tensor]]
+    """Per replica: full parameters after the last update."""
+
+
+@contextlib.contextmanager
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def reference(cfg: JobConfig, dp: int, iterations: int) -> Outcome:
+    """The single-process `unbroken.train` path for a `dp`-replica job."""
+    from unbroken.train import Trainer, lr_at
+    from unbroken.train.build import build_training
+    from unbroken.update import PlainUpdater
+
+    with one_thread():
+        built = build_training(cfg, n_shards=dp, device=torch.device("cpu"))
+        tr = Trainer(
+            model=built.model,
+            state=built.state,
+            source=built.source,
+            shard=0,
+            cfg=cfg.train,
+            group=None,
+            device=torch.device("cpu"),
+            updater=PlainUpdater(built.state, built.geometry, built.step),
+        )
+        losses, norms = [], []
+        grads = built.state.grads
+        for it in range(iterations):
+            total, loss_sum = torch.zeros_like(grads), 0.0
+            for shard in range(dp):
+                tr.shard = shard
+                loss, _, _ = tr.compute(it)
+                loss_sum += loss
+                total += grads
+            grads.copy_(total).div_(dp)  # the trainer's all-reduce (a sum), then / dp
+            loss, norm, scale = tr.sync(it, loss_sum)
+            tr.update(it, lr_at(cfg.train, it), scale)
+            losses.append(loss / dp)
+            norms.append(norm)
+        layout = built.state.layout
+        g = {k: v.clone() for k, v in layout.views(built.state.grads).items()}
+        p = {k: v.clone() for k, v in layout.views(built.state.params).items()}
+    return Outcome(losses, norms, [g], [p])
+
+
+def _worker(rank: int, world_size: int, store_path: str, cases: list[Case], out: str) -> None:
+    import torch.distributed as dist
+
+    from unbroken.engine.build import build_worker
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    world = dist.group.WORLD
+    results = []
+    try:
+        for case in cases:
+            t0 = time.perf_counter()
+            er = build_worker(case.cfg, case.plan, world, device=torch.device("cpu"))
+            t1 = time.perf_counter()
+            losses, norms = [], []
+            for it in range(case.iterations):
+                res = er.worker.run_iteration(it)
+                losses.append(res.loss)
+                norms.append(res.grad_norm)
+            layout = er.state.layout
+            located = case.plan.locate(rank) if rank in case.plan.ranks else None
+            results.append(
+                {
+                    "losses": losses,
+                    "norms": norms,
+                    "seconds": (t1 - t0, time.perf_counter() - t1),
+                    "replica": located[0] if located else None,
+                    "tp": (er.groups.tp.size, er.groups.tp.rank),
+                    "grads": {k: v.clone() for k, v in layout.views(er.state.grads).items()},
+                    "params": {k: v.clone() for k, v in layout.views(er.state.params).items()},
+                }
+            )
+    except BaseException:
+        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        with open(Path(out, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _assemble(case: Case, per_rank: list[dict], key: str) -> list[dict[str, torch.Tensor]]:
+    from unbroken.engine.sharding import unshard
+
+    out = []
+    for d in range(case.plan.dp):
+        pieces: dict[str, dict[int, torch.Tensor]] = {}
+        for r in case.plan.ranks:
+            res = per_rank[r]
+            if res["replica"] != d:
+                continue
+            for name, t in res[key].items():
+                pieces.setdefault(name, {})[res["tp"][1]] = t
+        out.append({n: unshard(n, [p[i] for i in sorted(p)]) for n, p in pieces.items()})
+    return out
+
+
+def run_plans(cases: list[Case], world_size: int, tmp: Path) -> dict[str, Outcome]:
+    """Run every case on `world_size` spawned gloo processes; outcomes by case name."""
+    import torch.multiprocessing as mp
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        mp.start_processes(
+            _worker,
+            args=(world_size, str(tmp / "store"), cases, str(tmp)),
+            nprocs=world_size,
+            start_method="spawn",
+        )
+    except Exception as exc:
+        errors = sorted(tmp.glob("error-*.txt"))
+        detail = "\n".join(p.read_text() for p in errors[:1])
+        raise AssertionError(f"engine workers failed: {exc}\n{detail}") from None
+    per_rank = []
+    for r in range(world_size):
+        with open(tmp / f"rank{r}.pkl", "rb") as f:
+            per_rank.append(pickle.load(f))
+    outcomes = {}
+    for i, case in enumerate(cases):
+        rows = [per_rank[r][i] for r in range(world_size)]
+        first = rows[case.plan.ranks[0]]
+        outcomes[case.name] = Outcome(
+            losses=first["losses"],
+            grad_norms=first["norms"],
+            grads=_assemble(case, rows, "grads"),
+            params=_assemble(case, rows, "params"),
+        )
+    return outcomes
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+__all__ = [
+    "ENGINE_MODEL",
+    "Case",
+    "Outcome",
+    "bit_equal",
+    "engine_job",
+    "max_abs_diff",
+    "reference",
+    "run_plans",
+]

@@ -1,0 +1,107 @@
+"""Single-process pieces of the engine: the stage model, sharding by name, plan checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.harness import ENGINE_MODEL, engine_job, one_thread
+from unbroken.engine import MicroBatchInputs, StageModel, TPGroup, shard_of, split_dim, unshard
+from unbroken.engine.build import build_worker, full_initial_params
+from unbroken.engine.groups import check_dp_layout
+from unbroken.engine.transfer import _tag
+from unbroken.errors import UserError
+from unbroken.model import FlatLayout, build_model, materialize, resolve_args
+from unbroken.parallel import Replica, StageGroup, make_plan, plan_for
+from unbroken.train.build import build_training
+
+ARGS = resolve_args(ENGINE_MODEL)
+
+
+def test_whole_model_stage_is_the_reference_model_bit_for_bit():
+    cfg = engine_job()
+    built = build_training(cfg, n_shards=1, device=torch.device("cpu"))
+    mb = built.source.iteration(0, 0)[0]
+    stage = StageModel(ARGS, [(0, ARGS.n_layers)], TPGroup())
+    layout = FlatLayout.of(stage)
+    flat = torch.zeros(layout.numel)
+    full = full_initial_params(cfg)
+    materialize(stage, layout, flat)
+    with torch.no_grad():
+        for name, view in layout.views(flat).items():
+            view.copy_(full[name])
+    with one_thread():
+        ref = built.model(mb.tokens, mb.targets, mb.segment_ids, mb.positions)
+        ours = stage((0, ARGS.n_layers), None, MicroBatchInputs.of(mb, torch.device("cpu")))
+    assert torch.equal(ref, ours)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_shards_have_the_reference_names_and_cover_each_tensor_once(tp):
+    ref = dict(build_model(ARGS, "meta").named_parameters())
+    full = {n: torch.randn(p.shape) for n, p in ref.items()}
+    per_position = []
+    for r in range(tp):
+        stage = StageModel(ARGS, [(0, 2), (2, 4)], TPGroup(tp, r))
+        shapes = {n: tuple(p.shape) for n, p in stage.named_parameters()}
+        assert shapes.keys() == ref.keys()
+        for n, shape in shapes.items():
+            assert shape == tuple(shard_of(full[n], n, tp, r).shape)
+        per_position.append({n: shard_of(full[n], n, tp, r) for n in shapes})
+    for n in full:
+        assert torch.equal(unshard(n, [p[n] for p in per_position]), full[n])
+
+
+def test_split_dims_follow_megatron():
+    assert split_dim("embed.weight") == 0 and split_dim("head.weight") == 0
+    assert split_dim("layers.3.attn.wk.weight") == 0 and split_dim("layers.0.ffn.w3.weight") == 0
+    assert split_dim("layers.1.attn.wo.weight") == 1 and split_dim("layers.2.ffn.w2.weight") == 1
+    assert split_dim("layers.1.attn_norm.weight") is None and split_dim("norm.weight") is None
+
+
+def test_a_partial_stage_holds_only_its_layers():
+    first = StageModel(ARGS, [(0, 1)], TPGroup())
+    last = StageModel(ARGS, [(3, 4)], TPGroup())
+    assert {n.split(".")[0] for n, _ in first.named_parameters()} == {"embed", "layers"}
+    assert {n.split(".")[0] for n, _ in last.named_parameters()} == {"layers", "norm", "head"}
+    assert sorted(last.layers) == ["3"]
+
+
+def test_tp_degree_must_divide_heads_and_kv_groups():
+    with pytest.raises(ValueError, match="n_heads=16 is not divisible by the TP degree 32"):
+        StageModel(ARGS, [(0, 4)], TPGroup(32, 0))
+    gqa = resolve_args(ENGINE_MODEL.__class__(preset="tiny"))  # 4 heads, 2 kv-groups
+    with pytest.raises(ValueError, match="n_kv_heads=2 is not divisible by the TP degree 4"):
+        StageModel(gqa, [(0, 2)], TPGroup(4, 0))
+
+
+def test_tags_pair_each_send_with_its_receive():
+    plan = make_plan(1, 3, [2, 1, 4], 4, 3, "1f1b")
+    sends, recvs = {}, {}
+    for rank, acts in plan.actions.items():
+        for a in acts:
+            if a.is_comm:
+                key = (rank, a.peer) if a.is_send else (a.peer, rank)
+                book = sends if a.is_send else recvs
+                tag = _tag(a, plan.num_stages, plan.total_microbatches)
+                assert (key, tag) not in book, f"{a}: tag not unique on its link"
+                book[(key, tag)] = a
+    assert sends.keys() == recvs.keys()
+    for k, a in sends.items():
+        assert (a.microbatch, a.chunk, a.num_chunks) == (
+            recvs[k].microbatch,
+            recvs[k].chunk,
+            recvs[k].num_chunks,
+        )
+
+
+def test_replicas_with_different_layouts_are_refused():
+    g = StageGroup
+    plan = plan_for([Replica((g((0, 1), (0, 4)),)), Replica((g((2,), (0, 4)),))], [2, 2], "1f1b")
+    with pytest.raises(NotImplementedError, match="replica 1 has a different stage layout"):
+        check_dp_layout(plan)
+
+
+def test_plan_micro_batches_must_match_the_data_config():
+    with pytest.raises(UserError, match=r"the plan gives replicas \[3\] micro-batches"):
+        build_worker(engine_job(), make_plan(1, 2, 1, 4, 3, "1f1b"), None, device="cpu")
