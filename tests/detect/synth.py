@@ -36,10 +36,18 @@ def series(
     slow_iter: int | None = None,
     factor: float = 1.0,
     sync_s: float = 0.01,
+    comm_s: float = 0.002,
+    slow_what: str = "compute",
 ) -> list[Observation]:
     """Iterations of `world` replicas x `microbatches` micro-batches; rank `slow_rank` runs
     `factor` x slower from `slow_iter` on. `pieces(it, rng)` gives the documents per
-    micro-batch (default: mostly one, sometimes several)."""
+    micro-batch (default: mostly one, sometimes several).
+
+    Every rank's all-reduce (`comm_s`) lasts `comm_s` plus its wait for the last arrival.
+    `slow_what`: "compute" stretches the slow rank's micro-batches; "comm" its all-reduce
+    (`factor` x `comm_s`; its peers then wait in the sync phase, outside `comm_s`, as with
+    the `slow ... what=comm` fault); "link" every rank's all-reduce alike (a slow link in a
+    ring, `slow_rank` only says when)."""
     rng = np.random.default_rng(seed)
     out = []
     for it in range(iterations):
@@ -47,18 +55,26 @@ def series(
         for r in range(world):
             k = pieces(it, rng) if pieces else int(rng.choice([1, 1, 1, 1, 1, 1, 2]))
             docs = [split(rng, k) for _ in range(microbatches)]
-            f = factor if slow_rank == r and slow_iter is not None and it >= slow_iter else 1.0
+            slowed = slow_iter is not None and it >= slow_iter
+            f = factor if slowed and slow_rank == r and slow_what == "compute" else 1.0
             times = [mb_time(d) * f * (1 + noise * rng.standard_normal()) for d in docs]
             lengths.append(docs)
             totals.append(sum(times))
+            ranks[r] = times
+        stall = (factor - 1.0) * comm_s if slow_iter is not None and it >= slow_iter else 0.0
+        stall = stall if slow_what in ("comm", "link") else 0.0
+        for r, times in list(ranks.items()):
+            own = stall if slow_what == "link" or (slow_what == "comm" and r == slow_rank) else 0
+            comm = max(totals) - totals[r] + comm_s * (1 + noise * rng.standard_normal()) + own
             ranks[r] = RankTiming(
                 rank=r,
                 iteration=it,
-                mb_s=tuple(times[:-1]),
+                mb_s=tuple(times),
                 forward_s=tuple(t / 3 for t in times),
                 compute_s=sum(times[:-1]),
-                reduce_s=times[-1],
+                reduce_s=times[-1] + comm,
+                comm_s=comm,
             )
-        seconds = (max(totals) + sync_s) * (1 + noise * rng.standard_normal())
+        seconds = (max(totals) + comm_s + stall + sync_s) * (1 + noise * rng.standard_normal())
         out.append(Observation(iteration=it, seconds=seconds, doc_lengths=lengths, ranks=ranks))
     return out

@@ -27,6 +27,7 @@ from unbroken.detect.events import (
     DetectionEvent,
     DetectionKind,
     DetectionSink,
+    FailStopCause,
     JsonlSink,
     ListSink,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "DetectorConfig",
     "FailSlowDetector",
     "FailSlowReport",
+    "FailStopCause",
     "JsonlSink",
     "Level",
     "ListSink",

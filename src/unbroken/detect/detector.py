@@ -13,8 +13,16 @@ every replica's micro-batches and, when available, each rank's `RankTiming`. The
    removed from the series (BOCPD is restored to its state before c) and validation is skipped;
 4. validation localizes: per rank, observed / predicted compute time of its timed
    micro-batches over c..t; the rank with the largest ratio is slow if it exceeds the median of
-   the other ranks' ratios by `localize_ratio`; the quotient is the slowdown factor. Found: a
-   `FailSlowReport` (also sent to the sink as a `DetectionEvent`). Not found: a false alarm.
+   the other ranks' ratios by `localize_ratio`; the quotient is the slowdown factor (`what` =
+   compute). Otherwise the communication: per rank, its gradient all-reduce time (`comm_s`)
+   over its warm-up median, minus what waiting for a compute-slowed peer explains; a rank
+   whose own excess explains `comm_explains` of the iteration's excess, and is at least
+   `localize_ratio - 1` of the iteration time, is comm-slow (`what` = comm, factor =
+   all-reduce time over healthy). One such rank: it is named (a rank whose
+   collective returns late, as the `slow ... what=comm` fault does). Several: the collective
+   itself is slow on every member (a slow link in a ring) and per-rank timings cannot say
+   whose link it is — reported with rank None, at the sync stage. Found: a `FailSlowReport`
+   (also sent to the sink as a `DetectionEvent`). Not found: a false alarm.
 
 `baseline=True` is the same detector without step 3's workload filter (Greyhound): every change
 point goes to validation, and a validation that finds no slow rank is a false alarm. With
@@ -62,6 +70,9 @@ class DetectorConfig:
     """Observed > slow_ratio x predicted at a change point -> validation (ResiHP §5.2)."""
     localize_ratio: float = 1.2
     """A rank is slow when its observed/predicted compute ratio is this much over its peers'."""
+    comm_explains: float = 0.5
+    """A rank's own all-reduce excess (beyond waiting for slower peers) must be at least this
+    share of the iteration's excess over predicted for a comm fail-slow."""
     noise_floor: float = 0.02
     """Smallest relative standard deviation assumed for a run of the series (prior)."""
     history: int = 8
@@ -82,6 +93,8 @@ class DetectorConfig:
             raise ValueError("detector.noise_floor must be in (0, 1)")
         if self.history < 1:
             raise ValueError("detector.history must be >= 1")
+        if not 0.0 < self.comm_explains <= 1.0:
+            raise ValueError("detector.comm_explains must be in (0, 1]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,13 +118,16 @@ class Observation:
 @dataclass(frozen=True, slots=True)
 class FailSlowReport:
     """A validated fail-slow: `rank` (pipeline `stage`) runs `factor` x slower than healthy,
-    since iteration `iteration`; detected after iteration `detected_at`."""
+    since iteration `iteration`; detected after iteration `detected_at`. `what` says whether its
+    compute or its gradient all-reduce is slow; a comm fail-slow that slows every member's
+    collective alike has `rank` None (slow at the sync stage, link not localized)."""
 
-    rank: int
+    rank: int | None
     stage: int
     factor: float
     iteration: int
     detected_at: int
+    what: str = "compute"
 
 
 class Verdict(enum.StrEnum):
@@ -162,7 +178,9 @@ class FailSlowDetector:
         self._seen = 0
         self._warm: list[Observation] = []
         self._points: deque[_Point] = deque(maxlen=self.cfg.bocpd.lag + self.cfg.history + 2)
-        self.reported: dict[int, FailSlowReport] = {}
+        self.reported: dict[tuple[int | None, str], FailSlowReport] = {}
+        """Reports so far by (rank, what)."""
+        self._comm_healthy: dict[int, float] = {}
         self.observe_s = 0.0
         """Total seconds spent in `observe` (detector overhead)."""
         self.validations: list[float] = []
@@ -183,6 +201,11 @@ class FailSlowDetector:
         self.predictor = WorkloadPredictor.fit_data_parallel(
             mb_samples, [(o.doc_lengths, o.seconds) for o in self._warm]
         )
+        comm: dict[int, list[float]] = {}
+        for obs in self._warm:
+            for rank, t in (obs.ranks or {}).items():
+                comm.setdefault(rank, []).append(t.comm_s)
+        self._comm_healthy = {r: statistics.median(v) for r, v in comm.items()}
         self.scale = statistics.median(o.seconds for o in self._warm)
         xs = [o.seconds / self.scale for o in self._warm]
         var = max(statistics.pvariance(xs), self.cfg.noise_floor**2)
@@ -245,13 +268,13 @@ class FailSlowDetector:
                 self._points.pop()
             return Decision(verdict=Verdict.BENIGN, **common)
         v0 = time.perf_counter()
-        found = self._localize([p.obs for p in window])
+        found = self._localize([p.obs for p in window], observed, predicted)
         spent = time.perf_counter() - v0
         self.validations.append(spent)
         if found is None:
             return Decision(verdict=Verdict.FALSE_ALARM, validation_s=spent, **common)
-        rank, factor = found
-        if rank in self.reported:
+        rank, factor, what = found
+        if (rank, what) in self.reported:
             return Decision(verdict=Verdict.KNOWN, validation_s=spent, **common)
         report = FailSlowReport(
             rank=rank,
@@ -259,9 +282,12 @@ class FailSlowDetector:
             factor=factor,
             iteration=window[0].obs.iteration,
             detected_at=obs.iteration,
+            what=what,
         )
-        self.reported[rank] = report
+        self.reported[(rank, what)] = report
         if self.sink is not None:
+            who = "every rank's" if rank is None else f"rank {rank}'s"
+            part = "compute" if what == "compute" else "gradient all-reduce"
             self.sink.emit(
                 DetectionEvent(
                     kind=DetectionKind.FAIL_SLOW,
@@ -270,19 +296,26 @@ class FailSlowDetector:
                     factor=factor,
                     iteration=report.iteration,
                     detected_at=report.detected_at,
+                    cause=what,
                     reason=(
                         f"iterations {report.iteration}..{obs.iteration} took {ratio:.2f}x the "
-                        f"predicted healthy time; rank {rank} computes {factor:.2f}x slower "
-                        "than its peers"
+                        f"predicted healthy time; {who} {part} takes {factor:.2f}x "
+                        + ("its peers'" if what == "compute" else "its healthy time")
                     ),
                 )
             )
         return Decision(verdict=Verdict.FAIL_SLOW, report=report, validation_s=spent, **common)
 
-    def _localize(self, window: Sequence[Observation]) -> tuple[int, float] | None:
-        """(slow rank, factor) from per-rank compute over predicted, or None."""
+    def _localize(
+        self, window: Sequence[Observation], observed_s: float, predicted_s: float
+    ) -> tuple[int | None, float, str] | None:
+        """(slow rank or None, factor, "compute" | "comm") from per-rank timings, or None.
+
+        `observed_s`, `predicted_s`: iteration time over the window, measured and predicted.
+        """
         observed: dict[int, float] = {}
         predicted: dict[int, float] = {}
+        comm: dict[int, float] = {}
         for obs in window:
             for rank, t in (obs.ranks or {}).items():
                 lengths = obs.doc_lengths[rank]
@@ -290,12 +323,45 @@ class FailSlowDetector:
                 predicted[rank] = predicted.get(rank, 0.0) + sum(
                     self.predictor.mb.predict(lengths[m]) for m in range(len(t.mb_s))
                 )
+                comm[rank] = comm.get(rank, 0.0) + t.comm_s
         ratios = {r: observed[r] / predicted[r] for r in observed if predicted[r] > 0}
         if len(ratios) < 2:
             return None
         slow = max(ratios, key=lambda r: ratios[r])
         peers = statistics.median(v for r, v in ratios.items() if r != slow)
         factor = ratios[slow] / peers
-        if factor < self.cfg.localize_ratio:
+        if factor >= self.cfg.localize_ratio:
+            return slow, factor, "compute"
+        return self._localize_comm(len(window), observed, predicted, comm, observed_s, predicted_s)
+
+    def _localize_comm(
+        self,
+        n: int,
+        observed: Mapping[int, float],
+        predicted: Mapping[int, float],
+        comm: Mapping[int, float],
+        observed_s: float,
+        predicted_s: float,
+    ) -> tuple[int | None, float, str] | None:
+        """Comm fail-slow: ranks whose own all-reduce excess explains the iteration's excess
+        and is, like a compute slowdown, at least `localize_ratio - 1` of the iteration."""
+        healthy = self._comm_healthy
+        excess_s = observed_s - predicted_s
+        if excess_s <= 0 or not any(healthy.values()):
+            return None  # no comm timings (older records, or no replicas)
+        least = max(self.cfg.comm_explains * excess_s, (self.cfg.localize_ratio - 1) * observed_s)
+        late = {r: observed[r] - predicted[r] for r in observed}
+        own = {}
+        for r in comm:
+            # Waiting in the all-reduce for a peer that computed longer is not this rank's link.
+            waited = max((late[q] - late[r] for q in late if q != r), default=0.0)
+            own[r] = comm[r] - n * healthy.get(r, 0.0) - max(0.0, waited)
+        slow = [r for r, e in own.items() if e >= least]
+        if not slow:
             return None
-        return slow, factor
+        rank = slow[0] if len(slow) == 1 else None
+        ranks = slow if rank is None else [rank]
+        factor = statistics.fmean(
+            [comm[r] / (n * healthy[r]) for r in ranks if healthy.get(r)] or [float("inf")]
+        )
+        return rank, factor, "comm"

@@ -5,9 +5,12 @@ Both detectors (heartbeat fail-stop in `unbroken.launch`, workload-aware fail-sl
 sink (or read the event log a `JsonlSink` writes). A detector never decides what to do about a
 failure: it says what failed, where, how badly, and when it was seen.
 
-`JsonlSink` appends to the run's `events.jsonl` in its format (`{"t", "run", "kind", ...}`,
-docs/outputs.md): kind `failure_detected` with `reason` = the failure kind, plus `rank`,
-`stage`, `factor`, `iter` (where the failure began) and `detected_iter`.
+The coordinator is the sink of its own fail-stop decisions (a rank's exit, a hung rank, a lost
+node): it writes them to the event log in the coordinator's record format and hands the same
+event to the recovery state machine (`RecoveryMachine.on_detection`). `JsonlSink` appends to a
+run's `events.jsonl` in its format (`{"t", "run", "kind", ...}`, docs/outputs.md): kind
+`failure_detected` with `reason` = the failure kind, plus `cause`, `rank`, `stage`, `factor`,
+`iter` (where the failure began) and `detected_iter`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from typing import Any, Protocol
 
 from unbroken.metrics.log import JsonlLog
 
-__all__ = ["DetectionEvent", "DetectionKind", "DetectionSink", "JsonlSink", "ListSink"]
+__all__ = [
+    "DetectionEvent",
+    "DetectionKind",
+    "DetectionSink",
+    "FailStopCause",
+    "JsonlSink",
+    "ListSink",
+]
 
 
 class DetectionKind(enum.StrEnum):
@@ -28,6 +38,17 @@ class DetectionKind(enum.StrEnum):
     """A rank stopped (heartbeat lost, process gone or hung)."""
     FAIL_SLOW = "fail_slow"
     """A rank runs, but slower than its peers by `factor`."""
+
+
+class FailStopCause(enum.StrEnum):
+    """How a fail-stop was decided (`DetectionEvent.cause` of a fail-stop)."""
+
+    EXIT = "exit"
+    """The rank's process exited with a non-zero status (seen by its agent at once)."""
+    HANG = "hang"
+    """The rank's heartbeats stopped (agent: silent past the timeout, checked in /proc)."""
+    NODE_LOST = "node_lost"
+    """The node's agent dropped its connection or its beats stopped (coordinator)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,12 +70,23 @@ class DetectionEvent:
     """Wall-clock time of the detection."""
     reason: str = ""
     """Human-readable evidence (e.g. 'observed 1.52x predicted; rank 1 compute 1.49x peers')."""
+    cause: str = ""
+    """Fail-stop: a `FailStopCause`. Fail-slow: "compute" or "comm" (what is slow)."""
+    generation: int | None = None
+    """Fail-stop: the trainer generation the failed rank belonged to."""
+    node: int | None = None
+    """Fail-stop: the node (agent) that reported it, or that was lost."""
+    returncode: int | None = None
+    """Fail-stop by exit: the process's exit status (negative: killed by that signal)."""
+    silent_s: float | None = None
+    """Fail-stop by hang or node loss: seconds without a heartbeat when it was decided."""
 
     def to_record(self) -> dict[str, Any]:
         return {
             "t": self.t,
             "kind": "failure_detected",
             "reason": self.kind.value,
+            "cause": self.cause,
             "rank": self.rank,
             "stage": self.stage,
             "factor": self.factor,

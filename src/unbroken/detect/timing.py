@@ -1,16 +1,26 @@
 """Per-rank phase timings, recorded by a trainer phase hook, for fail-slow validation.
 
 Validation must say *which* rank is slow. In data-parallel training every rank's iteration time
-is the same (all wait at the gradient all-reduce), so only a rank's own compute time tells the
-slow one apart. `PhaseTimer` is a `Trainer` hook (`unbroken.train.phases.PhaseHook`) that
-stamps the start of each forward/backward micro-batch and the protect phase, which yields:
+is the same (all wait at the gradient all-reduce), so only a rank's own compute and
+communication times tell the slow one apart. `PhaseTimer` is a `Trainer` hook
+(`unbroken.train.phases.PhaseHook`) that stamps the start of each forward/backward micro-batch,
+the first ALLREDUCE bucket, REDUCED and PROTECT, which yields:
 
-- `mb_s`: forward+backward of every micro-batch but the last (FORWARD m -> FORWARD m+1); the
-  last one's backward ends inside the all-reduce, where waiting for peers is mixed in;
+- `mb_s`: forward+backward of every micro-batch (FORWARD m -> FORWARD m+1; the last one ends at
+  the first ALLREDUCE hook). Without that hook (one replica, or a loop that does not fire it)
+  the last micro-batch is left out: its end is not stamped before PROTECT, and the all-reduce
+  (with the wait for peers) would be mixed in;
 - `forward_s`: the forward of every micro-batch (FORWARD m -> BACKWARD m);
 - `compute_s`: FORWARD 0 -> last BACKWARD start, pure local compute;
-- `reduce_s`: last BACKWARD start -> PROTECT: the last backward plus the all-reduce (with the
-  wait for the slowest peer).
+- `comm_s`: first ALLREDUCE -> REDUCED: the gradient all-reduce, with the wait for the slowest
+  peer (0 without replicas);
+- `reduce_s`: last BACKWARD start -> PROTECT: the last backward plus the all-reduce.
+
+What a slowdown looks like here: a compute-slowed rank has long `mb_s` and a short `comm_s` (it
+reaches the all-reduce last, nobody waits for it there), its peers a long `comm_s` (they wait).
+A comm-slowed rank (`slow ... what=comm`, [Note: slow-fault] in `unbroken.inject.injector`) has
+normal `mb_s` and a `comm_s` that holds its stall; its peers' `comm_s` stays healthy and they
+wait for it in the next collective (the sync phase's loss all-reduce), outside `comm_s`.
 
 Put it after the fault injector in the hook list: a `slow` fault stalls inside the injector's
 hook call for the phase step that just ended, so the timer's stamp then falls after the stall
@@ -40,6 +50,7 @@ class RankTiming:
     forward_s: tuple[float, ...]
     compute_s: float
     reduce_s: float
+    comm_s: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -49,6 +60,7 @@ class RankTiming:
             "forward_s": list(self.forward_s),
             "compute_s": self.compute_s,
             "reduce_s": self.reduce_s,
+            "comm_s": self.comm_s,
         }
 
     @classmethod
@@ -60,6 +72,7 @@ class RankTiming:
             forward_s=tuple(d["forward_s"]),
             compute_s=float(d["compute_s"]),
             reduce_s=float(d["reduce_s"]),
+            comm_s=float(d.get("comm_s", 0.0)),
         )
 
 
@@ -82,29 +95,35 @@ class PhaseTimer:
     records: list[RankTiming] = field(default_factory=list)
     _fwd: list[float] = field(default_factory=list)
     _bwd: list[float] = field(default_factory=list)
+    _comm: list[float] = field(default_factory=list)
+    """Stamps of the first ALLREDUCE and of REDUCED this iteration."""
     _iteration: int = -1
 
     def __call__(self, phase: Phase, iteration: int, step: int, n_steps: int) -> None:
         now = self.clock()
         if phase is Phase.FORWARD:
             if step == 0:
-                self._fwd, self._bwd, self._iteration = [], [], iteration
+                self._fwd, self._bwd, self._comm, self._iteration = [], [], [], iteration
             self._fwd.append(now)
         elif phase is Phase.BACKWARD:
             self._bwd.append(now)
+        elif (phase is Phase.ALLREDUCE and step == 0) or phase is Phase.REDUCED:
+            self._comm.append(now)
         elif phase is Phase.PROTECT and iteration == self._iteration and self._bwd:
             self._finish(now)
 
     def _finish(self, now: float) -> None:
-        f, b = self._fwd, self._bwd
+        f, b, c = self._fwd, self._bwd, self._comm
         n = min(len(f), len(b))
+        ends = [*f[1:n], c[0]] if c else f[1:n]
         rec = RankTiming(
             rank=self.rank,
             iteration=self._iteration,
-            mb_s=tuple(f[m + 1] - f[m] for m in range(n - 1)),
+            mb_s=tuple(e - s for s, e in zip(f, ends, strict=False)),
             forward_s=tuple(b[m] - f[m] for m in range(n)),
             compute_s=b[n - 1] - f[0],
             reduce_s=now - b[n - 1],
+            comm_s=c[-1] - c[0] if c else 0.0,
         )
         self._iteration = -1
         self.records.append(rec)

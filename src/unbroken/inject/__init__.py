@@ -4,13 +4,18 @@ or by wall time since the job started.
 Spec syntax (config `inject = [...]`, CLI `--inject`, tests):
     KIND:rank=R,iter=I[,phase=P][,step=S]     e.g. kill:rank=1,iter=12,phase=update
     KIND:rank=R,at=SECONDS                    e.g. hang:rank=0,at=4.5
-    slow:rank=R,iter=I,factor=F               compute slowed F× from iteration I on
-KIND ∈ kill (SIGKILL), hang (SIGSTOP), exception (raise), slow. A fault fires once per job: the
+    slow:rank=R,iter=I,factor=F[,what=compute|comm]
+                                              compute (default) or the gradient all-reduce
+                                              slowed F× from iteration I on
+    slow:rank=R,iter=I,level=weak|medium|severe[,what=...]
+                                              the factor that costs ~35/55/70% throughput
+KIND ∈ kill (SIGKILL), hang (SIGSTOP), exception (raise), slow, pageloss (see `FaultKind`);
+what a slow fault stretches and how: [Note: slow-fault] in `injector`. A fault fires once per job: the
 firing is recorded in the job's store before the fault acts, so a redone iteration after
 recovery runs clean.
 """
 
-from unbroken.inject.faults import FaultKind, FaultSpec, InjectedFault, parse_fault
+from unbroken.inject.faults import FaultKind, FaultSpec, InjectedFault, SlowTarget, parse_fault
 from unbroken.inject.injector import Injector
 
-__all__ = ["FaultKind", "FaultSpec", "InjectedFault", "Injector", "parse_fault"]
+__all__ = ["FaultKind", "FaultSpec", "InjectedFault", "Injector", "SlowTarget", "parse_fault"]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from unbroken.detect.levels import Level
 from unbroken.errors import UserError
 from unbroken.train.phases import Phase
 
-__all__ = ["FaultKind", "FaultSpec", "InjectedFault", "parse_fault"]
+__all__ = ["FaultKind", "FaultSpec", "InjectedFault", "SlowTarget", "parse_fault"]
 
 
 class FaultKind(enum.StrEnum):
@@ -22,6 +23,16 @@ class FaultKind(enum.StrEnum):
     """Slow the trainer's compute by `factor` from the trigger on (fail-slow)."""
     PAGELOSS = "pageloss"
     """Destroy retained pages (memfd holes) of one protection group, then SIGKILL."""
+
+
+class SlowTarget(enum.StrEnum):
+    """What a `slow` fault stretches ([Note: slow-fault] in `unbroken.inject.injector`)."""
+
+    COMPUTE = "compute"
+    """Every phase step but the gradient all-reduce (forward, backward, protect, sync, update
+    chunks, boundary): the device computes slower."""
+    COMM = "comm"
+    """Only the gradient all-reduce buckets: the rank's link is slower."""
 
 
 class InjectedFault(RuntimeError):
@@ -39,7 +50,12 @@ class FaultSpec:
     at_s: float | None = None
     """Fire this many seconds after the job's first iteration started (instead of iteration)."""
     factor: float = 1.0
-    """Slow-down factor for `slow`."""
+    """`slow`: the stretched steps take `factor` x their healthy time (1.0 with `level`)."""
+    level: Level | None = None
+    """`slow`: instead of a factor, the severity (weak/medium/severe: ~35/55/70% throughput
+    loss, `unbroken.detect.levels`); the injector derives the factor."""
+    what: SlowTarget = SlowTarget.COMPUTE
+    """`slow`: compute or comm."""
     pages: int = 0
     """`pageloss`: data pages of one protection group to destroy."""
     parity: int = 0
@@ -65,7 +81,9 @@ class FaultSpec:
         if self.at_s is not None:
             parts.append(f"at={self.at_s:g}")
         if self.kind is FaultKind.SLOW:
-            parts.append(f"factor={self.factor:g}")
+            parts.append(f"level={self.level.value}" if self.level else f"factor={self.factor:g}")
+            if self.what is not SlowTarget.COMPUTE:
+                parts.append(f"what={self.what.value}")
         if self.kind is FaultKind.PAGELOSS:
             parts.append(f"pages={self.pages}")
             if self.parity:
@@ -98,6 +116,8 @@ def parse_fault(spec: str) -> FaultSpec:
             raise UserError(f"fault {spec!r}: expected key=value, got {item!r}")
         fields[name.strip()] = value.strip()
     known = {"rank", "iter", "phase", "step", "at", "factor", "pages", "parity", "group", "groups"}
+    if kind is FaultKind.SLOW:
+        known |= {"level", "what"}
     if unknown := set(fields) - known:
         raise UserError(
             f"fault {spec!r}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}"
@@ -108,11 +128,13 @@ def parse_fault(spec: str) -> FaultSpec:
         step = int(fields["step"]) if "step" in fields else None
         at_s = float(fields["at"]) if "at" in fields else None
         factor = float(fields.get("factor", "1"))
-        phase = Phase(fields["phase"]) if "phase" in fields else None
+        phase = _choice(fields, "phase", Phase)
         pages = int(fields.get("pages", "0"))
         parity = int(fields.get("parity", "0"))
         group = int(fields["group"]) if "group" in fields else None
         groups = int(fields.get("groups", "1"))
+        level = _choice(fields, "level", Level)
+        what = _choice(fields, "what", SlowTarget) or SlowTarget.COMPUTE
     except KeyError:
         raise UserError(f"fault {spec!r}: 'rank=' is required") from None
     except ValueError as exc:
@@ -121,8 +143,10 @@ def parse_fault(spec: str) -> FaultSpec:
         raise UserError(f"fault {spec!r}: give exactly one trigger, iter=I or at=SECONDS")
     if kind is FaultKind.PAGELOSS and (pages + parity < 1 or groups < 1):
         raise UserError(f"fault {spec!r}: pageloss needs pages=N and/or parity=N")
-    if kind is FaultKind.SLOW and factor <= 1.0:
-        raise UserError(f"fault {spec!r}: slow needs factor > 1")
+    if kind is FaultKind.SLOW and level is not None and "factor" in fields:
+        raise UserError(f"fault {spec!r}: give factor=F or level=L, not both")
+    if kind is FaultKind.SLOW and level is None and factor <= 1.0:
+        raise UserError(f"fault {spec!r}: slow needs factor > 1 or level=weak|medium|severe")
     if rank < 0 or (iteration is not None and iteration < 0):
         raise UserError(f"fault {spec!r}: rank and iter must be >= 0")
     if iteration is not None and phase is None:
@@ -135,8 +159,25 @@ def parse_fault(spec: str) -> FaultSpec:
         step=step,
         at_s=at_s,
         factor=factor,
+        level=level,
+        what=what,
         pages=pages,
         parity=parity,
         group=group,
         groups=groups,
     )
+
+
+def _choice(fields: dict[str, str], name: str, enum_type: type[enum.StrEnum]):
+    """The enum member named by `fields[name]`, None if absent.
+
+    Raises:
+        ValueError: with the field, the value and the choices (one line).
+    """
+    if name not in fields:
+        return None
+    try:
+        return enum_type(fields[name])
+    except ValueError:
+        choices = "|".join(m.value for m in enum_type)
+        raise ValueError(f"{name}={fields[name]!r} is not one of {choices}") from None

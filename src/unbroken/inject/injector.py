@@ -5,21 +5,48 @@ fires once per job, also across restarts) and appends a `failure_injected` event
 wall-clock time, iteration and phase — that time is t_fault of the recovery metrics. It never
 tells the recovery side where or what failed: detection and localization find that out
 themselves.
+
+[Note: slow-fault] A `slow` fault stalls for real (the process sleeps: no timestamp is edited,
+no training state is touched, so a slowed run stays bit-identical). The injector is called at
+the start of every phase step and stalls for the step that just ended:
+
+- `what=compute` (default): after every step that is not a gradient all-reduce bucket, sleep
+  (F - 1) x that step's duration, so each compute step takes F x as long as it did.
+- `what=comm`: after each all-reduce bucket b (at the next ALLREDUCE or the REDUCED hook), sleep
+  (F - 1) x d_b, where d_b is bucket b's healthy duration on this rank: the shortest of its
+  last `HISTORY` iterations before the fault (the shortest, because a rank that reached the
+  all-reduce first also waited there for its peers). The stall is frozen when the fault
+  becomes active: a slow link adds the same time to every transfer. The rank's collective
+  returns late; its peers go on and wait for it in the next collective (the next bucket, or
+  the loss all-reduce of the sync phase).
+- `level=weak|medium|severe` instead of `factor=`: compute uses `slow_factor_for(level)`
+  (s = 1); comm uses `comm_factor_for(level, s)` with s = sum of d_b over this rank's median
+  iteration period (FORWARD 0 to FORWARD 0) of the same history, so the stall per iteration is
+  L / (1 - L) x the healthy iteration, whatever the communication share. A comm fault fired
+  before one full healthy iteration was seen becomes active once it has been (without
+  replicas there is no all-reduce and it never does). Activation is logged as `slow_active`
+  with the factor and the stall.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch.distributed as dist
 
-from unbroken.inject.faults import FaultKind, FaultSpec, InjectedFault
+from unbroken.detect.levels import comm_factor_for, slow_factor_for
+from unbroken.inject.faults import FaultKind, FaultSpec, InjectedFault, SlowTarget
 from unbroken.train.phases import Phase
 
-__all__ = ["Injector"]
+__all__ = ["HISTORY", "Injector"]
+
+HISTORY = 8
+"""Healthy iterations remembered to calibrate a comm slow-down ([Note: slow-fault])."""
 
 
 class Injector:
@@ -31,6 +58,8 @@ class Injector:
         store: the job store (not a generation prefix), shared by all generations.
         emit: appends an event to the job's event log.
         job_t0: wall time the job's first iteration started (for `at=` triggers).
+        sleep: how a `slow` fault stalls (tests pass a recorder; the stall must be real).
+        clock: monotonic clock timing the phase steps (tests pass a fake one).
     """
 
     def __init__(
@@ -40,6 +69,8 @@ class Injector:
         store: dist.Store,
         emit: Callable[..., None],
         job_t0: float,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.faults = [f for f in faults if f.rank == rank]
         self.rank = rank
@@ -50,7 +81,16 @@ class Injector:
         self.slow_factor = 1.0
         self.page_loss = None
         """`pageloss` target: fault -> {region: pages destroyed} (set by in-place trainers)."""
-        self._phase_start = time.perf_counter()
+        self.sleep = sleep
+        self.clock = clock
+        self.comm_stall_s: dict[int, float] | None = None
+        """Active comm slow-down: bucket -> seconds stalled after it."""
+        self._comm_fault: FaultSpec | None = None
+        self._phase_start = clock()
+        self._last: tuple[Phase, int, int] | None = None
+        self._bucket_s: dict[int, deque[float]] = {}
+        self._periods: deque[float] = deque(maxlen=HISTORY)
+        self._iter_mark: tuple[int, float] | None = None
 
     def _fired(self, fault: FaultSpec) -> bool:
         return self.store.check([f"inject/{fault.key}"])
@@ -62,16 +102,59 @@ class Injector:
         return fault.iteration == it and fault.phase == phase and step == min(want_step, n - 1)
 
     def __call__(self, phase: Phase, iteration: int, step: int, n_steps: int) -> None:
-        now = time.perf_counter()
-        if self.slow_factor > 1.0:
-            # Fail-slow: stall for (factor - 1) x the time the last phase step took, for real.
-            time.sleep((self.slow_factor - 1.0) * (now - self._phase_start))
+        now = self.clock()
+        self._stall(now - self._phase_start, iteration)
+        self._last = (phase, iteration, step)
         if phase is Phase.FORWARD and step == 0:
             self.iteration_start = time.time()
+            if self._iter_mark is not None and self._iter_mark[0] == iteration - 1:
+                self._periods.append(now - self._iter_mark[1])
+            self._iter_mark = (iteration, now)
         for fault in self.faults:
             if self._matches(fault, phase, iteration, step, n_steps) and not self._fired(fault):
                 self._fire(fault, phase, iteration, step)
-        self._phase_start = time.perf_counter()
+        self._phase_start = self.clock()
+
+    def _stall(self, step_s: float, iteration: int) -> None:
+        """Stall for the phase step that just ended ([Note: slow-fault])."""
+        if self._last is None:
+            return
+        phase, _, step = self._last
+        if phase is Phase.ALLREDUCE:
+            if self.comm_stall_s is None:
+                self._bucket_s.setdefault(step, deque(maxlen=HISTORY)).append(step_s)
+                self._activate_comm(iteration)
+            if self.comm_stall_s is not None:
+                self.sleep(self.comm_stall_s.get(step, 0.0))
+        elif self.slow_factor > 1.0:
+            self.sleep((self.slow_factor - 1.0) * step_s)
+
+    def _activate_comm(self, iteration: int) -> None:
+        """Freeze the comm stall from the healthy history, if there is enough of it."""
+        fault = self._comm_fault
+        if fault is None or not self._periods or not self._bucket_s:
+            return
+        healthy = {b: min(d) for b, d in self._bucket_s.items()}
+        comm_s = sum(healthy.values())
+        period = statistics.median(self._periods)
+        share = min(1.0, comm_s / period) if period > 0 else 1.0
+        if fault.level is not None:
+            factor = comm_factor_for(fault.level, share) if comm_s > 0 else 1.0
+        else:
+            factor = fault.factor
+        self.comm_stall_s = {b: (factor - 1.0) * d for b, d in healthy.items()}
+        self._comm_fault = None
+        self.emit(
+            "slow_active",
+            rank=self.rank,
+            iter=iteration,
+            what=SlowTarget.COMM.value,
+            factor=factor,
+            stall_s=sum(self.comm_stall_s.values()),
+            comm_s=comm_s,
+            comm_share=share,
+            spec=fault.text(),
+        )
 
     def _fire(self, fault: FaultSpec, phase: Phase, iteration: int, step: int) -> None:
         self.store.set(f"inject/{fault.key}", str(time.time()))
@@ -97,5 +180,17 @@ class Injector:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.kind is FaultKind.EXCEPTION:
             raise InjectedFault(f"injected exception at {fault.text()}")
+        elif fault.kind is FaultKind.SLOW and fault.what is SlowTarget.COMM:
+            self._comm_fault = fault
+            self._activate_comm(iteration)
         elif fault.kind is FaultKind.SLOW:
-            self.slow_factor = fault.factor
+            factor = slow_factor_for(fault.level) if fault.level is not None else fault.factor
+            self.slow_factor = factor
+            self.emit(
+                "slow_active",
+                rank=self.rank,
+                iter=iteration,
+                what=SlowTarget.COMPUTE.value,
+                factor=factor,
+                spec=fault.text(),
+            )

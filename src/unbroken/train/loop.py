@@ -1,6 +1,7 @@
 """One training iteration, phase by phase, on flat state (the iteration contract).
 
-compute (forward/backward per micro-batch, gradients land in the flat gradient buffer) →
+compute (forward/backward per micro-batch, gradients land in the flat gradient buffer, then
+summed over replicas bucket by bucket: hooks ALLREDUCE b before each bucket, REDUCED after) →
 protect (hooks only here; parity of the gradient buffer attaches in in-place recovery) →
 sync (sum gradients over data-parallel replicas in a fixed order, global norm, clip factor) →
 update (AdamW chunk by chunk over the flat buffers) → boundary.
@@ -85,6 +86,7 @@ class Trainer:
         hooks: called at the start of every phase step.
         updater: runs the update phase chunk by chunk (`unbroken.update`); protection, undo and
             the progress marker live there.
+        reduce_bucket: elements per gradient all-reduce call (one ALLREDUCE hook each).
     """
 
     def __init__(
@@ -101,7 +103,10 @@ class Trainer:
         hooks: Sequence[PhaseHook] = (),
         updater: Any,
         loss_fn: LossFn = reference_loss,
+        reduce_bucket: int = _REDUCE_BUCKET,
     ) -> None:
+        if reduce_bucket < 1:
+            raise ValueError(f"reduce_bucket must be >= 1 element, got {reduce_bucket}")
         self.model = model
         self.state = state
         self.source = source
@@ -114,6 +119,7 @@ class Trainer:
         self.hooks = list(hooks)
         self.updater = updater
         self.dp = dist.get_world_size(group) if group is not None else 1
+        self.reduce_bucket = reduce_bucket
 
     def _hook(self, phase: Phase, iteration: int, step: int = 0, n_steps: int = 1) -> None:
         for hook in self.hooks:
@@ -140,9 +146,13 @@ class Trainer:
             tokens += int(getattr(mb, "n_tokens", 0))
         grads = self.state.grads
         if self.group is not None and self.dp > 1:
-            for a in range(0, grads.numel(), _REDUCE_BUCKET):
-                dist.all_reduce(grads[a : a + _REDUCE_BUCKET], group=self.group)
+            size = self.reduce_bucket
+            starts = range(0, grads.numel(), size)
+            for b, a in enumerate(starts):
+                self._hook(Phase.ALLREDUCE, iteration, b, len(starts))
+                dist.all_reduce(grads[a : a + size], group=self.group)
             grads.div_(self.dp)
+            self._hook(Phase.REDUCED, iteration)
         return total, tokens, tuple(tuple(getattr(mb, "doc_lengths", ())) for mb in batches)
 
     def sync(self, iteration: int, local_loss: float) -> tuple[float, float, float]:

@@ -2,7 +2,13 @@
 
 See ARCHITECTURE.md "One iteration". A hook is called at the *start* of a phase with the
 iteration number and a step index within the phase (micro-batch for forward/backward, chunk for
-update, 0 otherwise), so fault injection can hit "inside a chunk's update" precisely.
+update, bucket for allreduce, 0 otherwise), so fault injection can hit "inside a chunk's update"
+precisely.
+
+Order within the compute phase: FORWARD m, BACKWARD m for every micro-batch, then, with
+data-parallel replicas, ALLREDUCE b before each all-reduce bucket and REDUCED after the last. So the
+interval FORWARD m -> next hook is micro-batch m's compute, and ALLREDUCE 0 -> REDUCED is the
+gradient communication (with any wait for the slowest replica).
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ class Phase(enum.StrEnum):
     """Scratch parity being written back (first tier written, second tier not yet)."""
     MARKER = "marker"
     """Inside a progress-marker write (body written, checksum not yet)."""
+    ALLREDUCE = "allreduce"
+    """Right before one bucket's gradient all-reduce (step = bucket; compute phase)."""
+    REDUCED = "reduced"
+    """After the last gradient all-reduce bucket: gradients averaged over the replicas (not
+    fired without replicas: there is no all-reduce)."""
     BOUNDARY = "boundary"
 
 
