@@ -14,6 +14,7 @@ BENCHMARKS = {
     "faults": "unbroken.cli.bench_faults",
     "recovery": "unbroken.cli.bench_recovery",
     "detect": "unbroken.cli.bench_detect",
+    "engine": "unbroken.engine.bench",
 }
 
 

@@ -97,6 +97,9 @@ class PlanWorker:
             a.kind is _K.F and a.stage == self.last_stage for a in self.actions
         )
         self._counted = self._norm_slices()
+        self.profile: dict[str, list[float]] | None = None
+        """Set to a dict to collect seconds per step: ``F0``/``B1``/``W0`` (kind and virtual
+        stage), ``REDUCE_GRAD``, ``OPT_STEP`` (protect to boundary); for the benchmark."""
 
     # -- helpers ----------------------------------------------------------------------------
     def _hook(self, phase: Phase, iteration: int, step: int = 0, n_steps: int = 1) -> None:
@@ -235,6 +238,21 @@ class PlanWorker:
             if a.kind is _K.SEND_B and a.chunk == a.num_chunks - 1:
                 self._input_grads.pop((a.stage, a.microbatch), None)
 
+    def _compute(self, iteration: int, a: Action) -> None:
+        n_mb = self.plan.total_microbatches
+        if a.kind is _K.F:
+            self._hook(Phase.FORWARD, iteration, a.microbatch, n_mb)
+            self._forward(iteration, a.stage, a.microbatch)
+        elif a.kind is _K.B:
+            self._hook(Phase.BACKWARD, iteration, a.microbatch, n_mb)
+            self._backward(a.stage, a.microbatch)
+        else:
+            self._weight(a.stage, a.microbatch)
+
+    def _record(self, key: str, since: float) -> None:
+        if self.profile is not None:
+            self.profile.setdefault(key, []).append(time.perf_counter() - since)
+
     def run_iteration(self, iteration: int) -> IterationResult:
         """Run this rank's action list once: compute, reduce, sync, update.
 
@@ -251,7 +269,6 @@ class PlanWorker:
         if tail != [_K.REDUCE_GRAD, _K.OPT_STEP]:
             raise RuntimeError(f"rank {self.rank}: action list must end REDUCE_GRAD, OPT_STEP")
         batch: list[Action] = []
-        n_mb = self.plan.total_microbatches
         for a in self.actions[:-2]:
             if a.is_comm:
                 batch.append(a)
@@ -259,17 +276,15 @@ class PlanWorker:
             if batch:
                 self._batch(batch)
                 batch = []
-            if a.kind is _K.F:
-                self._hook(Phase.FORWARD, iteration, a.microbatch, n_mb)
-                self._forward(iteration, a.stage, a.microbatch)
-            elif a.kind is _K.B:
-                self._hook(Phase.BACKWARD, iteration, a.microbatch, n_mb)
-                self._backward(a.stage, a.microbatch)
-            else:
-                self._weight(a.stage, a.microbatch)
+            t = time.perf_counter()
+            self._compute(iteration, a)
+            self._record(f"{a.kind}{a.stage}", t)
         if batch:
             self._batch(batch)
+        t = time.perf_counter()
         self._reduce_grads()
+        self._record("REDUCE_GRAD", t)
+        t = time.perf_counter()
         self._hook(Phase.PROTECT, iteration)
         self.updater.protect(iteration)
         loss, norm, scale = self._sync(iteration)
@@ -279,6 +294,7 @@ class PlanWorker:
             self.updater.update(iteration, lr=lr, grad_scale=scale, hook=self._hook)
         self._hook(Phase.BOUNDARY, iteration)
         self.updater.boundary(iteration)
+        self._record("OPT_STEP", t)
         if self._outputs or self._pending_w:
             raise RuntimeError(f"rank {self.rank}: work left over {sorted(self._outputs)}")
         return IterationResult(
