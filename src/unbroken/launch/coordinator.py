@@ -4,6 +4,11 @@ agents, and drives the recovery state machine (`unbroken.recovery`).
 It never runs training code and never holds a process group, so a dead or hung trainer cannot
 take the rendezvous or the control plane with it. Each generation of trainers joins the store
 under its own `PrefixStore("gen{N}")`.
+
+The coordinator is the `DetectionSink` (`emit`) of every failure decision: the agent's rank
+exits and hangs and its own node-loss decisions become `DetectionEvent(kind=FAIL_STOP)`, the
+fail-slow watch's reports arrive as `FAIL_SLOW`; each is written to the event log (fail-stop
+records here, fail-slow records by the watch) and handed to `RecoveryMachine.on_detection`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from unbroken.config import JobConfig, to_dict
+from unbroken.detect.events import DetectionEvent, DetectionKind, FailStopCause
 from unbroken.launch.progress import Progress
 from unbroken.launch.protocol import AGENT_OPS, Channel, ProtocolError
 from unbroken.launch.slowwatch import SlowWatch
@@ -95,6 +101,7 @@ class Coordinator:
         self._metrics_tail = JsonlTail(self.run_dir / "metrics.jsonl")
         self._timings_tail = JsonlTail(self.run_dir / "timings.jsonl")
         self.slow_watch = SlowWatch(cfg.parallel.world_size, self.events, self.progress.say)
+        self.slow_watch.detector.sink = self
         self._pending_recoveries: list[dict[str, Any]] = []
         self._done_reason = ""
         self._metrics_at_start = 0
@@ -217,27 +224,66 @@ class Coordinator:
         ]
         return evs[-1] if evs else None
 
-    def _failure(self, msg: dict[str, Any], reason: str) -> None:
-        inj = self._last_injection(msg["rank"])
-        detect_s = (msg["t"] - inj["t"]) if inj else None
+    def emit(self, event: DetectionEvent) -> None:
+        """`DetectionSink`: log a detected failure, then let the recovery machine act on it."""
+        if event.kind is DetectionKind.FAIL_STOP:
+            self._log_fail_stop(event)
+        action = self.fsm.on_detection(event)
+        if event.cause == FailStopCause.NODE_LOST:
+            self._done_reason = event.reason  # the agent is gone: nothing to tell it
+            self._log_transition()
+        else:
+            self._execute(action)
+
+    def _log_fail_stop(self, event: DetectionEvent) -> None:
+        common = {"detection": event.kind.value, "cause": event.cause}
+        if event.cause == FailStopCause.NODE_LOST:
+            extra = {} if event.silent_s is None else {"silent_s": event.silent_s}
+            self.events.emit("node_lost", node=event.node, reason=event.reason, **common, **extra)
+            return
+        inj = self._last_injection(event.rank)
+        detect_s = (event.t - inj["t"]) if inj else None
         self.events.emit(
             "failure_detected",
-            rank=msg["rank"],
-            generation=msg["generation"],
-            reason=reason,
+            rank=event.rank,
+            generation=event.generation,
+            reason=event.reason,
             detect_s=detect_s,
-            t_detected=msg["t"],
+            t_detected=event.t,
+            returncode=event.returncode,
+            silent_s=event.silent_s,
+            **common,
         )
-        self._last_failure_t = msg["t"]
+        self._last_failure_t = event.t
         self.fsm.note_progress(
             progressed=len(self._rows) > self._metrics_at_start, injected=inj is not None
         )
         self.progress.say(
-            f"failure detected: rank {msg['rank']} {reason}"
+            f"failure detected: rank {event.rank} {event.reason}"
             + (f" ({detect_s * 1000:.0f} ms after injection)" if detect_s is not None else "")
         )
         if inj is not None:
             self._pending_recoveries.append(inj)
+
+    def _live(self, generation: int) -> bool:
+        """A failure report concerns the running generation (not one being torn down)."""
+        return generation == self.fsm.generation and self.fsm.state in (
+            RecoveryState.RUNNING,
+            RecoveryState.STARTING,
+            RecoveryState.RESTARTING,
+        )
+
+    def _node_lost(self, reason: str, silent_s: float | None = None) -> None:
+        self.emit(
+            DetectionEvent(
+                kind=DetectionKind.FAIL_STOP,
+                cause=FailStopCause.NODE_LOST,
+                rank=None,
+                node=0,
+                reason=reason,
+                silent_s=silent_s,
+            )
+        )
 
     def _handle(self, conn: _Conn, msg: dict[str, Any]) -> None:
         op = msg["op"]
@@ -270,27 +316,38 @@ class Coordinator:
             self.fsm.on_started(msg["generation"])
             self._log_transition()
         elif op == "rank_exit":
-            if (
-                msg["returncode"] != 0
-                and msg["generation"] == self.fsm.generation
-                and (
-                    self.fsm.state
-                    in (RecoveryState.RUNNING, RecoveryState.STARTING, RecoveryState.RESTARTING)
+            code = msg["returncode"]
+            if code == 0 or not self._live(msg["generation"]):
+                self._execute(self.fsm.on_rank_exit(msg["rank"], msg["generation"], code))
+                return
+            said = msg.get("said") or ""
+            self.emit(
+                DetectionEvent(
+                    kind=DetectionKind.FAIL_STOP,
+                    cause=FailStopCause.EXIT,
+                    rank=msg["rank"],
+                    generation=msg["generation"],
+                    node=0,
+                    returncode=code,
+                    t=msg["t"],
+                    reason=f"exited with status {code}" + (f": {said}" if said else ""),
                 )
-            ):
-                said = msg.get("said") or ""
-                self._failure(
-                    msg, f"exited with status {msg['returncode']}" + (f": {said}" if said else "")
-                )
-            self._execute(self.fsm.on_rank_exit(msg["rank"], msg["generation"], msg["returncode"]))
+            )
         elif op == "rank_hung":
-            if msg["generation"] == self.fsm.generation and self.fsm.state in (
-                RecoveryState.RUNNING,
-                RecoveryState.STARTING,
-                RecoveryState.RESTARTING,
-            ):
-                self._failure(msg, f"hung (silent {msg['silent_s']:.2f}s)")
-            self._execute(self.fsm.on_rank_hung(msg["rank"], msg["generation"], msg["silent_s"]))
+            if not self._live(msg["generation"]):
+                return
+            self.emit(
+                DetectionEvent(
+                    kind=DetectionKind.FAIL_STOP,
+                    cause=FailStopCause.HANG,
+                    rank=msg["rank"],
+                    generation=msg["generation"],
+                    node=0,
+                    silent_s=msg["silent_s"],
+                    t=msg["t"],
+                    reason=f"hung (silent {msg['silent_s']:.2f}s)",
+                )
+            )
         elif op == "stopped":
             self._execute(self.fsm.on_stopped(msg["generation"]))
 
@@ -310,13 +367,7 @@ class Coordinator:
         conn.channel.sock.close()
         if conn.is_agent:
             self.agent = None
-            self.events.emit("node_lost", node=0, reason=reason)
-            self._execute_lost(reason)
-
-    def _execute_lost(self, reason: str) -> None:
-        self.fsm.on_node_lost(reason)
-        self._done_reason = reason
-        self._log_transition()
+            self._node_lost(reason)
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -407,14 +458,13 @@ class Coordinator:
                         self._read(key.data)
                 self._poll_metrics()
                 if self.agent is None and time.time() - t_hello > HELLO_TIMEOUT_S:
-                    self._execute_lost("no agent connected")
+                    self._node_lost("no agent connected")
                 silent = time.time() - self._agent_seen
                 if self.agent is not None and silent > self.cfg.recovery.node_timeout_s:
-                    self.events.emit("node_lost", node=0, reason="beats stopped", silent_s=silent)
-                    self._execute_lost(f"node 0: agent silent for {silent:.1f}s")
+                    self._node_lost(f"beats stopped (agent silent for {silent:.1f}s)", silent)
                 agent_gone = self.agent_proc is not None and self.agent_proc.poll() is not None
                 if agent_gone and self.fsm.state not in (RecoveryState.DONE, RecoveryState.FAILED):
-                    self._execute_lost(f"agent exited with status {self.agent_proc.returncode}")
+                    self._node_lost(f"agent exited with status {self.agent_proc.returncode}")
             self._poll_metrics()
         finally:
             self._shutdown()

@@ -15,6 +15,11 @@ machine then falls back to `ckpt_restart` for that recovery. Failures reported f
 generation (the other ranks of a generation being torn down) are ignored: one failure, one
 recovery. A generation that fails without an injected fault and without completing an iteration,
 three times in a row, is a crash loop: FAILED instead of restarting forever.
+
+Detected failures arrive through the detectors' one interface, `unbroken.detect.DetectionEvent`
+(`on_detection`): fail-stop events (a rank's exit, a hung rank, a lost node) drive the
+transitions above; fail-slow reports change no state yet (the planner that re-plans around a
+slow rank will consume them).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+from unbroken.detect.events import DetectionEvent, DetectionKind, FailStopCause
 
 __all__ = ["FATAL_EXIT", "Action", "RecoveryMachine", "RecoveryState"]
 
@@ -94,6 +101,26 @@ class RecoveryMachine:
             self.fallback = True
             return self._failure(f"rank {rank}: retained state beyond repair; checkpoint fallback")
         return self._failure(f"rank {rank} exited with status {returncode}")
+
+    def on_detection(self, event: DetectionEvent) -> Action | None:
+        """A detected failure. Fail-stop: the transition of its cause (exit, hang, node lost);
+        stale generations are ignored as in `on_rank_exit`. Fail-slow: no action yet.
+
+        Raises:
+            ValueError: a fail-stop event without a known cause or its cause's fields.
+        """
+        if event.kind is not DetectionKind.FAIL_STOP:
+            return None
+        cause = FailStopCause(event.cause)
+        if cause is FailStopCause.NODE_LOST:
+            return self.on_node_lost(event.reason)
+        if event.rank is None or event.generation is None:
+            raise ValueError(f"fail-stop {cause.value} needs rank and generation: {event}")
+        if cause is FailStopCause.EXIT:
+            if event.returncode is None:
+                raise ValueError(f"fail-stop exit needs returncode: {event}")
+            return self.on_rank_exit(event.rank, event.generation, event.returncode)
+        return self.on_rank_hung(event.rank, event.generation, event.silent_s or 0.0)
 
     def on_rank_hung(self, rank: int, generation: int, silent_s: float) -> Action | None:
         if generation != self.generation or self.state not in (
