@@ -11,7 +11,6 @@ the data-parallel average done the way the trainer's all-reduce does it.
 from __future__ import annotations
 
 import contextlib
-import os
 import pickle
 import time
 import traceback
@@ -106,7 +105,7 @@ def reference(cfg: JobConfig, dp: int, iterations: int) -> Outcome:
 def _worker(rank: int, world_size: int, store_path: str, cases: list[Case], out: str) -> None:
     import torch.distributed as dist
 
-    from unbroken.engine.build import build_worker
+    from unbroken.engine.build import build_worker, make_source
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
@@ -114,11 +113,16 @@ def _worker(rank: int, world_size: int, store_path: str, cases: list[Case], out:
         "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
     )
     world = dist.group.WORLD
-    results = []
+    results, sources = [], {}
     try:
         for case in cases:
             t0 = time.perf_counter()
-            er = build_worker(case.cfg, case.plan, world, device=torch.device("cpu"))
+            key = (repr(case.cfg.data), case.plan.dp)
+            if key not in sources:
+                sources[key] = make_source(case.cfg, case.plan.dp)
+            er = build_worker(
+                case.cfg, case.plan, world, device=torch.device("cpu"), source=sources[key]
+            )
             t1 = time.perf_counter()
             losses, norms = [], []
             for it in range(case.iterations):
@@ -168,13 +172,17 @@ def run_plans(cases: list[Case], world_size: int, tmp: Path) -> dict[str, Outcom
     import torch.multiprocessing as mp
 
     tmp.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A fork server that imported torch and the engine once forks the ranks: no per-rank
+    # import, and no fork of this (threaded) test process.
+    mp.get_context("forkserver").set_forkserver_preload(
+        ["torch", "torch.distributed", "unbroken.engine.build", __name__]
+    )
     try:
         mp.start_processes(
             _worker,
             args=(world_size, str(tmp / "store"), cases, str(tmp)),
             nprocs=world_size,
-            start_method="spawn",
+            start_method="forkserver",
         )
     except Exception as exc:
         errors = sorted(tmp.glob("error-*.txt"))

@@ -24,11 +24,11 @@ from unbroken.errors import UserError
 from unbroken.model import FlatLayout, build_model, init_parameters, materialize, resolve_args
 from unbroken.model.flat import bind_grads
 from unbroken.parallel import ParallelPlan
-from unbroken.train import AdamW, TrainState
+from unbroken.train import AdamW, BatchSource, TrainState
 from unbroken.train.build import state_geometry
 from unbroken.update import ChunkStep, PlainUpdater
 
-__all__ = ["EngineRank", "build_worker", "full_initial_params"]
+__all__ = ["EngineRank", "build_worker", "full_initial_params", "make_source"]
 
 
 @dataclass(slots=True)
@@ -39,6 +39,15 @@ class EngineRank:
     model: StageModel
     state: TrainState
     groups: PlanGroups
+
+
+def make_source(cfg: JobConfig, replicas: int) -> Sampler:
+    """The reference data source with one shard per replica, as `build_training` builds it."""
+    corpus = load_corpus(
+        cfg.data.corpus, jsonl_field=cfg.data.jsonl_field, max_documents=cfg.data.max_documents
+    )
+    stream = PackedStream(corpus, cfg.data.tokens_per_microbatch, cfg.data.seed)
+    return Sampler(stream, replicas, cfg.data.microbatches)
 
 
 def full_initial_params(cfg: JobConfig) -> dict[str, torch.Tensor]:
@@ -58,6 +67,7 @@ def build_worker(
     device: torch.device,
     allocate=None,
     hooks=(),
+    source: BatchSource | None = None,
 ) -> EngineRank:
     """Build this rank's stage model in flat storage, its groups and its `PlanWorker`.
 
@@ -71,6 +81,7 @@ def build_worker(
         allocate: `(layout, geometry, device) -> (TrainState, fresh)` for retained buffers;
             default fresh tensors. Nothing is initialized when the buffers are not fresh.
         hooks: phase hooks for the worker.
+        source: the micro-batch source (one shard per replica); default: `make_source`.
 
     Raises:
         UserError: a user model, or a plan that does not fit the model.
@@ -107,14 +118,8 @@ def build_worker(
         )
     materialize(model, layout, state.params)
     bind_grads(model, layout, state.grads)
-    corpus = load_corpus(
-        cfg.data.corpus, jsonl_field=cfg.data.jsonl_field, max_documents=cfg.data.max_documents
-    )
-    source = Sampler(
-        PackedStream(corpus, cfg.data.tokens_per_microbatch, cfg.data.seed),
-        plan.dp,
-        cfg.data.microbatches,
-    )
+    if source is None:
+        source = make_source(cfg, plan.dp)
     step = ChunkStep(geometry, AdamW.from_config(cfg.train), layout.decay_end)
     worker = PlanWorker(
         plan=plan,
