@@ -72,3 +72,26 @@ def test_jsonl_sink_writes_the_event_log_format(tmp_path):
     assert rec["run"] == "train" and rec["kind"] == "failure_detected"
     assert rec["reason"] == "fail_slow" and rec["rank"] == 1 and rec["detected_iter"] == 6
     assert isinstance(rec["t"], float)
+
+
+def test_phase_timer_with_all_reduce_hooks_times_every_micro_batch_and_the_comm():
+    clock, cpu = FakeClock(), FakeClock()
+    timer = PhaseTimer(rank=0, clock=clock, cpu_clock=cpu)
+    for m in range(3):
+        timer(Phase.FORWARD, 4, m, 3)
+        clock.now += 1.0
+        cpu.now += 0.5  # half of the wall time on the CPU (the rest descheduled)
+        timer(Phase.BACKWARD, 4, m, 3)
+        clock.now += 2.0
+        cpu.now += 1.0
+    for b in range(2):
+        timer(Phase.ALLREDUCE, 4, b, 2)
+        clock.now += 0.25
+    timer(Phase.REDUCED, 4, 0, 1)
+    clock.now += 0.1
+    timer(Phase.PROTECT, 4, 0, 1)
+    (rec,) = timer.records
+    assert rec.mb_s == (3.0, 3.0, 3.0)  # the last one ends at the first ALLREDUCE hook
+    assert rec.mb_cpu_s == (1.5, 1.5, 1.5)
+    assert rec.comm_s == 0.5 and rec.reduce_s == pytest.approx(2.0 + 0.5 + 0.1)
+    assert rec.compute_s == 7.0

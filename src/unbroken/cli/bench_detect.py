@@ -9,6 +9,10 @@ iteration after warm-up and before the last part of the run. Then both detectors
 same measured series, and the table compares them (ResiHP §8.2). Progress goes to stderr.
 Figures are measured on whatever machine runs it; on a shared, loaded machine the timing noise
 is part of what the detectors see.
+
+`--latency` measures fail-stop detection instead: process exit, hang (SIGSTOP), agent SIGKILL and
+agent SIGSTOP, `--repeats` times each on real runs, median and max against the bound the default
+configuration implies (`unbroken.detect._latency`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="score the logs already in these dirs (run no jobs)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--latency",
+        action="store_true",
+        help="measure fail-stop detection latency (exit, hang, node loss) instead",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="--latency: measurements per kind (default 5)"
+    )
 
 
 def _schedule(n_jobs: int, iterations: int, world: int, seed: int, first: int) -> list:
@@ -103,7 +115,37 @@ def _multi_doc_share(jobs) -> tuple[float, float]:
     return multi / max(1, len(ratios)), ratios[len(ratios) // 20] if ratios else 1.0
 
 
+def _run_latency(args: argparse.Namespace) -> int:
+    from unbroken.detect._latency import measure_latencies
+
+    if args.repeats < 1:
+        raise UserError("--repeats must be >= 1")
+    t0 = time.time()
+    results = [r.to_dict() for r in measure_latencies(args.repeats, args.out)]
+    if args.json:
+        doc = {
+            "latency": results,
+            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+            "load_avg": os.getloadavg(),
+            "wall_s": time.time() - t0,
+        }
+        print(json.dumps(doc, indent=1))
+        return 0
+    print(f"{'failure':32}{'n':>3}{'median s':>10}{'max s':>9}{'bound s':>9}  within  bound from")
+    for r in results:
+        cells = ["-" if r[k] is None else f"{r[k]:.3f}" for k in ("median_s", "max_s", "bound_s")]
+        print(
+            f"{r['kind']:32}{r['n']:>3}{cells[0]:>10}{cells[1]:>9}{cells[2]:>9}  "
+            f"{'yes' if r['within_bound'] else 'NO':6}  {r['bound']}"
+            + (f" ({r['premature']} runs lost the node early)" if r["premature"] else "")
+        )
+    print(f"load average {os.getloadavg()[0]:.1f}, {time.time() - t0:.0f} s")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.latency:
+        return _run_latency(args)
     from unbroken.detect._jobs import BenchSetup, run_jobs
     from unbroken.detect.detector import DetectorConfig
     from unbroken.detect.evaluate import load_jobs, score_jobs

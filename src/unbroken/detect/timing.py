@@ -14,7 +14,10 @@ the first ALLREDUCE bucket, REDUCED and PROTECT, which yields:
 - `compute_s`: FORWARD 0 -> last BACKWARD start, pure local compute;
 - `comm_s`: first ALLREDUCE -> REDUCED: the gradient all-reduce, with the wait for the slowest
   peer (0 without replicas);
-- `reduce_s`: last BACKWARD start -> PROTECT: the last backward plus the all-reduce.
+- `reduce_s`: last BACKWARD start -> PROTECT: the last backward plus the all-reduce;
+- `mb_cpu_s`: the process CPU time of the same intervals as `mb_s` (a diagnostic: on a shared
+  machine it leaves out the time the rank was not scheduled; an injected `slow` sleeps, so it
+  does not show there either — detection uses the wall-clock `mb_s`).
 
 What a slowdown looks like here: a compute-slowed rank has long `mb_s` and a short `comm_s` (it
 reaches the all-reduce last, nobody waits for it there), its peers a long `comm_s` (they wait).
@@ -31,6 +34,7 @@ choice).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +55,7 @@ class RankTiming:
     compute_s: float
     reduce_s: float
     comm_s: float = 0.0
+    mb_cpu_s: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -61,6 +66,7 @@ class RankTiming:
             "compute_s": self.compute_s,
             "reduce_s": self.reduce_s,
             "comm_s": self.comm_s,
+            "mb_cpu_s": list(self.mb_cpu_s),
         }
 
     @classmethod
@@ -73,6 +79,7 @@ class RankTiming:
             compute_s=float(d["compute_s"]),
             reduce_s=float(d["reduce_s"]),
             comm_s=float(d.get("comm_s", 0.0)),
+            mb_cpu_s=tuple(d.get("mb_cpu_s", ())),
         )
 
 
@@ -86,28 +93,37 @@ class PhaseTimer:
             kept in `records` (the last `keep` of them).
         keep: how many records to keep.
         clock: monotonic clock (tests pass a fake one).
+        cpu_clock: this process's CPU time (for `mb_cpu_s`).
     """
 
     rank: int
     on_record: Callable[[RankTiming], None] | None = None
     keep: int = 64
     clock: Callable[[], float] = time.perf_counter
+    cpu_clock: Callable[[], float] = time.process_time
     records: list[RankTiming] = field(default_factory=list)
     _fwd: list[float] = field(default_factory=list)
     _bwd: list[float] = field(default_factory=list)
     _comm: list[float] = field(default_factory=list)
     """Stamps of the first ALLREDUCE and of REDUCED this iteration."""
+    _cpu: list[float] = field(default_factory=list)
+    """CPU-time stamps of every FORWARD and the first ALLREDUCE."""
     _iteration: int = -1
 
     def __call__(self, phase: Phase, iteration: int, step: int, n_steps: int) -> None:
         now = self.clock()
         if phase is Phase.FORWARD:
             if step == 0:
-                self._fwd, self._bwd, self._comm, self._iteration = [], [], [], iteration
+                self._fwd, self._bwd, self._comm, self._cpu = [], [], [], []
+                self._iteration = iteration
             self._fwd.append(now)
+            self._cpu.append(self.cpu_clock())
         elif phase is Phase.BACKWARD:
             self._bwd.append(now)
-        elif (phase is Phase.ALLREDUCE and step == 0) or phase is Phase.REDUCED:
+        elif phase is Phase.ALLREDUCE and step == 0:
+            self._comm.append(now)
+            self._cpu.append(self.cpu_clock())
+        elif phase is Phase.REDUCED:
             self._comm.append(now)
         elif phase is Phase.PROTECT and iteration == self._iteration and self._bwd:
             self._finish(now)
@@ -116,6 +132,7 @@ class PhaseTimer:
         f, b, c = self._fwd, self._bwd, self._comm
         n = min(len(f), len(b))
         ends = [*f[1:n], c[0]] if c else f[1:n]
+        cpu = self._cpu[: len(ends) + 1]  # FORWARD stamps, then the first ALLREDUCE's
         rec = RankTiming(
             rank=self.rank,
             iteration=self._iteration,
@@ -124,6 +141,7 @@ class PhaseTimer:
             compute_s=b[n - 1] - f[0],
             reduce_s=now - b[n - 1],
             comm_s=c[-1] - c[0] if c else 0.0,
+            mb_cpu_s=tuple(b - a for a, b in itertools.pairwise(cpu)),
         )
         self._iteration = -1
         self.records.append(rec)
