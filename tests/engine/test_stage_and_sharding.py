@@ -8,7 +8,8 @@ import torch
 from tests.engine.harness import ENGINE_MODEL, engine_job, one_thread
 from unbroken.engine import MicroBatchInputs, StageModel, TPGroup, shard_of, split_dim, unshard
 from unbroken.engine.build import build_worker, full_initial_params
-from unbroken.engine.groups import check_dp_layout
+from unbroken.engine.dp_sync import holders
+from unbroken.engine.groups import PlanGroups, same_layouts
 from unbroken.engine.transfer import _tag
 from unbroken.errors import UserError
 from unbroken.model import FlatLayout, build_model, materialize, resolve_args
@@ -95,11 +96,25 @@ def test_tags_pair_each_send_with_its_receive():
         )
 
 
-def test_replicas_with_different_layouts_are_refused():
+def test_fine_pieces_of_replicas_with_different_tp_degrees():
     g = StageGroup
     plan = plan_for([Replica((g((0, 1), (0, 4)),)), Replica((g((2,), (0, 4)),))], [2, 2], "1f1b")
-    with pytest.raises(NotImplementedError, match="replica 1 has a different stage layout"):
-        check_dp_layout(plan)
+    pieces = holders(plan, ARGS)
+    assert sorted(pieces) == [(0, 2), (1, 2)]
+    wq = [p for p in pieces[(1, 2)][2] if p.name == "layers.0.attn.wq.weight"]
+    assert [(p.dim, p.start, p.length) for p in wq] == [(0, 32, 32)]  # second half of 64 rows
+    wo = [p for p in pieces[(1, 2)][1] if p.name == "layers.0.attn.wo.weight"]
+    assert [(p.dim, p.start, p.length) for p in wo] == [(1, 0, 32)]  # all of r1's half
+    norms = [p.name for p in pieces[(0, 2)][0] if p.dim is None]
+    assert "norm.weight" in norms and not [p for p in pieces[(1, 2)][1] if p.dim is None]
+
+
+def test_different_layouts_need_the_model_to_sync():
+    g = StageGroup
+    plan = plan_for([Replica((g((0, 1), (0, 4)),)), Replica((g((2,), (0, 4)),))], [2, 2], "1f1b")
+    assert not same_layouts(plan)
+    with pytest.raises(ValueError, match="need the model args"):
+        PlanGroups.build(plan, None)
 
 
 def test_plan_micro_batches_must_match_the_data_config():

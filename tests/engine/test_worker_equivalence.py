@@ -27,7 +27,7 @@ from tests.engine.harness import (
     reference,
     run_plans,
 )
-from unbroken.parallel import make_plan
+from unbroken.parallel import Replica, StageGroup, make_plan, plan_for
 
 GRAD_ATOL = 1e-6
 PARAM_ATOL = 2e-5
@@ -62,6 +62,19 @@ CI_CASES = [
     Case("tp1to2", make_plan(1, 2, [1, 2], 4, 4, "zb_h1"), EXACT),
     Case("tp2-dp2", make_plan(2, 1, 2, 4, 2, "1f1b"), EXACT_DP),
     Case("pp2-1f1b-clipped", make_plan(1, 2, 1, 4, 4, "1f1b"), CLIPPED),
+    Case("dp2-tp2-and-tp1", make_plan(2, 1, [[2], [1]], 4, 2, "1f1b"), EXACT_DP),
+    Case(
+        "dp2-split-1-3-and-3-1",
+        plan_for(
+            [
+                Replica((StageGroup((0,), (0, 1)), StageGroup((1,), (1, 4)))),
+                Replica((StageGroup((2,), (0, 3)), StageGroup((3,), (3, 4)))),
+            ],
+            [2, 2],
+            "1f1b",
+        ),
+        EXACT_DP,
+    ),
 ]
 
 
@@ -112,3 +125,10 @@ def test_clipping_uses_the_global_norm(ci_outcomes, references):
     assert outcome.grad_norms == pytest.approx(ref.grad_norms, rel=5e-5)
     assert min(outcome.grad_norms) > CLIPPED.train.grad_clip  # clipping really happened
     _assert_close(outcome, ref, exact=False)
+
+
+@pytest.mark.parametrize("name", ["dp2-tp2-and-tp1", "dp2-split-1-3-and-3-1"])
+def test_replicas_with_different_layouts_average_at_the_finest_shard(ci_outcomes, references, name):
+    outcome = ci_outcomes[name]
+    _assert_close(outcome, references["exact-dp"], exact=False)
+    assert bit_equal(outcome.params[0], outcome.params[1]), "replicas diverged"

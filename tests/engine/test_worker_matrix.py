@@ -1,7 +1,7 @@
 """The slow tier: the equivalence matrix of issue #5 on 8 local gloo processes.
 
 TP ∈ {1, 2, 4}, PP ∈ {1, 2, 4}, DP ∈ {1, 2} within 8 ranks, schedules cycled over the layouts,
-plus TP 8 and mixed-TP pipelines; tolerances as in `test_worker_equivalence`. Also checks that
+plus TP 8, mixed-TP pipelines and replicas with different TP degrees; tolerances as in `test_worker_equivalence`. Also checks that
 the interpreter refuses a plan whose chunk routing would make a receiving TP group all-gather
 its slices in the wrong order. Run with ``.venv/bin/pytest tests/engine -m slow``.
 """
@@ -43,6 +43,12 @@ def _matrix() -> list[Case]:
     }
     cases += [Case(name, plan, EXACT) for name, plan in mixed.items()]
     cases.append(Case("tp2to1-dp2", make_plan(2, 2, [2, 1], 4, 2, "1f1b"), EXACT_DP))
+    unequal = {  # replicas with different TP degrees: averaged at the finest shard
+        "dp2-tp22-and-tp11": make_plan(2, 2, [[2, 2], [1, 1]], 4, 2, "1f1b"),
+        "dp2-tp21-and-tp12": make_plan(2, 2, [[2, 1], [1, 2]], 4, 2, "zb_h1"),
+        "dp2-tp4-and-tp2": make_plan(2, 1, [[4], [2]], 4, 2, "1f1b"),
+    }
+    cases += [Case(name, plan, EXACT_DP) for name, plan in unequal.items()]
     return cases
 
 

@@ -96,7 +96,7 @@ def build_worker(
             f"the plan gives replicas {list(plan.microbatches)} micro-batches; "
             f"data.microbatches is {cfg.data.microbatches}"
         )
-    groups = PlanGroups.build(plan, world)
+    groups = PlanGroups.build(plan, world, args)
     ranges: list[tuple[int, int]] = []
     if plan.actions.get(groups.rank):
         d, s = plan.locate(groups.rank)

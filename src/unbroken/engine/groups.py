@@ -6,7 +6,8 @@ position) across the replicas, and returns this rank's view of them. Point-to-po
 and the iteration-wide reductions (loss, gradient norm) use `world` itself, named explicitly.
 
 Re-planning builds a new `PlanGroups` for the new plan (or a new world, a new generation with a
-new `PrefixStore`); nothing here is module-global, and no call reads the default group
+new `PrefixStore`); replicas whose layouts differ get a `FineShardSync` instead of DP groups.
+Nothing here is module-global, and no call reads the default group
 implicitly. `torch.distributed.new_group` is collective over the default group, so every rank of
 the job (standbys included) must call `build` with the same plan.
 """
@@ -17,27 +18,19 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from unbroken.engine.dp_sync import FineShardSync
 from unbroken.engine.tp import TPGroup
+from unbroken.model import TransformerArgs
 from unbroken.parallel import ParallelPlan
 
-__all__ = ["PlanGroups", "check_dp_layout"]
+__all__ = ["PlanGroups", "same_layouts"]
 
 
-def check_dp_layout(plan: ParallelPlan) -> None:
-    """The engine reduces gradients between replicas position by position, so every replica
-    must hold the same layer ranges with the same TP degree at each stage.
-
-    Raises:
-        NotImplementedError: replicas with different stage layouts (finest-shard
-            synchronization, issue #5 item 6, is not built).
-    """
+def same_layouts(plan: ParallelPlan) -> bool:
+    """True when every replica holds the same layer ranges with the same TP degrees, so
+    gradients can be averaged position by position over whole flat buffers."""
     first = [(g.layers, g.tp) for g in plan.replicas[0].stages]
-    for d, rep in enumerate(plan.replicas[1:], start=1):
-        if [(g.layers, g.tp) for g in rep.stages] != first:
-            raise NotImplementedError(
-                f"replica {d} has a different stage layout (layers, TP) than replica 0; "
-                "gradient reduction across unequal replicas is not built"
-            )
+    return all([(g.layers, g.tp) for g in rep.stages] == first for rep in plan.replicas[1:])
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,18 +44,33 @@ class PlanGroups:
     tp: TPGroup
     """TP position and group of this rank's stage (size 1 for standbys)."""
     dp: dist.ProcessGroup | None
-    """This rank's peers at the same stage and TP position in the other replicas."""
+    """This rank's peers at the same stage and TP position in the other replicas (replicas
+    with the same layout only)."""
     dp_size: int
+    fine: FineShardSync | None = None
+    """Gradient averaging at the finest shard when replica layouts differ (`dp_sync`)."""
 
     @classmethod
-    def build(cls, plan: ParallelPlan, world: dist.ProcessGroup) -> PlanGroups:
+    def build(
+        cls,
+        plan: ParallelPlan,
+        world: dist.ProcessGroup,
+        args: TransformerArgs | None = None,
+    ) -> PlanGroups:
         """Create the groups of `plan`; collective, every rank of the job calls it.
 
+        Args:
+            plan: the plan.
+            world: the group the plan's ranks are numbered in.
+            args: the model's sizes; needed when replica layouts differ.
+
         Raises:
-            ValueError: `world` has fewer ranks than the plan names.
-            NotImplementedError: see `check_dp_layout`.
+            ValueError: `world` has fewer ranks than the plan names, or replica layouts differ
+                and `args` is missing.
         """
-        check_dp_layout(plan)
+        uniform = same_layouts(plan)
+        if not uniform and args is None:
+            raise ValueError("replicas with different layouts need the model args to sync")
         size, rank = dist.get_world_size(world), dist.get_rank(world)
         if max(plan.ranks) >= size:
             raise ValueError(f"the plan names rank {max(plan.ranks)}; the world has {size}")
@@ -78,6 +86,9 @@ class PlanGroups:
                     if rank in g.ranks:
                         tp = TPGroup(g.tp, g.ranks.index(rank), group)
         dp, dp_size = None, 1
+        if not uniform:
+            fine = FineShardSync.build(plan, args, world, tp)
+            return cls(world=world, rank=rank, tp=tp, dp=None, dp_size=plan.dp, fine=fine)
         if plan.dp > 1:
             for s in range(plan.pp):
                 for i in range(plan.replicas[0].stages[s].tp):

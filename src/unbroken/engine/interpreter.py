@@ -187,6 +187,9 @@ class PlanWorker:
     # -- reductions ------------------------------------------------------------------------
     def _reduce_grads(self) -> None:
         g = self.groups
+        if g.fine is not None:
+            g.fine.reduce(self.state.layout.views(self.state.grads))
+            return
         if g.dp is None or g.dp_size == 1:
             return
         grads = self.state.grads
