@@ -27,7 +27,7 @@ from tests.engine.harness import (
     reference,
     run_plans,
 )
-from unbroken.parallel import Replica, StageGroup, make_plan, plan_for
+from unbroken.parallel import Migration, Replica, StageGroup, make_plan, plan_for
 
 GRAD_ATOL = 1e-6
 PARAM_ATOL = 2e-5
@@ -73,6 +73,11 @@ CI_CASES = [
             [2, 2],
             "1f1b",
         ),
+        EXACT_DP,
+    ),
+    Case(
+        "dp2-pp2-migrated",
+        make_plan(2, 2, 1, 4, 2, "1f1b", migrations=[Migration(0, 1, 1)]),
         EXACT_DP,
     ),
 ]
@@ -132,3 +137,11 @@ def test_replicas_with_different_layouts_average_at_the_finest_shard(ci_outcomes
     outcome = ci_outcomes[name]
     _assert_close(outcome, references["exact-dp"], exact=False)
     assert bit_equal(outcome.params[0], outcome.params[1]), "replicas diverged"
+
+
+def test_a_migrated_micro_batch_runs_on_the_other_replica(ci_outcomes, references):
+    """Micro-batch 0's stage 1 runs on replica 1 (ResiHP §6.3): the same samples and update,
+    summed in another order."""
+    outcome = ci_outcomes["dp2-pp2-migrated"]
+    _assert_close(outcome, references["exact-dp"], exact=False)
+    assert bit_equal(outcome.params[0], outcome.params[1])
