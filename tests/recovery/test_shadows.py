@@ -72,10 +72,15 @@ def test_a_lost_shadow_is_survived_by_fresh_processes(tmp_path):
     job = threading.Thread(target=lambda: result.update(run_job(cfg, out, quiet=True)))
     job.start()
 
-    spec = str(out / "specs" / "train-gen1.json")
-    # Training under way, and both shadows for generation 1 started (ready or not).
-    _wait_for(lambda: (out / "metrics.jsonl").exists() and len(_pids(f"--spec {spec}")) == 2)
-    shadow = _pids(f"--spec {spec}")
+    def shadows() -> list[int]:
+        if not (out / "metrics.jsonl").exists():
+            return []
+        ready = [e for e in read_jsonl(out / "events.jsonl") if e["kind"] == "shadow_ready"]
+        return [e["pid"] for e in ready if e["generation"] == 1]
+
+    # Training under way, and both shadows for generation 1 ready.
+    _wait_for(lambda: len(shadows()) == 2)
+    shadow = shadows()
     trainers = _pids("--spec " + str(out / "specs" / "train-gen0.json"))
     assert shadow and trainers, "the job finished before the test could act"
     os.kill(shadow[0], signal.SIGKILL)  # a shadow dies ...

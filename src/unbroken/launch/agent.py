@@ -34,11 +34,14 @@ TICK_S = 0.005
 PR_SET_PDEATHSIG = 1
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: no dlopen between fork and exec
+
+
 def _die_with_parent() -> None:
     """In a child before exec: SIGKILL it when the agent dies, so no trainer outlives its
-    supervisor (the agent is single-threaded, so the spawning thread is the agent itself)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    supervisor (children are spawned from the agent's main thread, so "parent" is the agent;
+    the fork server's warm-up thread spawns nothing but the server)."""
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 SHADOW_NICE = 10
@@ -78,6 +81,12 @@ class Agent:
         self.shadows: dict[int, TrainerProc] = {}
         """Pre-initialized trainers for the next generation (see unbroken.shadow)."""
         self.state_managers: dict[int, subprocess.Popen] = {}
+        self.forkserver = None
+        """The node's pre-imported fork server for shadows (`unbroken.shadow.forkserver`),
+        started with the first generation that has shadows (recovery.shadow_start = fork)."""
+        self._pending_shadows: tuple[dict, int, int, list[int]] | None = None
+        """(start message, generation, level, ranks) of shadows waiting for the fork server to
+        finish its imports; spawned from the supervision loop, never blocking it."""
         self.heartbeat_timeout_s = 2.0
         self.node_beat_s = 0.5
         self._last_node_beat = 0.0
@@ -118,6 +127,10 @@ class Agent:
             os.makedirs(msg["log_dir"], exist_ok=True)
             kind = "shadow" if shadow_level else "gen"
             log_path = os.path.join(msg["log_dir"], f"{kind}{generation}-rank{rank}.log")
+        if shadow_level and self._forkserver_ready():
+            proc = self.forkserver.spawn(cmd[3:], log_path, nice)
+            return TrainerProc(rank, generation, proc, time.time(), log=log_path)
+        if log_path:
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen(
                     cmd, stdin=stdin, stdout=log, stderr=log, preexec_fn=preexec
@@ -125,6 +138,22 @@ class Agent:
         else:
             proc = subprocess.Popen(cmd, stdin=stdin, preexec_fn=preexec)
         return TrainerProc(rank, generation, proc, time.time(), log=log_path)
+
+    def _forkserver_ready(self) -> bool:
+        return self.forkserver is not None and self.forkserver.ready.is_set()
+
+    def _spawn_pending_shadows(self) -> None:
+        """Spawn the waiting shadows once the fork server is ready (or has failed: then with
+        exec, as without one)."""
+        if self._pending_shadows is None:
+            return
+        fs = self.forkserver
+        if fs is not None and not fs.ready.is_set() and fs.failed is None:
+            return
+        msg, generation, level, ranks = self._pending_shadows
+        self._pending_shadows = None
+        for r in ranks:
+            self.shadows[r] = self._spawn(msg, r, generation, msg["next_spec"], level)
 
     def _shadows_alive(self, generation: int, ranks: list[int]) -> bool:
         """Every rank has a live shadow for `generation`. It need not have reached its level
@@ -143,6 +172,7 @@ class Agent:
         )
 
     def kill_shadows(self) -> None:
+        self._pending_shadows = None
         for t in self.shadows.values():
             if t.proc.poll() is None:
                 t.proc.kill()
@@ -176,9 +206,18 @@ class Agent:
         level = int(msg.get("shadow_level") or 0)
         levels = {}
         if level and msg.get("next_spec"):
-            for r in ranks:
-                self.shadows[r] = self._spawn(msg, r, gen + 1, msg["next_spec"], level)
-            levels = {"level": level, "generation": gen + 1}
+            if self.forkserver is None and msg.get("shadow_start", "fork") == "fork":
+                from unbroken.launch.trainer import TRAINER_IMPORTS
+                from unbroken.shadow.forkserver import ShadowForkServer
+
+                self.forkserver = ShadowForkServer(TRAINER_IMPORTS)
+            self._pending_shadows = (msg, gen + 1, level, ranks)
+            self._spawn_pending_shadows()
+            fs = self.forkserver
+            start = "fork" if fs is not None and fs.failed is None else "exec"
+            levels = {"level": level, "generation": gen + 1, "start": start}
+            if fs is not None and fs.failed:
+                levels["fork_failed"] = fs.failed
         self.channel.send(
             "started",
             generation=gen,
@@ -320,6 +359,7 @@ class Agent:
                     for msg in self.channel.feed(data):
                         self.handle(msg)
             self.check_children()
+            self._spawn_pending_shadows()
             now = time.time()
             if now - self._last_node_beat >= self.node_beat_s:
                 # The node's liveness for the coordinator: a decision-free beat, one per interval

@@ -21,7 +21,33 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GenerationSpec", "main"]
+__all__ = ["TRAINER_IMPORTS", "GenerationSpec", "main"]
+
+TRAINER_IMPORTS = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch._inductor.config",  # torch.use_deterministic_algorithms imports it (0.7 s)
+    "unbroken.checkpoint",
+    "unbroken.checkpoint.interval",
+    "unbroken.config",
+    "unbroken.data",
+    "unbroken.detect.timing",
+    "unbroken.inject",
+    "unbroken.launch.heartbeat",
+    "unbroken.launch.restore",
+    "unbroken.launch.retained",
+    "unbroken.metrics.log",
+    "unbroken.recovery",
+    "unbroken.state.client",
+    "unbroken.train",
+    "unbroken.train.build",
+    "unbroken.update",
+    "unbroken.update.rmu",
+    "unbroken.launch.trainer",
+]
+"""Every module a trainer imports: what level L1 has done (the shadow fork server preloads
+these; see unbroken.shadow.forkserver)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +88,9 @@ def _device(cfg) -> Any:
     return torch.device("cpu")
 
 
-def _await_promotion(spec: GenerationSpec, level: int, hb, events, rank: int, t0: float):
+def _await_promotion(
+    spec: GenerationSpec, level: int, hb, events, rank: int, t0: float, steps: dict[str, float]
+):
     """A shadow trainer parks here, pre-initialized to `level`, until the agent promotes it by
     writing the final spec of its generation to its stdin (Leto §6: in-place preinitialization).
     Returns the final spec."""
@@ -72,9 +100,11 @@ def _await_promotion(spec: GenerationSpec, level: int, hb, events, rank: int, t0
     events.emit(
         "shadow_ready",
         rank=rank,
+        pid=os.getpid(),
         level=level,
         generation=spec.generation,
         prepare_s=time.time() - t0,
+        steps_s={k: round(v - t0, 4) for k, v in steps.items()},
     )
     line = sys.stdin.readline()
     if not line:
@@ -108,6 +138,7 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None, shadow: int
     from unbroken.train.build import build_training
     from unbroken.update import PlainUpdater
 
+    steps = {"imports": time.time()}  # when each part of the pre-initialization was done
     cfg = config_from_dict(JobConfig, spec.config, "<spec>")
     run_dir = Path(spec.run_dir)
     events = JsonlLog(run_dir / "events.jsonl", run=spec.run_name)
@@ -118,7 +149,7 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None, shadow: int
         hb = Heartbeat(heartbeat_addr, rank, spec.generation, cfg.recovery.heartbeat_interval_s)
         hb.start()
     if shadow == 1:  # L1: interpreter up, every import done
-        spec = _await_promotion(spec, 1, hb, events, rank, t_start)
+        spec = _await_promotion(spec, 1, hb, events, rank, t_start, steps)
 
     # cuBLAS needs a fixed workspace to be deterministic; set before the first CUDA call.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -137,11 +168,13 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None, shadow: int
         load_corpus(
             cfg.data.corpus, jsonl_field=cfg.data.jsonl_field, max_documents=cfg.data.max_documents
         )
+    steps["runtime"] = time.time()
     if shadow == 2:  # L2: plus device runtime, threads and the corpus in memory
-        spec = _await_promotion(spec, 2, hb, events, rank, t_start)
+        spec = _await_promotion(spec, 2, hb, events, rank, t_start, steps)
 
     timeout = timedelta(seconds=cfg.recovery.collective_timeout_s)
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
+    steps["store"] = time.time()
     # Shadows rendezvous under their own prefix: if the agent discards a generation's shadows
     # (one died) and starts fresh processes instead, those must not meet the shadows' keys.
     prefix = f"gen{spec.generation}" + ("-shadow" if shadow else "")
@@ -155,9 +188,9 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None, shadow: int
         device_id=device if device.type == "cuda" else None,
     )
     group = dist.group.WORLD
-    t_group = time.time()
+    t_group = steps["communicators"] = time.time()
     if shadow == 3:  # L3: plus the communicators of its generation (a mirror world)
-        spec = _await_promotion(spec, 3, hb, events, rank, t_start)
+        spec = _await_promotion(spec, 3, hb, events, rank, t_start, steps)
 
     retained = None
     if cfg.recovery.mode == "inplace":
