@@ -11,7 +11,8 @@ rendezvous). For every plan in the spec, in one process group:
 3. calibration for the simulator: one-way link time of one activation (ping-pong between the
    ranks of adjacent stages) and the DP gradient all-reduce on its own.
 
-Ours and the baseline alternate in blocks of iterations so machine-load drift hits both alike.
+Ours and the baseline alternate in blocks of iterations (and which goes first) so machine-load
+drift hits both alike.
 Rank 0 writes the per-iteration times, every rank's profile and the calibration to RESULT.
 """
 
@@ -196,16 +197,16 @@ def _run_plan(spec: dict, plan: ParallelPlan, rank: int) -> dict:
     ours.worker.profile = {}
     times: dict[str, list[float]] = {"ours": [], "baseline": []}
     it = warm
-    for _ in range(rounds):
-        dist.barrier(group=world)
-        times["ours"] += _time_block(ours.worker.run_iteration, it, block)
-        dist.barrier(group=world)
-        times["baseline"] += _time_block(base.run_iteration, it, block)
+    engines = [("ours", ours.worker.run_iteration), ("baseline", base.run_iteration)]
+    for r in range(rounds):  # alternate which engine goes first: load drift hits both alike
+        for name, step in engines if r % 2 == 0 else engines[::-1]:
+            dist.barrier(group=world)
+            times[name] += _time_block(step, it, block)
         it += block
     numel = spec["tokens"] * resolve_args(cfg.model).dim
     link = _link_seconds(plan, rank, numel, reps=20)
     reduce = _reduce_seconds(ours.groups, ours.state.grads, reps=10)
-    profile = {k: statistics.median(v) for k, v in ours.worker.profile.items()}
+    profile = {k: statistics.fmean(v) for k, v in ours.worker.profile.items()}
     profiles: list = [None] * dist.get_world_size()
     dist.all_gather_object(profiles, profile, group=world)
     return {"times": times, "profiles": profiles, "link": link, "reduce_grad": reduce}

@@ -5,7 +5,7 @@ and PP=4 — run with our worker interpreter and with `torch.distributed.pipelin
 (`PipelineStage` + `Schedule1F1B`) on the same stage split, initial values, micro-batches, loss
 scaling, DP reduction and optimizer, alternating in blocks within one run. It prints tokens/s
 of both and their ratio, and the dry-run simulator's predicted iteration time (fed with the
-per-action medians our run measured, the one-way link time of one activation and the DP
+per-action means our run measured, the one-way link time of one activation and the DP
 all-reduce measured alone) against the measured median, with the error in percent. Progress
 goes to stderr. On a 2-core machine 4 ranks share 2 cores, so both engines are CPU-bound and
 timing noise is large; the figures hold for the machine and load they were measured on.
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per engine")
     parser.add_argument("--block", type=int, default=3, help="iterations per timed block")
-    parser.add_argument("--rounds", type=int, default=3, help="timed blocks per engine")
+    parser.add_argument("--rounds", type=int, default=4, help="timed blocks per engine")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -156,14 +156,15 @@ def run(args: argparse.Namespace) -> int:
         "timed_iterations": args.block * args.rounds,
         "world_size": WORLD_SIZE,
         "cpus": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
     }
     if args.json:
         print(json.dumps({"setup": setup, "results": results}, indent=2))
         return 0
     print(
         f"{args.preset}, {args.tokens} tokens x {args.microbatches} micro-batches per replica, "
-        f"{WORLD_SIZE} gloo ranks on {os.cpu_count()} CPUs, median of "
-        f"{args.block * args.rounds} iterations each"
+        f"{WORLD_SIZE} gloo ranks on {os.cpu_count()} CPUs (load average "
+        f"{setup['load_average_1m']:.1f}), median of {args.block * args.rounds} iterations each"
     )
     head = (
         f"{'plan':<16} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>6} "
