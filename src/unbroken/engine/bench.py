@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block", type=int, default=3, help="iterations per timed block")
     parser.add_argument("--rounds", type=int, default=4, help="timed blocks per engine")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: the 4-rank gloo comparison; cuda: TP=PP=DP=1 on one GPU vs a plain loop",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -110,6 +116,8 @@ def _predict(plan, measured: dict) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table (or JSON). Returns the exit status."""
+    if args.device == "cuda":
+        return _run_cuda(args)
     plans = _plans(args)
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-engine-") as tmp:
         spec = {
@@ -177,4 +185,27 @@ def run(args: argparse.Namespace) -> int:
             f"{r['ratio']:>6.2f} {r['measured_iter_s']:>11.3f} {r['predicted_iter_s']:>12.3f} "
             f"{r['prediction_error_pct']:>+6.1f}%"
         )
+    return 0
+
+
+def _run_cuda(args: argparse.Namespace) -> int:
+    import torch
+
+    from unbroken.engine._bench_gpu import run_gpu
+
+    if not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is visible")
+    r = run_gpu(args.preset, args.tokens, args.microbatches, args.warmup, args.block, args.rounds)
+    if args.json:
+        print(json.dumps({"results": [r]}, indent=2))
+        return 0
+    print(
+        f"{args.preset} on {r['device']}, {args.tokens} tokens x {args.microbatches} "
+        f"micro-batches, bf16 autocast, median of {args.block * args.rounds} iterations each"
+    )
+    print(
+        f"ours {r['tokens_per_s']:.0f} tok/s ({r['measured_iter_s'] * 1e3:.1f} ms/iter), plain loop "
+        f"{r['baseline_tokens_per_s']:.0f} tok/s ({r['baseline_iter_s'] * 1e3:.1f} ms/iter), "
+        f"ratio {r['ratio']:.3f}"
+    )
     return 0

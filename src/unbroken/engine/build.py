@@ -68,6 +68,7 @@ def build_worker(
     allocate=None,
     hooks=(),
     source: BatchSource | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> EngineRank:
     """Build this rank's stage model in flat storage, its groups and its `PlanWorker`.
 
@@ -82,6 +83,7 @@ def build_worker(
             default fresh tensors. Nothing is initialized when the buffers are not fresh.
         hooks: phase hooks for the worker.
         source: the micro-batch source (one shard per replica); default: `make_source`.
+        autocast_dtype: bf16 for GPU runs (as the trainer), None for fp32.
 
     Raises:
         UserError: a user model, or a plan that does not fit the model.
@@ -131,5 +133,6 @@ def build_worker(
         updater=PlainUpdater(state, geometry, step),
         device=device,
         hooks=hooks,
+        autocast_dtype=autocast_dtype,
     )
     return EngineRank(worker=worker, model=model, state=state, groups=groups)

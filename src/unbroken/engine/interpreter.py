@@ -65,6 +65,8 @@ class PlanWorker:
         updater: `protect / record_sync / update / boundary`, as for `unbroken.train.Trainer`.
         device: where to compute.
         hooks: phase hooks (fault injection, timing), called as by the trainer.
+        autocast_dtype: bf16 on GPU as the trainer does, None for fp32. Messages between
+            stages stay fp32 (the residual stream is fp32 under autocast).
     """
 
     def __init__(
@@ -79,8 +81,10 @@ class PlanWorker:
         updater: Any,
         device: torch.device,
         hooks: Sequence[PhaseHook] = (),
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         self.plan, self.model, self.state = plan, model, state
+        self.autocast_dtype = autocast_dtype
         self.source, self.cfg, self.groups = source, cfg, groups
         self.updater, self.device, self.hooks = updater, device, list(hooks)
         self.rank = groups.rank
@@ -111,11 +115,18 @@ class PlanWorker:
         replicated tensors counted on TP position 0 only (each element once)."""
         if not self.actions or self.plan.locate(self.rank)[0] != 0:
             return []
-        return [
-            (s.offset, s.offset + s.numel)
-            for s in self.state.layout.slots
-            if self.groups.tp.rank == 0 or not replicated(s.name)
-        ]
+        ranges: list[tuple[int, int]] = []
+        open_range = False  # consecutive counted slots merge (the padding between is zero)
+        for s in sorted(self.state.layout.slots, key=lambda s: s.offset):
+            if self.groups.tp.rank == 0 or not replicated(s.name):
+                if open_range:
+                    ranges[-1] = (ranges[-1][0], s.offset + s.numel)
+                else:
+                    ranges.append((s.offset, s.offset + s.numel))
+                open_range = True
+            else:
+                open_range = False
+        return ranges
 
     def _microbatch(self, iteration: int, mb: int) -> Any:
         owner = self.plan.owner(mb)
@@ -148,11 +159,15 @@ class PlanWorker:
                 got = self._outputs[(k - 1, mb)].detach()
             x = got.view(inputs.tokens.shape[0], -1).requires_grad_()
             self._stage_inputs[(k, mb)] = x
-        out = self.model(self.layers[k], x, inputs)
+        if self.autocast_dtype is None:
+            out = self.model(self.layers[k], x, inputs)
+        else:
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+                out = self.model(self.layers[k], x, inputs)
         if k == self.last_stage:
             out = out / self.loss_div
-            if self.reports_loss:
-                self._loss += float(out.detach())
+            if self.reports_loss:  # float64 on the device: no host sync per micro-batch
+                self._loss += out.detach().double()
                 self._tokens += int(getattr(self._microbatch(iteration, mb), "n_tokens", 0))
         self._outputs[(k, mb)] = out
 
@@ -199,11 +214,12 @@ class PlanWorker:
 
     def _sync(self, iteration: int) -> tuple[float, float, float]:
         self._hook(Phase.SYNC, iteration)
-        grads = self.state.grads
-        sq = sum(
-            (float(grads[lo:hi].double().square().sum()) for lo, hi in self._counted), start=0.0
-        )
-        t = torch.tensor([self._loss, sq, self._tokens], dtype=torch.float64, device=self.device)
+        grads, f64 = self.state.grads, torch.float64
+        t = torch.zeros(3, dtype=f64, device=self.device)
+        for lo, hi in self._counted:
+            t[1] += grads[lo:hi].to(f64).square().sum()
+        t[0] += self._loss
+        t[2] += self._tokens
         dist.all_reduce(t, group=self.groups.world)
         loss, norm = float(t[0]) / self.plan.dp, float(t[1]) ** 0.5
         self._tokens = int(t[2])
@@ -221,7 +237,8 @@ class PlanWorker:
         self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
         self._received: dict[tuple[ActionKind, int, int], torch.Tensor] = {}
         self._pending_w: dict[tuple[int, int], torch.Tensor | None] = {}
-        self._loss, self._tokens = 0.0, 0
+        self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._tokens = 0
 
     def _batch(self, batch: list[Action]) -> None:
         self._received.update(
