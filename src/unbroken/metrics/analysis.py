@@ -33,6 +33,9 @@ class RecoveryBreakdown:
     """Level of the shadow trainers promoted for this recovery (0: processes restarted)."""
     shadows_ready: int = 0
     """How many of them had reached that level when promoted."""
+    protected_again_s: float | None = None
+    """Failure to every rank having a ready shadow again (the next generation's shadows all at
+    their level); None without shadows or when the run ended first."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,6 +78,11 @@ def analyze_run(
 ) -> list[RecoveryBreakdown]:
     """Per-failure recovery breakdown of one run (its own metrics and events)."""
     healthy = healthy_s if healthy_s is not None else healthy_iter_s(metrics)
+    shadow_ready: dict[int, list[float]] = {}
+    for e in events:
+        if e["kind"] == "shadow_ready":
+            shadow_ready.setdefault(e["generation"], []).append(e["t"])
+    n_ranks = len({e["rank"] for e in events if e["kind"] == "shadow_ready"})
     out = []
     injected = sorted((e for e in events if e["kind"] == "failure_injected"), key=lambda e: e["t"])
     for ev in injected:
@@ -111,6 +119,11 @@ def analyze_run(
             ),
             None,
         )
+        protected_again = None
+        if promoted is not None:
+            nxt = shadow_ready.get(promoted["generation"] + 1, [])
+            if n_ranks and len(nxt) >= n_ranks:
+                protected_again = max(nxt) - t_fault
         out.append(
             RecoveryBreakdown(
                 kind="hof"
@@ -127,6 +140,7 @@ def analyze_run(
                 restored_iter=ready.get("restored_iter") if ready else None,
                 shadow_level=promoted["level"] if promoted else 0,
                 shadows_ready=promoted.get("ready", 0) if promoted else 0,
+                protected_again_s=protected_again,
             )
         )
     return out

@@ -122,13 +122,15 @@ def format_table(summary: dict[str, Any]) -> str:
         lines += [
             "",
             f"{'failure':34}{'mode':>14}{'shadow':>8}{'detect s':>10}{'init s':>9}"
-            f"{'recomp s':>10}{'total s':>9}",
+            f"{'recomp s':>10}{'total s':>9}{'shadows again s':>17}",
         ]
         for r in summary["recoveries"]:
             what = f"{r['kind']} rank {r['rank']} it {r['iteration']} {r['phase']}"
             shadow = f"L{r['shadow_level']}" if r.get("shadow_level") else "-"
+            again = r.get("protected_again_s")
             lines.append(
                 f"{what:34}{r['mode']:>14}{shadow:>8}{r['detect_s']:>10.3f}{r['init_s']:>9.2f}"
                 f"{r['recompute_s']:>10.2f}{r['total_s']:>9.2f}"
+                + (f"{again:>17.2f}" if again is not None else f"{'-':>17}")
             )
     return "\n".join(lines)
