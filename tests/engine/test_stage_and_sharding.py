@@ -120,3 +120,14 @@ def test_different_layouts_need_the_model_to_sync():
 def test_plan_micro_batches_must_match_the_data_config():
     with pytest.raises(UserError, match=r"the plan gives replicas \[3\] micro-batches"):
         build_worker(engine_job(), make_plan(1, 2, 1, 4, 3, "1f1b"), None, device="cpu")
+
+
+def test_single_device_bench_runs_both_loops_on_the_cpu():
+    """The `bench engine --device cuda` code path, on the CPU with gloo (a smoke test: it
+    asserts the two loops ran and were timed, never their speed)."""
+    from unbroken.engine._bench_gpu import run_gpu
+
+    with one_thread():
+        r = run_gpu("tiny", 32, 2, warmup=1, block=1, rounds=2, device=torch.device("cpu"))
+    assert r["plan"] == "tp=1 pp=1 dp=1 (cpu)"
+    assert r["tokens_per_s"] > 0 and r["baseline_tokens_per_s"] > 0

@@ -45,7 +45,8 @@ def _job(preset: str, tokens: int, microbatches: int) -> JobConfig:
 
 
 class _PlainLoop:
-    def __init__(self, cfg: JobConfig, source, device: torch.device) -> None:
+    def __init__(self, cfg: JobConfig, source, device: torch.device, autocast) -> None:
+        self.autocast = autocast
         self.model = build_model(resolve_args(cfg.model), device=device)
         full = full_initial_params(cfg)
         with torch.no_grad():
@@ -74,39 +75,59 @@ class _PlainLoop:
                 x.to(self.device, non_blocking=True)
                 for x in (mb.tokens, mb.targets, mb.segment_ids, mb.positions)
             ]
-            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            if self.autocast is None:
                 loss = self.model(*args) / len(mbs)
+            else:
+                with torch.autocast(self.device.type, dtype=self.autocast):
+                    loss = self.model(*args) / len(mbs)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _timed(step, first: int, n: int, device: torch.device) -> list[float]:
     out = []
     for i in range(first, first + n):
-        torch.cuda.synchronize(device)
+        _sync(device)
         t0 = time.perf_counter()
         step(i)
-        torch.cuda.synchronize(device)
+        _sync(device)
         out.append(time.perf_counter() - t0)
     return out
 
 
-def run_gpu(preset: str, tokens: int, microbatches: int, warmup: int, block: int, rounds: int):
-    """Measure both on cuda:0; returns a dict of figures."""
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+def run_gpu(
+    preset: str,
+    tokens: int,
+    microbatches: int,
+    warmup: int,
+    block: int,
+    rounds: int,
+    device: torch.device | None = None,
+):
+    """Measure both on `device` (default cuda:0; the CPU with gloo and fp32 for a smoke test);
+    returns a dict of figures."""
+    device = device or torch.device("cuda", 0)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
     cfg = _job(preset, tokens, microbatches)
+    autocast = torch.bfloat16 if cuda else None
     with tempfile.TemporaryDirectory() as tmp:
         store = dist.FileStore(str(Path(tmp) / "store"), 1)
         dist.init_process_group(
-            "nccl",
+            "nccl" if cuda else "gloo",
             store=store,
             rank=0,
             world_size=1,
             timeout=timedelta(minutes=5),
-            device_id=device,
+            device_id=device if cuda else None,
         )
         try:
             plan = make_plan(1, 1, 1, resolve_args(cfg.model).n_layers, microbatches, "1f1b")
@@ -117,9 +138,9 @@ def run_gpu(preset: str, tokens: int, microbatches: int, warmup: int, block: int
                 dist.group.WORLD,
                 device=device,
                 source=source,
-                autocast_dtype=torch.bfloat16,
+                autocast_dtype=autocast,
             ).worker
-            plain = _PlainLoop(cfg, source, device)
+            plain = _PlainLoop(cfg, source, device, autocast)
             for i in range(warmup):
                 ours.run_iteration(i)
                 plain.run_iteration(i)
@@ -135,8 +156,8 @@ def run_gpu(preset: str, tokens: int, microbatches: int, warmup: int, block: int
     per_iter = tokens * microbatches
     ours_s, plain_s = statistics.median(times["ours"]), statistics.median(times["plain"])
     return {
-        "plan": "tp=1 pp=1 dp=1 (cuda)",
-        "device": torch.cuda.get_device_name(device),
+        "plan": f"tp=1 pp=1 dp=1 ({device.type})",
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "tokens_per_s": per_iter / ours_s,
         "baseline_tokens_per_s": per_iter / plain_s,
         "ratio": plain_s / ours_s,
