@@ -42,6 +42,15 @@ class Case:
     plan: ParallelPlan
     cfg: JobConfig
     iterations: int = 2
+    then: ParallelPlan | None = None
+    """Re-plan to this after `iterations` (`unbroken.engine.reshard`), then run `after` more."""
+    after: int = 1
+    dead: tuple[int, ...] = ()
+    """Ranks whose old state is lost at the re-plan (filled with NaN before resharding)."""
+
+    @property
+    def final_plan(self) -> ParallelPlan:
+        return self.then or self.plan
 
 
 @dataclass
@@ -129,8 +138,10 @@ def _worker(rank: int, world_size: int, store_path: str, cases: list[Case], out:
                 res = er.worker.run_iteration(it)
                 losses.append(res.loss)
                 norms.append(res.grad_norm)
+            if case.then is not None:
+                er, losses, norms = _replan(case, er, world, sources, losses, norms)
             layout = er.state.layout
-            located = case.plan.locate(rank) if rank in case.plan.ranks else None
+            located = case.final_plan.locate(rank) if rank in case.final_plan.ranks else None
             results.append(
                 {
                     "losses": losses,
@@ -151,13 +162,63 @@ def _worker(rank: int, world_size: int, store_path: str, cases: list[Case], out:
         dist.destroy_process_group()
 
 
+def _replan(case: Case, er, world, sources, losses, norms):
+    """Reshard `er`'s state onto `case.then` and run `case.after` iterations there."""
+    import torch.distributed as dist
+
+    from unbroken.engine.build import build_worker, make_source
+    from unbroken.engine.reshard import reshard
+    from unbroken.model import resolve_args
+    from unbroken.train import TrainState
+
+    rank = dist.get_rank(world)
+    segments = ("params", "exp_avg", "exp_avg_sq")
+    old_layout = er.state.layout
+    old = {seg: old_layout.views(getattr(er.state, seg)) for seg in segments}
+    if rank in case.dead:
+        for seg in segments:
+            getattr(er.state, seg).fill_(float("nan"))
+
+    def allocate(layout, geometry, device):
+        return TrainState.allocate(layout, device, geometry.padded_numel), False
+
+    key = (repr(case.cfg.data), case.then.dp)
+    if key not in sources:
+        sources[key] = make_source(case.cfg, case.then.dp)
+    new_er = build_worker(
+        case.cfg,
+        case.then,
+        world,
+        device=torch.device("cpu"),
+        source=sources[key],
+        allocate=allocate,
+    )
+    new = {seg: new_er.state.layout.views(getattr(new_er.state, seg)) for seg in segments}
+    in_old = rank in case.plan.ranks and rank not in case.dead
+    alive = [r for r in case.plan.ranks if r not in case.dead]
+    reshard(
+        case.plan,
+        case.then,
+        resolve_args(case.cfg.model),
+        world,
+        old if in_old else {},
+        new if rank in case.then.ranks else {},
+        alive,
+    )
+    for it in range(case.iterations, case.iterations + case.after):
+        res = new_er.worker.run_iteration(it)
+        losses.append(res.loss)
+        norms.append(res.grad_norm)
+    return new_er, losses, norms
+
+
 def _assemble(case: Case, per_rank: list[dict], key: str) -> list[dict[str, torch.Tensor]]:
     from unbroken.engine.sharding import unshard
 
     out = []
-    for d in range(case.plan.dp):
+    for d in range(case.final_plan.dp):
         pieces: dict[str, dict[int, torch.Tensor]] = {}
-        for r in case.plan.ranks:
+        for r in case.final_plan.ranks:
             res = per_rank[r]
             if res["replica"] != d:
                 continue
@@ -195,7 +256,7 @@ def run_plans(cases: list[Case], world_size: int, tmp: Path) -> dict[str, Outcom
     outcomes = {}
     for i, case in enumerate(cases):
         rows = [per_rank[r][i] for r in range(world_size)]
-        first = rows[case.plan.ranks[0]]
+        first = rows[case.final_plan.ranks[0]]
         outcomes[case.name] = Outcome(
             losses=first["losses"],
             grad_norms=first["norms"],

@@ -131,3 +131,22 @@ def test_single_device_bench_runs_both_loops_on_the_cpu():
         r = run_gpu("tiny", 32, 2, warmup=1, block=1, rounds=2, device=torch.device("cpu"))
     assert r["plan"] == "tp=1 pp=1 dp=1 (cpu)"
     assert r["tokens_per_s"] > 0 and r["baseline_tokens_per_s"] > 0
+
+
+def test_reshard_routes_cover_every_element_once_and_avoid_dead_ranks():
+    from unbroken.engine.reshard import routes
+
+    old = make_plan(2, 1, [[2], [1]], 4, 2)  # replica 0 on ranks 0, 1 (TP 2); replica 1 on 2
+    new = make_plan(1, 2, [1, 4], 4, 2)  # ranks 0 | 1, 2, 3, 4
+    table = routes(old, new, ARGS, alive=[0, 1])
+    assert {r.src for r in table} <= {0, 1}
+    wq = [r for r in table if r.name == "layers.3.attn.wq.weight"]
+    assert [(r.src, r.dst, r.src_start, r.dst_start) for r in wq] == [
+        (0, 1, 0, 0),
+        (0, 2, 16, 0),
+        (1, 3, 0, 0),
+        (1, 4, 16, 0),
+    ]
+    assert routes(old, new, ARGS, alive=[2])[0].src == 2  # replica 1 serves everything
+    with pytest.raises(ValueError, match="every replica of the old plan lost a holder"):
+        routes(old, new, ARGS, alive=[1])

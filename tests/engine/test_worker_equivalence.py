@@ -80,6 +80,32 @@ CI_CASES = [
         make_plan(2, 2, 1, 4, 2, "1f1b", migrations=[Migration(0, 1, 1)]),
         EXACT_DP,
     ),
+    Case(
+        "replan-tp2-to-pp2-tp1-2",
+        make_plan(1, 1, 2, 4, 4),
+        EXACT,
+        iterations=1,
+        then=make_plan(1, 2, [1, 2], 4, 4),
+    ),
+    Case(
+        "replan-move-layers",
+        make_plan(1, 2, 1, 4, 4, layer_split=(1, 3)),
+        EXACT,
+        iterations=1,
+        then=make_plan(1, 2, 1, 4, 4, layer_split=(3, 1)),
+    ),
+    Case(  # rank 1 (replica 1) dies; replica 1 is re-formed on ranks 2, 3 at TP 2
+        "replan-lost-replica",
+        make_plan(2, 1, 1, 4, 2),
+        EXACT_DP,
+        iterations=1,
+        dead=(1,),
+        then=plan_for(
+            [Replica((StageGroup((0,), (0, 4)),)), Replica((StageGroup((2, 3), (0, 4)),))],
+            [2, 2],
+            "1f1b",
+        ),
+    ),
 ]
 
 
@@ -145,3 +171,15 @@ def test_a_migrated_micro_batch_runs_on_the_other_replica(ci_outcomes, reference
     outcome = ci_outcomes["dp2-pp2-migrated"]
     _assert_close(outcome, references["exact-dp"], exact=False)
     assert bit_equal(outcome.params[0], outcome.params[1])
+
+
+def test_replan_moves_parameters_and_optimizer_state(ci_outcomes, references):
+    """One iteration on the old plan, `reshard` (parameters and both AdamW moments), one on the
+    new plan: the result is the reference's two iterations. Moving layers between TP-1 stages
+    is exact; a lost replica is rebuilt from its DP peer (its own state was overwritten with
+    NaN before resharding, so nothing of it can have been used)."""
+    _assert_close(ci_outcomes["replan-move-layers"], references["exact"], exact=True)
+    _assert_close(ci_outcomes["replan-tp2-to-pp2-tp1-2"], references["exact"], exact=False)
+    lost = ci_outcomes["replan-lost-replica"]
+    _assert_close(lost, references["exact-dp"], exact=False)
+    assert bit_equal(lost.params[0], lost.params[1])
