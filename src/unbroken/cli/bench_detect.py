@@ -42,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, default=3, help="micro-batches per rank")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
     parser.add_argument(
+        "--what",
+        choices=("compute", "comm", "mixed"),
+        default="compute",
+        help="what the injected fail-slows stretch (default compute; mixed alternates)",
+    )
+    parser.add_argument(
         "--pin-cpus", type=int, default=-1, help="pin rank r to CPU OFFSET+r (default: no)"
     )
     parser.add_argument("--out", default=None, help="keep the per-rank logs here")
@@ -62,10 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _schedule(n_jobs: int, iterations: int, world: int, seed: int, first: int) -> list:
-    """Fault-free or one slow fault per job; about half faulty, levels round-robin."""
+def _schedule(n_jobs: int, iterations: int, world: int, seed: int, first: int, what: str) -> list:
+    """Fault-free or one slow fault per job; about half faulty, levels round-robin; `what`:
+    compute, comm, or mixed (alternating, compute first)."""
     from unbroken.detect._jobs import BenchJob
-    from unbroken.detect.levels import Level, slow_factor_for
+    from unbroken.detect.levels import Level
 
     rng = random.Random(seed)
     faulty = set(rng.sample(range(n_jobs), (n_jobs + 1) // 2))
@@ -75,31 +82,49 @@ def _schedule(n_jobs: int, iterations: int, world: int, seed: int, first: int) -
         faults = []
         if j in faulty:
             level = levels[k % len(levels)]
+            target = what if what != "mixed" else ("compute", "comm")[k % 2]
             k += 1
             it = rng.randrange(first, iterations - 8)
             rank = rng.randrange(world)
-            faults.append(f"slow:rank={rank},iter={it},factor={slow_factor_for(level):.3f}")
+            faults.append(f"slow:rank={rank},iter={it},level={level.value},what={target}")
         jobs.append(BenchJob(index=j, seed=1000 * (seed + 1) + j, faults=faults))
     return jobs
 
 
-def _measured_loss(jobs) -> dict[str, list[float]]:
-    """Throughput loss each injected factor really caused (median iteration time after vs
-    before the fault)."""
+def _level_of(spec: str) -> str:
+    """The level of a slow fault spec (`level=`, or the factor of older logs)."""
     from unbroken.detect.levels import LEVEL_LOSS, slow_factor_for
 
+    if "level=" in spec:
+        return spec.split("level=", 1)[1].split(",", 1)[0]
+    factor = float(spec.rsplit("factor=", 1)[1].split(",", 1)[0])
     by_factor = {round(slow_factor_for(lv), 3): lv.value for lv in LEVEL_LOSS}
-    out: dict[str, list[float]] = {}
+    return by_factor.get(round(factor, 3), f"{factor:g}")
+
+
+def _measured_loss(jobs) -> dict[tuple[str, str], list[float]]:
+    """Throughput loss each injected (what, level) really caused (median iteration time
+    after vs before the fault)."""
+    out: dict[tuple[str, str], list[float]] = {}
     for job in jobs:
         if job.fault_iter is None:
             continue
-        factor = float(job.fault_spec.rsplit("factor=", 1)[1])
         before = [o.seconds for o in job.observations[2 : job.fault_iter]]
         after = [o.seconds for o in job.observations[job.fault_iter + 1 :]]
         if before and after:
             loss = 1.0 - statistics.median(before) / statistics.median(after)
-            out.setdefault(by_factor.get(round(factor, 3), f"{factor:g}"), []).append(loss)
+            out.setdefault((job.fault_what, _level_of(job.fault_spec)), []).append(loss)
     return out
+
+
+def _mean_active(jobs, level: str, key: str) -> float | None:
+    """Mean of a comm fault's `slow_active` field over the jobs of one level."""
+    values = [
+        j.fault_active[key]
+        for j in jobs
+        if j.fault_what == "comm" and j.fault_active and _level_of(j.fault_spec) == level
+    ]
+    return statistics.fmean(values) if values else None
 
 
 def _multi_doc_share(jobs) -> tuple[float, float]:
@@ -148,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_latency(args)
     from unbroken.detect._jobs import BenchSetup, run_jobs
     from unbroken.detect.detector import DetectorConfig
-    from unbroken.detect.evaluate import load_jobs, score_jobs
+    from unbroken.detect.evaluate import load_jobs, noise_diagnostics, score_jobs
     from unbroken.detect.levels import LEVEL_LOSS, slow_factor_for
 
     if args.jobs < 1:
@@ -175,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
                 raise UserError(f"--replay {d}: no job0-rank0.jsonl there")
     else:
         out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="unbroken-detect-"))
-        jobs = _schedule(args.jobs, args.iterations, args.world_size, args.seed, first)
+        jobs = _schedule(args.jobs, args.iterations, args.world_size, args.seed, first, args.what)
         print(
             f"bench detect: {args.jobs} jobs x {args.iterations} iterations, "
             f"{args.world_size} ranks, N={args.tokens}, {args.microbatches} micro-batches/rank, "
@@ -207,15 +232,22 @@ def run(args: argparse.Namespace) -> int:
             "multi_doc_share": multi,
             "sum_sq_over_n2_p5": q5,
         },
+        "noise": noise_diagnostics(series, cfg),
         "levels": {
-            lv.value: {
-                "factor": slow_factor_for(lv),
-                "target_loss": LEVEL_LOSS[lv],
-                "measured_loss": statistics.fmean(losses[lv.value])
-                if losses.get(lv.value)
+            f"{what}/{lv.value}": {
+                "factor": slow_factor_for(lv)
+                if what == "compute"
+                else _mean_active(series, lv.value, "factor"),
+                "comm_share": _mean_active(series, lv.value, "comm_share")
+                if what == "comm"
                 else None,
+                "target_loss": LEVEL_LOSS[lv],
+                "measured_loss": statistics.fmean(losses[(what, lv.value)]),
+                "jobs": len(losses[(what, lv.value)]),
             }
+            for what in ("compute", "comm")
             for lv in LEVEL_LOSS
+            if losses.get((what, lv.value))
         },
         "per_job": {"ours": ours.detail, "baseline": base.detail},
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
@@ -244,10 +276,19 @@ def run(args: argparse.Namespace) -> int:
         f"jobs {result['jobs']} ({result['faulty_jobs']} faulty); multi-document micro-batches "
         f"{100 * multi:.1f}%, 5th pct of sum l^2/N^2 = {q5:.2f}"
     )
+    noise = result["noise"]
+    cpu, floor = noise["mb_mape_cpu"], noise["mb_mape_floor"]
+    print(
+        "timing noise: micro-batch MAPE on process CPU time "
+        + ("-" if cpu is None else f"{cpu:.2f}%")
+        + "; error of a perfect model on identical micro-batches "
+        + ("-" if floor is None else f"{floor:.2f}%")
+    )
     for lv, v in result["levels"].items():
-        m = v["measured_loss"]
+        factor = "-" if v["factor"] is None else f"{v['factor']:.2f}"
+        share = "" if v["comm_share"] is None else f" (comm share {v['comm_share']:.1%})"
         print(
-            f"level {lv}: factor {v['factor']:.2f}, target loss {v['target_loss']:.0%}, "
-            f"measured {'-' if m is None else f'{m:.0%}'}"
+            f"level {lv}: factor {factor}{share}, target loss {v['target_loss']:.0%}, "
+            f"measured {v['measured_loss']:.0%} ({v['jobs']} jobs)"
         )
     return 0

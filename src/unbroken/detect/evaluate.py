@@ -12,11 +12,21 @@ Scores (per mode):
 - `false_alarms_per_job`: validations started on a change point that begins before the fault
   (or in a fault-free job) — each one is validation work a healthy job did not need.
 - `validation_s_per_false_alarm`: mean seconds the detector spent validating one of them.
-- `accuracy`: jobs classified correctly (faulty: the first report names the injected rank at
-  or after the fault's iteration; fault-free: no report).
+- `accuracy`: jobs classified correctly (faulty: the first report, at or after the fault's
+  iteration, says what is slow — compute or comm — and names the injected rank; a comm report
+  without a rank, "slow at the sync stage", also counts for a comm fault; fault-free: no
+  report).
 - `detect_delay_iters`: mean over detected faults of (report iteration - fault iteration).
 - `overhead_pct`: detector time (every `observe` call, plus the `PhaseTimer` hook's own cost
   per iteration) over the iterations' wall time.
+
+Diagnostics of the timing noise (`noise_diagnostics`, the same for every mode):
+- `mb_mape_cpu`: `mb_mape` with the model fitted on and predicting the micro-batches' process
+  CPU time (`mb_cpu_s`) instead of wall time: what is left when the time a rank was not
+  scheduled is taken out.
+- `mb_mape_floor`: the error of a perfect model on this noise: per job, the mean absolute
+  deviation of single-document micro-batches (all identical work, Σl² = N²) from their
+  median, in % — no model of the workload can predict those better.
 """
 
 from __future__ import annotations
@@ -28,12 +38,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unbroken.detect.detector import DetectorConfig, FailSlowDetector, Observation, Verdict
+from unbroken.detect.detector import (
+    DetectorConfig,
+    FailSlowDetector,
+    FailSlowReport,
+    Observation,
+    Verdict,
+)
 from unbroken.detect.timing import PhaseTimer, RankTiming
+from unbroken.detect.workload import MicroBatchModel, sum_sq
 from unbroken.metrics.log import read_jsonl
 from unbroken.train.phases import Phase
 
-__all__ = ["JobSeries", "Score", "load_jobs", "score_jobs", "timer_cost_s"]
+__all__ = ["JobSeries", "Score", "load_jobs", "noise_diagnostics", "score_jobs", "timer_cost_s"]
 
 
 @dataclass(slots=True)
@@ -45,6 +62,15 @@ class JobSeries:
     fault_rank: int | None = None
     fault_iter: int | None = None
     fault_spec: str = ""
+    fault_active: dict[str, Any] | None = None
+    """The injector's `slow_active` event (the factor it used; for comm, the comm share)."""
+
+    @property
+    def fault_what(self) -> str | None:
+        """compute or comm (from the spec), None for a fault-free job."""
+        if not self.fault_spec:
+            return None
+        return "comm" if "what=comm" in self.fault_spec else "compute"
 
 
 @dataclass(slots=True)
@@ -77,9 +103,12 @@ class Score:
 def load_jobs(out: Path, world_size: int) -> list[JobSeries]:
     """Read `job{j}-rank{r}.jsonl` and `events.jsonl` written by the bench's runner."""
     faults: dict[int, dict] = {}
+    active: dict[int, dict] = {}
     for e in read_jsonl(out / "events.jsonl"):
         if e.get("kind") == "failure_injected":
             faults.setdefault(int(e["run"].removeprefix("job")), e)
+        elif e.get("kind") == "slow_active":
+            active.setdefault(int(e["run"].removeprefix("job")), e)
     jobs = []
     j = 0
     while (out / f"job{j}-rank0.jsonl").exists():
@@ -108,6 +137,7 @@ def load_jobs(out: Path, world_size: int) -> list[JobSeries]:
                 fault_rank=None if f is None else int(f["rank"]),
                 fault_iter=None if f is None else int(f["iter"]),
                 fault_spec="" if f is None else f["spec"],
+                fault_active=active.get(j),
             )
         )
         j += 1
@@ -124,6 +154,14 @@ def timer_cost_s(calls: int = 20000) -> float:
         timer(Phase.FORWARD, i, 1, 2)
         timer(Phase.PROTECT, i, 0, 1)
     return (time.perf_counter() - t0) / calls
+
+
+def _correct(job: JobSeries, report: FailSlowReport | None) -> bool:
+    if job.fault_iter is None:
+        return report is None
+    if report is None or report.detected_at < job.fault_iter or report.what != job.fault_what:
+        return False
+    return report.rank == job.fault_rank or (report.what == "comm" and report.rank is None)
 
 
 def _healthy(job: JobSeries, obs: Observation) -> bool:
@@ -144,7 +182,9 @@ def score_jobs(jobs: Sequence[JobSeries], cfg: DetectorConfig) -> Score:
         for obs in job.observations:
             d = det.observe(obs)
             wall_s += obs.seconds
-            calls = sum(2 * len(t.forward_s) + 1 for t in (obs.ranks or {}).values())
+            # Hook calls per rank: forward and backward per micro-batch, the first all-reduce
+            # bucket, reduced, protect.
+            calls = sum(2 * len(t.forward_s) + 3 for t in (obs.ranks or {}).values())
             det_s += hook_s * calls / max(1, len(obs.ranks or {1: 0}))
             if d.verdict is Verdict.BENIGN:
                 benign += 1
@@ -166,16 +206,9 @@ def score_jobs(jobs: Sequence[JobSeries], cfg: DetectorConfig) -> Score:
                     for m, s in enumerate(t.mb_s):
                         mb_err.append(abs(p.mb.predict(obs.doc_lengths[rank][m]) - s) / s)
         det_s += det.observe_s
-        if job.fault_iter is None:
-            ok = first_report is None
-        else:
-            ok = (
-                first_report is not None
-                and first_report.rank == job.fault_rank
-                and first_report.detected_at >= job.fault_iter
-            )
-            if ok:
-                delays.append(first_report.detected_at - job.fault_iter)
+        ok = _correct(job, first_report)
+        if job.fault_iter is not None and ok:
+            delays.append(first_report.detected_at - job.fault_iter)
         correct += ok
         detail.append(
             {
@@ -185,6 +218,7 @@ def score_jobs(jobs: Sequence[JobSeries], cfg: DetectorConfig) -> Score:
                 if first_report is None
                 else {
                     "rank": first_report.rank,
+                    "what": first_report.what,
                     "factor": round(first_report.factor, 3),
                     "iteration": first_report.iteration,
                     "detected_at": first_report.detected_at,
@@ -205,3 +239,37 @@ def score_jobs(jobs: Sequence[JobSeries], cfg: DetectorConfig) -> Score:
         validations_per_job=validations / n,
         detail=detail,
     )
+
+
+def noise_diagnostics(jobs: Sequence[JobSeries], cfg: DetectorConfig) -> dict[str, float | None]:
+    """`mb_mape_cpu` and `mb_mape_floor` (module docstring), in %; None without the data."""
+    first = cfg.skip_iters
+    last = cfg.skip_iters + cfg.warmup_iters
+    cpu_err: list[float] = []
+    floor_err: list[float] = []
+    for job in jobs:
+        warm, later = [], []
+        single: list[float] = []
+        for obs in job.observations[first:]:
+            if not _healthy(job, obs):
+                break
+            for rank, t in (obs.ranks or {}).items():
+                lengths = obs.doc_lengths[rank]
+                pairs = list(zip(lengths, t.mb_cpu_s, strict=False))
+                (warm if obs.iteration < last else later).extend(pairs)
+                if obs.iteration >= last:
+                    single += [
+                        s
+                        for m, s in enumerate(t.mb_s)
+                        if sum_sq(lengths[m]) == sum(lengths[m]) ** 2
+                    ]
+        if warm and later:
+            model = MicroBatchModel.fit(warm)
+            cpu_err += [abs(model.predict(d) - s) / s for d, s in later if s > 0]
+        if len(single) >= 5:
+            mid = statistics.median(single)
+            floor_err += [abs(s - mid) / s for s in single]
+    return {
+        "mb_mape_cpu": 100.0 * statistics.fmean(cpu_err) if cpu_err else None,
+        "mb_mape_floor": 100.0 * statistics.fmean(floor_err) if floor_err else None,
+    }
