@@ -247,7 +247,7 @@ def run_plans(cases: list[Case], world_size: int, tmp: Path) -> dict[str, Outcom
         )
     except Exception as exc:
         errors = sorted(tmp.glob("error-*.txt"))
-        detail = "\n".join(p.read_text() for p in errors[:1])
+        detail = "\n".join(p.read_text() for p in errors)  # the first error may be a peer's
         raise AssertionError(f"engine workers failed: {exc}\n{detail}") from None
     per_rank = []
     for r in range(world_size):

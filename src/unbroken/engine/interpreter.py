@@ -13,12 +13,10 @@ of `unbroken.train` (compute → protect → sync → update → boundary):
   chunked AdamW over the flat state, boundary — the same `updater` object the single-process
   trainer uses (`PlainUpdater`, or the resumable one of in-place recovery).
 
-[Note: split backward] When the rank's list holds ``kW m`` for a ``kB m`` (ZB-H1), B computes
-only the input gradient (`torch.autograd.grad` on the retained graph) and W the weight gradients
-(`torch.autograd.backward(..., inputs=stage parameters)`), which walks the graph a second time:
-correct and bit-identical to the fused backward, but B + W costs more than one fused backward
-here (torch.distributed.pipelining's `stage_backward_weight` avoids that by keeping the
-intermediate gradients; not done yet). Without a W, B is the full backward.
+Split backward (ZB-H1): when the rank's list holds ``kW m`` for a ``kB m``, B runs the backward
+with the stage's `WeightGradSink` open, so it computes the input gradient (and the cheap norm and
+embedding gradients) and defers the linear weight GEMMs to W ([Note: split backward] in
+`unbroken.engine.wgrad`). Without a W, B is the full backward.
 
 [Note: loss scale] Each micro-batch's loss is divided by (total micro-batches / replicas), which
 is the reference trainer's `loss / len(batches)` when replicas own equal counts, and the
@@ -42,6 +40,7 @@ from unbroken.engine.groups import PlanGroups
 from unbroken.engine.sharding import replicated
 from unbroken.engine.stage import MicroBatchInputs, StageModel
 from unbroken.engine.transfer import run_batch
+from unbroken.engine.wgrad import WeightGradSink
 from unbroken.parallel import Action, ActionKind, ParallelPlan
 from unbroken.train import BatchSource, IterationResult, Phase, PhaseHook, TrainState, lr_at
 
@@ -180,24 +179,21 @@ class PlanWorker:
         return got.view_as(self._outputs[(k, mb)])
 
     def _backward(self, k: int, mb: int) -> None:
-        out, grad = self._outputs[(k, mb)], self._output_grad(k, mb)
-        x = self._stage_inputs.get((k, mb))
-        if (k, mb) in self.split:
-            self._pending_w[(k, mb)] = grad
-            if x is not None:
-                (gx,) = torch.autograd.grad(out, x, grad, retain_graph=True)
-                self._input_grads[(k, mb)] = gx
-            return
-        torch.autograd.backward(out, grad)
-        del self._outputs[(k, mb)]
+        grad = self._output_grad(k, mb)
+        out = self._outputs.pop((k, mb))
+        sink = self.model.wgrad
+        if (k, mb) in self.split:  # [Note: split backward]: weight GEMMs wait for W
+            self._pending_w[(k, mb)] = sink.open()
+        try:
+            torch.autograd.backward(out, grad)
+        finally:
+            sink.close()
+        x = self._stage_inputs.pop((k, mb), None)
         if x is not None:
-            self._input_grads[(k, mb)] = self._stage_inputs.pop((k, mb)).grad
+            self._input_grads[(k, mb)] = x.grad
 
     def _weight(self, k: int, mb: int) -> None:
-        grad = self._pending_w.pop((k, mb))
-        params = self.model.stage_parameters(self.layers[k])
-        torch.autograd.backward(self._outputs.pop((k, mb)), grad, inputs=params)
-        self._stage_inputs.pop((k, mb), None)
+        WeightGradSink.run(self._pending_w.pop((k, mb)))
 
     # -- reductions ------------------------------------------------------------------------
     def _reduce_grads(self) -> None:
@@ -236,7 +232,7 @@ class PlanWorker:
         self._stage_inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
         self._received: dict[tuple[ActionKind, int, int], torch.Tensor] = {}
-        self._pending_w: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._pending_w: dict[tuple[int, int], list] = {}
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self._tokens = 0
 

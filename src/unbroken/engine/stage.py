@@ -34,6 +34,7 @@ from unbroken.engine.tp import (
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
+from unbroken.engine.wgrad import SplitLinear, WeightGradSink
 from unbroken.model.llama import RMSNorm, TransformerArgs, rope
 
 __all__ = ["MicroBatchInputs", "StageModel", "check_tp_degree"]
@@ -77,16 +78,16 @@ class MicroBatchInputs:
 
 
 class _Attention(nn.Module):
-    def __init__(self, a: TransformerArgs, tp: TPGroup, device=None) -> None:
+    def __init__(self, a: TransformerArgs, tp: TPGroup, sink: WeightGradSink, device=None) -> None:
         super().__init__()
         self.a, self.tp = a, tp
         self.n_heads = a.n_heads // tp.size
         self.n_kv_heads = a.n_kv_heads // tp.size
         hd = a.head_dim
-        self.wq = nn.Linear(a.dim, self.n_heads * hd, bias=False, device=device)
-        self.wk = nn.Linear(a.dim, self.n_kv_heads * hd, bias=False, device=device)
-        self.wv = nn.Linear(a.dim, self.n_kv_heads * hd, bias=False, device=device)
-        self.wo = nn.Linear(self.n_heads * hd, a.dim, bias=False, device=device)
+        self.wq = SplitLinear(a.dim, self.n_heads * hd, sink, device=device)
+        self.wk = SplitLinear(a.dim, self.n_kv_heads * hd, sink, device=device)
+        self.wv = SplitLinear(a.dim, self.n_kv_heads * hd, sink, device=device)
+        self.wo = SplitLinear(self.n_heads * hd, a.dim, sink, device=device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         a, t = self.a, x.shape[0]
@@ -103,13 +104,13 @@ class _Attention(nn.Module):
 
 
 class _SwiGLU(nn.Module):
-    def __init__(self, a: TransformerArgs, tp: TPGroup, device=None) -> None:
+    def __init__(self, a: TransformerArgs, tp: TPGroup, sink: WeightGradSink, device=None) -> None:
         super().__init__()
         self.tp = tp
         hidden = a.ffn_dim // tp.size
-        self.w1 = nn.Linear(a.dim, hidden, bias=False, device=device)
-        self.w3 = nn.Linear(a.dim, hidden, bias=False, device=device)
-        self.w2 = nn.Linear(hidden, a.dim, bias=False, device=device)
+        self.w1 = SplitLinear(a.dim, hidden, sink, device=device)
+        self.w3 = SplitLinear(a.dim, hidden, sink, device=device)
+        self.w2 = SplitLinear(hidden, a.dim, sink, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.tp)
@@ -117,12 +118,12 @@ class _SwiGLU(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, a: TransformerArgs, tp: TPGroup, device=None) -> None:
+    def __init__(self, a: TransformerArgs, tp: TPGroup, sink: WeightGradSink, device=None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(a.dim, a.norm_eps, device=device)
-        self.attn = _Attention(a, tp, device=device)
+        self.attn = _Attention(a, tp, sink, device=device)
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps, device=device)
-        self.ffn = _SwiGLU(a, tp, device=device)
+        self.ffn = _SwiGLU(a, tp, sink, device=device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), positions, mask)
@@ -153,6 +154,9 @@ class StageModel(nn.Module):
         check_tp_degree(args, tp.size)
         device = torch.device(device)
         self.args, self.tp = args, tp
+        self.wgrad = WeightGradSink()
+        """Open during a split B: linear weight gradients wait there for W ([Note: split
+        backward] in `unbroken.engine.wgrad`)."""
         self.layer_ranges = tuple((int(lo), int(hi)) for lo, hi in layer_ranges)
         for lo, hi in self.layer_ranges:
             if not 0 <= lo < hi <= args.n_layers:
@@ -161,20 +165,13 @@ class StageModel(nn.Module):
         if any(lo == 0 for lo, _ in self.layer_ranges):
             v_local = args.vocab_size // tp.size
             self.embed = nn.Embedding(v_local, args.dim, device=device)
-        self.layers = nn.ModuleDict({str(i): _Block(args, tp, device=device) for i in owned})
+        self.layers = nn.ModuleDict(
+            {str(i): _Block(args, tp, self.wgrad, device=device) for i in owned}
+        )
         if any(hi == args.n_layers for _, hi in self.layer_ranges):
             self.norm = RMSNorm(args.dim, args.norm_eps, device=device)
-            self.head = nn.Linear(args.dim, args.vocab_size // tp.size, bias=False, device=device)
-
-    def stage_parameters(self, layers: tuple[int, int]) -> list[nn.Parameter]:
-        """Parameters one virtual stage (layer range) uses, for a split weight backward."""
-        lo, hi = layers
-        params = [p for i in range(lo, hi) for p in self.layers[str(i)].parameters()]
-        if lo == 0:
-            params = [self.embed.weight, *params]
-        if hi == self.args.n_layers:
-            params += [self.norm.weight, self.head.weight]
-        return params
+            v_local = args.vocab_size // tp.size
+            self.head = SplitLinear(args.dim, v_local, self.wgrad, device=device)
 
     def forward(
         self, layers: tuple[int, int], x: torch.Tensor | None, inputs: MicroBatchInputs
