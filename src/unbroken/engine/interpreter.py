@@ -8,7 +8,8 @@ of `unbroken.train` (compute → protect → sync → update → boundary):
 - a run of ``SEND_*``/``RECV_*``: one batch, posted together and waited for
   (`unbroken.engine.transfer`, [Note: chunked messages]);
 - ``REDUCE_GRAD``: end of the compute phase; gradients averaged over the DP group, as the
-  reference trainer does (all-reduce, then divide by the replica count);
+  reference trainer does (all-reduce, then divide by the replica count), or at the finest shard
+  when replica layouts differ (`unbroken.engine.dp_sync`);
 - ``OPT_STEP``: protect, sync (loss and global gradient norm over the world), the updater's
   chunked AdamW over the flat state, boundary — the same `updater` object the single-process
   trainer uses (`PlainUpdater`, or the resumable one of in-place recovery).
