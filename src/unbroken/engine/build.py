@@ -26,7 +26,7 @@ from unbroken.model.flat import bind_grads
 from unbroken.parallel import ParallelPlan
 from unbroken.train import AdamW, BatchSource, TrainState
 from unbroken.train.build import state_geometry
-from unbroken.update import ChunkStep, PlainUpdater
+from unbroken.update import ChunkStep, PlainUpdater, StateGeometry
 
 __all__ = ["EngineRank", "build_worker", "full_initial_params", "make_source"]
 
@@ -39,6 +39,8 @@ class EngineRank:
     model: StageModel
     state: TrainState
     groups: PlanGroups
+    geometry: StateGeometry
+    """Pages, groups and chunks of this rank's flat state (its own layout's size)."""
 
 
 def make_source(cfg: JobConfig, replicas: int) -> Sampler:
@@ -69,6 +71,7 @@ def build_worker(
     hooks=(),
     source: BatchSource | None = None,
     autocast_dtype: torch.dtype | None = None,
+    make_updater=PlainUpdater,
 ) -> EngineRank:
     """Build this rank's stage model in flat storage, its groups and its `PlanWorker`.
 
@@ -84,6 +87,9 @@ def build_worker(
         hooks: phase hooks for the worker.
         source: the micro-batch source (one shard per replica); default: `make_source`.
         autocast_dtype: bf16 for GPU runs (as the trainer), None for fp32.
+        make_updater: `(state, geometry, step) -> updater`; default `PlainUpdater`. In-place
+            recovery passes a factory of `ResumableUpdater` over its retained tensors, as
+            `unbroken.launch.trainer` does for the single-stage trainer.
 
     Raises:
         UserError: a user model, or a plan that does not fit the model.
@@ -130,9 +136,9 @@ def build_worker(
         source=source,
         cfg=cfg.train,
         groups=groups,
-        updater=PlainUpdater(state, geometry, step),
+        updater=make_updater(state, geometry, step),
         device=device,
         hooks=hooks,
         autocast_dtype=autocast_dtype,
     )
-    return EngineRank(worker=worker, model=model, state=state, groups=groups)
+    return EngineRank(worker=worker, model=model, state=state, groups=groups, geometry=geometry)

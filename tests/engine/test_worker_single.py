@@ -1,0 +1,76 @@
+"""A one-rank plan in this process keeps the trainer's contract: same phase hooks in the same
+order, same bits, and the updater the caller chose."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.engine.harness import engine_job, one_thread
+from unbroken.engine.build import build_worker
+from unbroken.parallel import make_plan
+from unbroken.train import Trainer
+from unbroken.train.build import build_training
+from unbroken.update import PlainUpdater
+
+
+@pytest.fixture
+def world(tmp_path):
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(str(tmp_path / "store"), 1),
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=30),
+    )
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_plan_is_the_trainer(world):
+    cfg = engine_job(grad_clip=0.0)
+    seen_ref, seen_ours, made = [], [], []
+
+    def record(into):
+        return lambda phase, it, step, n: into.append((str(phase), it, step, n))
+
+    def make_updater(state, geometry, step):
+        made.append(state)
+        return PlainUpdater(state, geometry, step)
+
+    with one_thread():
+        built = build_training(cfg, n_shards=1, device=torch.device("cpu"))
+        ref = Trainer(
+            model=built.model,
+            state=built.state,
+            source=built.source,
+            shard=0,
+            cfg=cfg.train,
+            group=None,
+            device=torch.device("cpu"),
+            hooks=[record(seen_ref)],
+            updater=PlainUpdater(built.state, built.geometry, built.step),
+        )
+        plan = make_plan(1, 1, 1, 4, cfg.data.microbatches, "1f1b")
+        ours = build_worker(
+            cfg,
+            plan,
+            world,
+            device=torch.device("cpu"),
+            hooks=[record(seen_ours)],
+            make_updater=make_updater,
+        )
+        for it in range(3):
+            a, b = ref.run_iteration(it), ours.worker.run_iteration(it)
+            assert a.loss == b.loss
+    assert made == [ours.state]
+    assert seen_ours == seen_ref
+    assert {p for p, *_ in seen_ours} >= {"forward", "backward", "protect", "sync", "update"}
+    ref_params = built.state.layout.views(built.state.params)
+    for name, view in ours.state.layout.views(ours.state.params).items():
+        assert torch.equal(view, ref_params[name]), name
