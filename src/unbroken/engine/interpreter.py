@@ -251,8 +251,8 @@ class PlanWorker:
                 device=self.device,
             )
         )
-        for a in batch:  # a sent input gradient is not needed any more
-            if a.kind is _K.SEND_B and a.chunk == a.num_chunks - 1:
+        for a in batch:  # a sent input gradient is not needed any more (all of this rank's
+            if a.kind is _K.SEND_B:  # chunks of one message are in the same batch)
                 self._input_grads.pop((a.stage, a.microbatch), None)
 
     def _compute(self, iteration: int, a: Action) -> None:
@@ -312,8 +312,9 @@ class PlanWorker:
         self._hook(Phase.BOUNDARY, iteration)
         self.updater.boundary(iteration)
         self._record("OPT_STEP", t)
-        if self._outputs or self._pending_w:
-            raise RuntimeError(f"rank {self.rank}: work left over {sorted(self._outputs)}")
+        if self._outputs or self._pending_w or self._input_grads or self._received:
+            left = sorted(self._outputs) + sorted(self._pending_w) + sorted(self._input_grads)
+            raise RuntimeError(f"rank {self.rank}: work left over at the end: {left}")
         return IterationResult(
             iteration=iteration,
             loss=loss,
