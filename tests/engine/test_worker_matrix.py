@@ -40,6 +40,7 @@ def _matrix() -> list[Case]:
         "tp2to4": make_plan(1, 2, [2, 4], 4, 4, "zb_h1"),
         "tp1-2-4-1": make_plan(1, 4, [1, 2, 4, 1], 4, 4, "1f1b"),
         "tp2-interleaved": make_plan(1, 2, 2, 4, 4, "interleaved_1f1b", virtual_stages=2),
+        "tp2to1-interleaved": make_plan(1, 2, [2, 1], 4, 4, "interleaved_1f1b", virtual_stages=2),
     }
     cases += [Case(name, plan, EXACT) for name, plan in mixed.items()]
     cases.append(Case("tp2to1-dp2", make_plan(2, 2, [2, 1], 4, 2, "1f1b"), EXACT_DP))

@@ -85,15 +85,17 @@ class PlanGroups:
                     group = new_group(g.ranks)
                     if rank in g.ranks:
                         tp = TPGroup(g.tp, g.ranks.index(rank), group)
-        dp, dp_size = None, 1
+        dp, dp_size, fine = None, 1, None
         if not uniform:
-            fine = FineShardSync.build(plan, args, world, tp)
-            return cls(world=world, rank=rank, tp=tp, dp=None, dp_size=plan.dp, fine=fine)
-        if plan.dp > 1:
+            fine, dp_size = FineShardSync.build(plan, args, world, tp), plan.dp
+        elif plan.dp > 1:
             for s in range(plan.pp):
                 for i in range(plan.replicas[0].stages[s].tp):
                     ranks = tuple(rep.stages[s].ranks[i] for rep in plan.replicas)
                     group = new_group(ranks)
                     if rank in ranks:
                         dp, dp_size = group, len(ranks)
-        return cls(world=world, rank=rank, tp=tp, dp=dp, dp_size=dp_size)
+        # NCCL: the first operation on a communicator must involve all its ranks; the first
+        # p2p batch of a plan does not, so the world meets once here.
+        dist.barrier(group=world)
+        return cls(world=world, rank=rank, tp=tp, dp=dp, dp_size=dp_size, fine=fine)
