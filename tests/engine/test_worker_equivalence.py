@@ -200,3 +200,21 @@ def test_replan_moves_parameters_and_optimizer_state(ci_outcomes, ref):
         _assert_close(ci_outcomes[name], ref(name), exact=False)
     lost = ci_outcomes["replan-lost-replica"]
     assert bit_equal(lost.params[0], lost.params[1])
+
+
+def test_the_comparison_catches_a_wrong_gradient_element(ci_outcomes, ref):
+    """Negative control: one gradient element off by 1e-5 (or by one ulp for the exact check)
+    fails the comparison these tests rely on."""
+    import copy
+
+    import torch
+
+    outcome = copy.deepcopy(ci_outcomes["pp2-1f1b"])
+    g = outcome.grads[0]["layers.2.ffn.w2.weight"]
+    original = g[0, 0].clone()
+    g[0, 0] = original + 1e-5
+    with pytest.raises(AssertionError):
+        _assert_close(outcome, ref("pp2-1f1b"), exact=False)
+    g[0, 0] = torch.nextafter(original, torch.tensor(float("inf")))
+    with pytest.raises(AssertionError):
+        _assert_close(outcome, ref("pp2-1f1b"), exact=True)
