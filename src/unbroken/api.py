@@ -67,6 +67,13 @@ def run_job(
         search.append(str(path.resolve().parent))
     else:
         cfg = config
+    if cfg.recovery.memory_budget_mb:
+        from unbroken.shadow.memory import BudgetUnavailable, require_budget_support
+
+        try:
+            require_budget_support()
+        except BudgetUnavailable as exc:
+            raise UserError(f"recovery.memory_budget_mb is set but {exc}") from None
     for spec in cfg.inject:
         fault = parse_fault(spec)
         if fault.rank >= cfg.parallel.world_size:

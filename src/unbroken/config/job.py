@@ -224,6 +224,13 @@ class RecoveryConfig:
     shadow_start: Literal["fork", "exec"] = "fork"
     """How shadows start: fork = from the node's pre-imported fork server (L1 at once, see
     unbroken.shadow.forkserver); exec = a fresh interpreter each (every import paid again)."""
+    memory_budget_mb: int = 0
+    """Memory the job may use on a node (trainers, shadows, state managers), MiB; 0 = no
+    budget. Enforced by the kernel through a cgroup-v1 memory controller (Linux, root):
+    see docs/architecture.md, "Memory budget and reclamation"."""
+    memory_reclaim: bool = True
+    """Under a budget: an allocation that would exceed it waits while the node's shadows are
+    reclaimed (Leto §6) instead of the kernel OOM killer striking."""
     max_restarts: int = 20
     """Give up after this many recoveries in one run."""
     heartbeat_interval_s: float = 0.1
@@ -253,6 +260,8 @@ class RecoveryConfig:
             raise ValueError("recovery.max_restarts must be >= 0")
         if self.shadow_level not in (0, 1, 2, 3):
             raise ValueError("recovery.shadow_level must be 0, 1, 2 or 3")
+        if self.memory_budget_mb < 0:
+            raise ValueError("recovery.memory_budget_mb must be >= 0 (0 = no budget)")
         if self.shadow_start not in ("fork", "exec"):
             raise ValueError("recovery.shadow_start must be 'fork' or 'exec'")
 

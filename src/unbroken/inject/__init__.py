@@ -9,7 +9,9 @@ Spec syntax (config `inject = [...]`, CLI `--inject`, tests):
                                               slowed F× from iteration I on
     slow:rank=R,iter=I,level=weak|medium|severe[,what=...]
                                               the factor that costs ~35/55/70% throughput
-KIND ∈ kill (SIGKILL), hang (SIGSTOP), exception (raise), slow, pageloss (see `FaultKind`);
+    memspike:rank=R,iter=I,mb=M               M MiB more memory for iteration I
+KIND ∈ kill (SIGKILL), hang (SIGSTOP), exception (raise), slow, pageloss, memspike (see
+`FaultKind`);
 what a slow fault stretches and how: [Note: slow-fault] in `injector`. A fault fires once per job: the
 firing is recorded in the job's store before the fault acts, so a redone iteration after
 recovery runs clean.

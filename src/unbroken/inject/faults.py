@@ -23,6 +23,9 @@ class FaultKind(enum.StrEnum):
     """Slow the trainer's compute by `factor` from the trigger on (fail-slow)."""
     PAGELOSS = "pageloss"
     """Destroy retained pages (memfd holes) of one protection group, then SIGKILL."""
+    MEMSPIKE = "memspike"
+    """Allocate and touch `mb` MiB more for the rest of the iteration (a memory peak such as a
+    long-sequence batch or uneven expert routing): no failure unless memory runs out."""
 
 
 class SlowTarget(enum.StrEnum):
@@ -64,6 +67,8 @@ class FaultSpec:
     """`pageloss`: which protection group (default: drawn from the fault's key)."""
     groups: int = 1
     """`pageloss`: how many protection groups lose pages (each `pages` + `parity`)."""
+    mb: int = 0
+    """`memspike`: MiB allocated (and written) until the iteration ends."""
 
     @property
     def key(self) -> str:
@@ -84,6 +89,8 @@ class FaultSpec:
             parts.append(f"level={self.level.value}" if self.level else f"factor={self.factor:g}")
             if self.what is not SlowTarget.COMPUTE:
                 parts.append(f"what={self.what.value}")
+        if self.kind is FaultKind.MEMSPIKE:
+            parts.append(f"mb={self.mb}")
         if self.kind is FaultKind.PAGELOSS:
             parts.append(f"pages={self.pages}")
             if self.parity:
@@ -118,6 +125,8 @@ def parse_fault(spec: str) -> FaultSpec:
     known = {"rank", "iter", "phase", "step", "at", "factor", "pages", "parity", "group", "groups"}
     if kind is FaultKind.SLOW:
         known |= {"level", "what"}
+    if kind is FaultKind.MEMSPIKE:
+        known |= {"mb"}
     if unknown := set(fields) - known:
         raise UserError(
             f"fault {spec!r}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}"
@@ -133,6 +142,7 @@ def parse_fault(spec: str) -> FaultSpec:
         parity = int(fields.get("parity", "0"))
         group = int(fields["group"]) if "group" in fields else None
         groups = int(fields.get("groups", "1"))
+        mb = int(fields.get("mb", "0"))
         level = _choice(fields, "level", Level)
         what = _choice(fields, "what", SlowTarget) or SlowTarget.COMPUTE
     except KeyError:
@@ -143,6 +153,8 @@ def parse_fault(spec: str) -> FaultSpec:
         raise UserError(f"fault {spec!r}: give exactly one trigger, iter=I or at=SECONDS")
     if kind is FaultKind.PAGELOSS and (pages + parity < 1 or groups < 1):
         raise UserError(f"fault {spec!r}: pageloss needs pages=N and/or parity=N")
+    if kind is FaultKind.MEMSPIKE and mb < 1:
+        raise UserError(f"fault {spec!r}: memspike needs mb=N (MiB, >= 1)")
     if kind is FaultKind.SLOW and level is not None and "factor" in fields:
         raise UserError(f"fault {spec!r}: give factor=F or level=L, not both")
     if kind is FaultKind.SLOW and level is None and factor <= 1.0:
@@ -165,6 +177,7 @@ def parse_fault(spec: str) -> FaultSpec:
         parity=parity,
         group=group,
         groups=groups,
+        mb=mb,
     )
 
 

@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
 import torch.distributed as dist
 
 from unbroken.detect.levels import comm_factor_for, slow_factor_for
@@ -91,6 +92,8 @@ class Injector:
         self._bucket_s: dict[int, deque[float]] = {}
         self._periods: deque[float] = deque(maxlen=HISTORY)
         self._iter_mark: tuple[int, float] | None = None
+        self._spike: np.ndarray | None = None
+        """A `memspike` allocation, held until the next iteration starts."""
 
     def _fired(self, fault: FaultSpec) -> bool:
         return self.store.check([f"inject/{fault.key}"])
@@ -106,6 +109,7 @@ class Injector:
         self._stall(now - self._phase_start, iteration)
         self._last = (phase, iteration, step)
         if phase is Phase.FORWARD and step == 0:
+            self._spike = None  # a memory spike lasts one iteration
             self.iteration_start = time.time()
             if self._iter_mark is not None and self._iter_mark[0] == iteration - 1:
                 self._periods.append(now - self._iter_mark[1])
@@ -158,6 +162,22 @@ class Injector:
 
     def _fire(self, fault: FaultSpec, phase: Phase, iteration: int, step: int) -> None:
         self.store.set(f"inject/{fault.key}", str(time.time()))
+        if fault.kind is FaultKind.MEMSPIKE:
+            # Not a failure: real pages, written so the kernel must back them. Under a memory
+            # budget with reclamation, this is where the allocation waits for the shadows'
+            # memory (unbroken.shadow.memory); without it, where the OOM killer strikes.
+            t0 = time.perf_counter()
+            self._spike = np.ones(fault.mb << 20, dtype=np.uint8)
+            self.emit(
+                "memory_spike",
+                rank=self.rank,
+                iter=iteration,
+                phase=phase.value,
+                mb=fault.mb,
+                alloc_s=time.perf_counter() - t0,
+                spec=fault.text(),
+            )
+            return
         destroyed = None
         if fault.kind is FaultKind.PAGELOSS:
             if self.page_loss is None:

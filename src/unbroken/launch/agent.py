@@ -84,6 +84,10 @@ class Agent:
         self.forkserver = None
         """The node's pre-imported fork server for shadows (`unbroken.shadow.forkserver`),
         started with the first generation that has shadows (recovery.shadow_start = fork)."""
+        self.memory = None
+        """The reclamation controller (`unbroken.shadow.controller`) under a memory budget."""
+        self._shadow_attempt = 0
+        """Sets of shadows started so far (each rendezvouses under its own store prefix)."""
         self._pending_shadows: tuple[dict, int, int, list[int]] | None = None
         """(start message, generation, level, ranks) of shadows waiting for the fork server to
         finish its imports; spawned from the supervision loop, never blocking it."""
@@ -91,6 +95,8 @@ class Agent:
         self.node_beat_s = 0.5
         self._last_node_beat = 0.0
         self.running = True
+        self.sel = selectors.DefaultSelector()
+        self._last_start: dict = {}
 
     # -- commands -------------------------------------------------------------------------
     def ensure_state_managers(self, sockets: dict[str, str]) -> None:
@@ -104,23 +110,23 @@ class Agent:
                 cmd += ["--rank", str(rank)]
                 with open(f"{path}.log", "ab") as log:  # keep the terminal for progress
                     self.state_managers[rank] = subprocess.Popen(
-                        cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+                        cmd,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=log,
+                        preexec_fn=self._preexec(0) if self.memory else None,
                     )
 
     def _spawn(self, msg: dict, rank: int, generation: int, spec: str, shadow_level: int):
         cmd = [sys.executable, "-m", "unbroken.launch.trainer", "--spec", spec]
         cmd += ["--rank", str(rank), "--heartbeat", self.hb_addr]
         if shadow_level:
-            cmd += ["--shadow", str(shadow_level)]
+            cmd += ["--shadow", str(shadow_level), "--attempt", str(self._shadow_attempt)]
         stdin = subprocess.PIPE if shadow_level else subprocess.DEVNULL
         # Shadows pre-initialize in the background: at a lower CPU priority they do not slow
         # the active trainers they stand behind (they restore their priority when promoted).
         nice = SHADOW_NICE if shadow_level else 0
-
-        def preexec() -> None:
-            _die_with_parent()
-            if nice:
-                os.nice(nice)
+        preexec = self._preexec(nice)
 
         log_path = None
         if msg.get("log_dir"):
@@ -128,7 +134,8 @@ class Agent:
             kind = "shadow" if shadow_level else "gen"
             log_path = os.path.join(msg["log_dir"], f"{kind}{generation}-rank{rank}.log")
         if shadow_level and self._forkserver_ready():
-            proc = self.forkserver.spawn(cmd[3:], log_path, nice)
+            procs = self.memory.budget.procs_file if self.memory else None
+            proc = self.forkserver.spawn(cmd[3:], log_path, nice, cgroup_procs=procs)
             return TrainerProc(rank, generation, proc, time.time(), log=log_path)
         if log_path:
             with open(log_path, "ab") as log:
@@ -138,6 +145,22 @@ class Agent:
         else:
             proc = subprocess.Popen(cmd, stdin=stdin, preexec_fn=preexec)
         return TrainerProc(rank, generation, proc, time.time(), log=log_path)
+
+    def _preexec(self, nice: int):
+        """What a child runs between fork and exec: die with the agent, join the job's memory
+        budget (before it allocates anything), lower its priority."""
+        procs = self.memory.budget.procs_file if self.memory else None
+
+        def preexec() -> None:
+            _die_with_parent()
+            if procs:
+                fd = os.open(procs, os.O_WRONLY)
+                os.write(fd, str(os.getpid()).encode())
+                os.close(fd)
+            if nice:
+                os.nice(nice)
+
+        return preexec
 
     def _forkserver_ready(self) -> bool:
         return self.forkserver is not None and self.forkserver.ready.is_set()
@@ -152,6 +175,7 @@ class Agent:
             return
         msg, generation, level, ranks = self._pending_shadows
         self._pending_shadows = None
+        self._shadow_attempt += 1
         for r in ranks:
             self.shadows[r] = self._spawn(msg, r, generation, msg["next_spec"], level)
 
@@ -173,9 +197,10 @@ class Agent:
 
     def kill_shadows(self) -> None:
         self._pending_shadows = None
-        for t in self.shadows.values():
+        for t in self.shadows.values():  # all at once, then wait: their memory returns together
             if t.proc.poll() is None:
                 t.proc.kill()
+        for t in self.shadows.values():
             t.proc.wait()
         self.shadows.clear()
 
@@ -187,6 +212,8 @@ class Agent:
         if msg.get("state_managers"):
             self.ensure_state_managers(msg["state_managers"])
         gen, ranks = msg["generation"], msg["ranks"]
+        self._setup_memory(msg)
+        self._last_start = msg
         promoted = self._shadows_alive(gen, ranks)
         ready = self._shadows_ready(ranks) if promoted else 0
         if promoted:
@@ -204,6 +231,18 @@ class Agent:
             for r in ranks:
                 self.trainers[r] = self._spawn(msg, r, gen, msg["spec"], 0)
         level = int(msg.get("shadow_level") or 0)
+        if level and self.memory is not None:
+            chosen = self.memory.level_for_next(len(ranks))
+            if chosen != level:
+                self._memory_event(
+                    "shadow_level",
+                    generation=gen + 1,
+                    level=chosen,
+                    configured=level,
+                    peak_active_mb=(self.memory.peak_active or 0) / (1 << 20),
+                    reason="at recovery: the level the observed peak memory leaves room for",
+                )
+            level = chosen
         levels = {}
         if level and msg.get("next_spec"):
             if self.forkserver is None and msg.get("shadow_start", "fork") == "fork":
@@ -227,6 +266,63 @@ class Agent:
             shadows=levels,
         )
 
+    # -- memory budget (unbroken.shadow.memory / controller) ----------------------------------
+    def _setup_memory(self, msg: dict) -> None:
+        budget_mb = int(msg.get("memory_budget_mb") or 0)
+        if not budget_mb or self.memory is not None:
+            return
+        from unbroken.shadow.controller import ReclaimController
+        from unbroken.shadow.memory import MemoryBudget
+        from unbroken.shadow.policy import LevelPolicy
+
+        reclaim = bool(msg.get("memory_reclaim", True))
+        budget = MemoryBudget(f"unbroken-agent{os.getpid()}", budget_mb << 20, reclaim)
+        policy = LevelPolicy(configured=int(msg.get("shadow_level") or 0), budget=budget.limit)
+        self.memory = ReclaimController(budget, policy)
+        if budget.eventfd is not None:
+            self.sel.register(budget.eventfd, selectors.EVENT_READ, "oom")
+        self._memory_event(
+            "memory_budget", budget_mb=budget_mb, reclaim=reclaim, cgroup=str(budget.path)
+        )
+
+    def _memory_event(self, event: str, **fields) -> None:
+        self.channel.send("memory", event=event, t=time.time(), **fields)
+
+    def _on_oom(self) -> None:
+        """An allocation is waiting on the budget: reclaim the shadows (Leto §6)."""
+        mem = self.memory
+        assert mem is not None
+        live = [t for t in self.shadows.values() if t.proc.poll() is None]
+        verdict = mem.on_oom([t.proc.pid for t in live])
+        if verdict == "real":
+            self._memory_event(
+                "oom",
+                usage_mb=mem.budget.usage() / (1 << 20),
+                budget_mb=mem.budget.limit / (1 << 20),
+                reason="out of budget with no shadow to reclaim: the kernel OOM killer acts",
+            )
+            return
+        if verdict != "reclaim":
+            return
+        pending = self._pending_shadows
+        self.kill_shadows()  # SIGKILL, then wait until each is gone (its memory returned)
+        fields = mem.reclaimed(len(self.trainers))
+        self._memory_event("shadows_reclaimed", **fields)
+        if fields["level_to"] and pending is None and live:
+            msg = self._last_start
+            nxt = live[0].generation
+            self._pending_shadows = (msg, nxt, fields["level_to"], sorted(self.trainers))
+            self._spawn_pending_shadows()
+
+    def _sample_memory(self) -> None:
+        if self.memory is None or not self.running:
+            return
+        shadows = {
+            t.proc.pid: (t.proc.poll() is None, t.info.get("footprint"))
+            for t in self.shadows.values()
+        }
+        self.memory.sample(shadows)
+
     def kill_all(self) -> None:
         """SIGKILL every trainer (stopped ones too) and reap them. State managers stay."""
         for t in self.trainers.values():
@@ -242,6 +338,14 @@ class Agent:
                 proc.kill()
             proc.wait()
         self.state_managers.clear()
+
+    def shutdown_all(self) -> None:
+        """Every child gone, then the memory cgroup removed."""
+        self.kill_all()
+        self.kill_shadows()
+        self.kill_state_managers()
+        if self.memory is not None:
+            self.memory.budget.close()
 
     def stop(self, msg: dict) -> None:
         t0 = time.time()
@@ -277,6 +381,10 @@ class Agent:
             code = t.proc.poll()
             if code is not None:
                 t.reported = True
+                if self.memory is not None and all(x.reported for x in self.trainers.values()):
+                    # The generation is over. The report goes before the last exit: on that
+                    # one the coordinator may shut down and read nothing more.
+                    self._memory_event("memory_report", **self.memory.report())
                 self.channel.send(
                     "rank_exit",
                     rank=t.rank,
@@ -333,13 +441,11 @@ class Agent:
         elif op == "stop":
             self.stop(msg)
         elif op == "shutdown":
-            self.kill_all()
-            self.kill_shadows()
-            self.kill_state_managers()
+            self.shutdown_all()
             self.running = False
 
     def serve(self) -> None:
-        sel = selectors.DefaultSelector()
+        sel = self.sel
         sel.register(self.channel.sock, selectors.EVENT_READ, "ctl")
         sel.register(self.hb, selectors.EVENT_READ, "hb")
         for msg in self.channel.take_pending():
@@ -348,18 +454,19 @@ class Agent:
             for key, _ in sel.select(timeout=TICK_S):
                 if key.data == "hb":
                     self.drain_heartbeats()
+                elif key.data == "oom":
+                    self._on_oom()
                 else:
                     data = self.channel.sock.recv(65536)
                     if not data:
                         # Coordinator gone: nothing may run unsupervised.
-                        self.kill_all()
-                        self.kill_shadows()
-                        self.kill_state_managers()
+                        self.shutdown_all()
                         return
                     for msg in self.channel.feed(data):
                         self.handle(msg)
             self.check_children()
             self._spawn_pending_shadows()
+            self._sample_memory()
             now = time.time()
             if now - self._last_node_beat >= self.node_beat_s:
                 # The node's liveness for the coordinator: a decision-free beat, one per interval
@@ -391,15 +498,11 @@ def main(argv: list[str] | None = None) -> int:
         agent.serve()
     except ProtocolError as exc:
         print(f"unbroken-agent: rejected a control message: {exc}", file=sys.stderr)
-        agent.kill_all()
-        agent.kill_shadows()
-        agent.kill_state_managers()
+        agent.shutdown_all()
         return 1
     except (ConnectionError, OSError) as exc:
         print(f"unbroken-agent: lost the coordinator: {exc}", file=sys.stderr)
-        agent.kill_all()
-        agent.kill_shadows()
-        agent.kill_state_managers()
+        agent.shutdown_all()
         return 1
     return 0
 

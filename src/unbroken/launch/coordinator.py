@@ -41,6 +41,12 @@ __all__ = ["Coordinator", "RunOutcome"]
 HELLO_TIMEOUT_S = 60.0
 
 
+MEMORY_EVENTS = frozenset(
+    {"memory_budget", "shadows_reclaimed", "shadow_level", "oom", "memory_report"}
+)
+"""What an agent's `memory` message may log (see unbroken.shadow.memory and .policy)."""
+
+
 @dataclass(slots=True)
 class RunOutcome:
     run_name: str
@@ -188,6 +194,8 @@ class Coordinator:
                 spec=str(spec),
                 shadow_level=shadow_level,
                 shadow_start=self.cfg.recovery.shadow_start,
+                memory_budget_mb=self.cfg.recovery.memory_budget_mb,
+                memory_reclaim=self.cfg.recovery.memory_reclaim,
                 next_spec=next_spec,
                 ranks=list(range(self.cfg.parallel.world_size)),
                 heartbeat_timeout_s=self.cfg.recovery.heartbeat_timeout_s,
@@ -350,6 +358,22 @@ class Coordinator:
             )
         elif op == "stopped":
             self._execute(self.fsm.on_stopped(msg["generation"]))
+        elif op == "memory":
+            # The node's memory budget and reclamation controller (unbroken.shadow): logged
+            # as events; a reclamation changes no recovery state.
+            kind = msg.get("event")
+            if kind not in MEMORY_EVENTS:
+                raise ProtocolError(f"unknown memory event {kind!r}")
+            fields = {k: v for k, v in msg.items() if k not in ("op", "event", "seq")}
+            self.events.emit(kind, **fields)
+            if kind == "shadows_reclaimed":
+                self.progress.say(
+                    f"memory: reclaimed {fields['shadows']} shadow(s), {fields['freed_mb']:.0f} "
+                    f"MiB in {fields['wait_s'] * 1e3:.0f} ms; relaunching at "
+                    f"L{fields['level_to']}"
+                )
+            elif kind == "oom":
+                self.progress.say(f"memory: out of budget with nothing to reclaim ({fields})")
 
     def _accept(self) -> None:
         try:

@@ -22,6 +22,8 @@ class Heartbeat:
         self.interval_s = interval_s
         self.iteration = -1
         self.phase = "init"
+        self.extra: dict = {}
+        """More fields for every beat (a shadow's measured footprint per level)."""
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -40,6 +42,7 @@ class Heartbeat:
             "phase": self.phase,
             "pid": os.getpid(),
             "t": time.time(),
+            **self.extra,
         }
         # An agent that is gone or busy notices on its own; a lost beat is not an error.
         with contextlib.suppress(OSError):

@@ -30,7 +30,7 @@ MAX_FRAME = 1 << 20
 _TAG = 32
 
 # Messages an agent may send to the coordinator, and the reverse.
-AGENT_OPS = frozenset({"hello", "beat", "rank_exit", "rank_hung", "stopped", "started"})
+AGENT_OPS = frozenset({"hello", "beat", "rank_exit", "rank_hung", "stopped", "started", "memory"})
 COORDINATOR_OPS = frozenset({"welcome", "start", "stop", "shutdown"})
 
 

@@ -88,14 +88,23 @@ def _device(cfg) -> Any:
     return torch.device("cpu")
 
 
+def steps_footprint(steps: dict[str, float]) -> dict[int, int]:
+    """Level -> private bytes measured when the shadow reached it (from `steps`)."""
+    return {lv: int(steps[f"bytes-L{lv}"]) for lv in (1, 2, 3) if f"bytes-L{lv}" in steps}
+
+
 def _await_promotion(
     spec: GenerationSpec, level: int, hb, events, rank: int, t0: float, steps: dict[str, float]
 ):
     """A shadow trainer parks here, pre-initialized to `level`, until the agent promotes it by
     writing the final spec of its generation to its stdin (Leto §6: in-place preinitialization).
     Returns the final spec."""
+    # What this shadow held at each level it passed (what reclaiming it at that level would
+    # return): the agent's reclamation controller chooses levels by these.
+    footprint = steps_footprint(steps)
     if hb is not None:
         hb.phase = f"shadow-ready-L{level}"
+        hb.extra["footprint"] = footprint
         hb.beat()
     events.emit(
         "shadow_ready",
@@ -104,7 +113,8 @@ def _await_promotion(
         level=level,
         generation=spec.generation,
         prepare_s=time.time() - t0,
-        steps_s={k: round(v - t0, 4) for k, v in steps.items()},
+        steps_s={k: round(v - t0, 4) for k, v in steps.items() if not k.startswith("bytes")},
+        footprint_mb={lv: round(b / (1 << 20), 2) for lv, b in footprint.items()},
     )
     line = sys.stdin.readline()
     if not line:
@@ -123,7 +133,13 @@ def _await_promotion(
     return final
 
 
-def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None, shadow: int = 0) -> int:
+def run(
+    spec: GenerationSpec,
+    rank: int,
+    heartbeat_addr: str | None,
+    shadow: int = 0,
+    attempt: int = 0,
+) -> int:
     t_start = time.time()
     import torch
     import torch.distributed as dist
@@ -148,6 +164,10 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None, shadow: int
     if heartbeat_addr:
         hb = Heartbeat(heartbeat_addr, rank, spec.generation, cfg.recovery.heartbeat_interval_s)
         hb.start()
+    if shadow:
+        from unbroken.shadow.memory import private_bytes
+
+        steps["bytes-L1"] = private_bytes(os.getpid())
     if shadow == 1:  # L1: interpreter up, every import done
         spec = _await_promotion(spec, 1, hb, events, rank, t_start, steps)
 
@@ -169,6 +189,8 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None, shadow: int
             cfg.data.corpus, jsonl_field=cfg.data.jsonl_field, max_documents=cfg.data.max_documents
         )
     steps["runtime"] = time.time()
+    if shadow >= 2:
+        steps["bytes-L2"] = private_bytes(os.getpid())
     if shadow == 2:  # L2: plus device runtime, threads and the corpus in memory
         spec = _await_promotion(spec, 2, hb, events, rank, t_start, steps)
 
@@ -177,7 +199,8 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None, shadow: int
     steps["store"] = time.time()
     # Shadows rendezvous under their own prefix: if the agent discards a generation's shadows
     # (one died) and starts fresh processes instead, those must not meet the shadows' keys.
-    prefix = f"gen{spec.generation}" + ("-shadow" if shadow else "")
+    # A relaunched set of shadows (after a memory reclamation) is a new attempt, a new prefix.
+    prefix = f"gen{spec.generation}" + (f"-shadow{attempt}" if shadow else "")
     gen_store = dist.PrefixStore(prefix, store)
     dist.init_process_group(
         backend,
@@ -189,6 +212,8 @@ def run(spec: GenerationSpec, rank: int, heartbeat_addr: str | None, shadow: int
     )
     group = dist.group.WORLD
     t_group = steps["communicators"] = time.time()
+    if shadow >= 3:
+        steps["bytes-L3"] = private_bytes(os.getpid())
     if shadow == 3:  # L3: plus the communicators of its generation (a mirror world)
         spec = _await_promotion(spec, 3, hb, events, rank, t_start, steps)
 
@@ -372,10 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--shadow", type=int, default=0, choices=(0, 1, 2, 3), help="pre-initialize to this level"
     )
+    parser.add_argument(
+        "--attempt", type=int, default=0, help="shadows: which set for this generation"
+    )
     args = parser.parse_args(argv)
     spec = GenerationSpec.from_json(Path(args.spec).read_text())
     try:
-        code = run(spec, args.rank, args.heartbeat, shadow=args.shadow)
+        code = run(spec, args.rank, args.heartbeat, shadow=args.shadow, attempt=args.attempt)
         # Everything this process reports is already written with unbuffered os.write; skip the
         # interpreter and gloo teardown (0.8-1.8 s measured) that would only delay the exit.
         sys.stdout.flush()

@@ -91,7 +91,12 @@ def _noop() -> None:
 
 
 def _shadow_main(
-    entry: str, argv: list[str], promote: Connection, log_path: str | None, nice: int
+    entry: str,
+    argv: list[str],
+    promote: Connection,
+    log_path: str | None,
+    nice: int,
+    cgroup_procs: str | None,
 ) -> None:
     """Runs in the forked child: set the process up as `exec` would have, then call `entry`
     ("module:function") with `argv`."""
@@ -99,6 +104,9 @@ def _shadow_main(
     _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if server == 1 or os.getppid() != server:  # orphaned before the line above took effect
         os._exit(1)
+    if cgroup_procs:  # under the job's memory budget before it allocates anything
+        with open(cgroup_procs, "w") as fh:
+            fh.write(str(os.getpid()))
     if nice:
         os.nice(nice)
     os.dup2(promote.fileno(), 0)
@@ -147,16 +155,18 @@ class ShadowForkServer:
         log_path: str | None,
         nice: int,
         entry: str = "unbroken.launch.trainer:main",
+        cgroup_procs: str | None = None,
     ) -> ForkedProc:
         """Fork a process that runs `entry(argv)` (by default a trainer, `argv` being its
         `unbroken.launch.trainer` arguments), stdout/stderr appended to `log_path`, stdin a
-        pipe (`ForkedProc.stdin`), at niceness `nice`. Call once `ready` is set: before that,
+        pipe (`ForkedProc.stdin`), at niceness `nice`, in the memory cgroup whose `cgroup.procs`
+        file is `cgroup_procs` (None: the server's). Call once `ready` is set: before that,
         this blocks until the server has finished importing."""
         r, w = os.pipe()
         promote = Connection(r, writable=False)
         p = self._ctx.Process(
             target=_shadow_main,
-            args=(entry, argv, promote, log_path, nice),
+            args=(entry, argv, promote, log_path, nice, cgroup_procs),
             name="unbroken-shadow",
             daemon=True,  # if the agent exits without killing it, multiprocessing does
         )
