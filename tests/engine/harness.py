@@ -213,7 +213,7 @@ def _replan(case: Case, er, world, sources, losses, norms):
 
 
 def _assemble(case: Case, per_rank: list[dict], key: str) -> list[dict[str, torch.Tensor]]:
-    from unbroken.engine.sharding import unshard
+    from unbroken.engine.sharding import replicated, unshard
 
     out = []
     for d in range(case.final_plan.dp):
@@ -224,6 +224,11 @@ def _assemble(case: Case, per_rank: list[dict], key: str) -> list[dict[str, torc
                 continue
             for name, t in res[key].items():
                 pieces.setdefault(name, {})[res["tp"][1]] = t
+        for name, p in pieces.items():  # a replicated tensor must stay identical on every copy
+            if replicated(name) and not all(torch.equal(p[0], q) for q in p.values()):
+                raise AssertionError(
+                    f"{case.name}: replica {d}: TP copies of {name} ({key}) differ"
+                )
         out.append({n: unshard(n, [p[i] for i in sorted(p)]) for n, p in pieces.items()})
     return out
 
