@@ -103,7 +103,8 @@ class PlanWorker:
         self._counted = self._norm_slices()
         self.profile: dict[str, list[float]] | None = None
         """Set to a dict to collect seconds per step: ``F0``/``B1``/``W0`` (kind and virtual
-        stage), ``REDUCE_GRAD``, ``OPT_STEP`` (protect to boundary); for the benchmark."""
+        stage), ``BATCH`` (one p2p batch, waiting included), ``REDUCE_GRAD``, ``OPT_STEP``
+        (protect to boundary), ``ITERATION``; for the benchmark."""
 
     # -- helpers ----------------------------------------------------------------------------
     def _hook(self, phase: Phase, iteration: int, step: int = 0, n_steps: int = 1) -> None:
@@ -238,6 +239,7 @@ class PlanWorker:
         self._tokens = 0
 
     def _batch(self, batch: list[Action]) -> None:
+        t = time.perf_counter()
         self._received.update(
             run_batch(
                 batch,
@@ -251,6 +253,7 @@ class PlanWorker:
                 device=self.device,
             )
         )
+        self._record("BATCH", t)
         for a in batch:  # a sent input gradient is not needed any more (all of this rank's
             if a.kind is _K.SEND_B:  # chunks of one message are in the same batch)
                 self._input_grads.pop((a.stage, a.microbatch), None)
@@ -277,6 +280,7 @@ class PlanWorker:
             RuntimeError: the list does not end with REDUCE_GRAD, OPT_STEP.
         """
         t0 = time.time()
+        t_iter = time.perf_counter()
         self._reset(iteration)
         if not self.actions:  # a standby: it only takes part in the world-wide sync
             loss, norm, _ = self._sync(iteration)
@@ -312,6 +316,7 @@ class PlanWorker:
         self._hook(Phase.BOUNDARY, iteration)
         self.updater.boundary(iteration)
         self._record("OPT_STEP", t)
+        self._record("ITERATION", t_iter)
         if self._outputs or self._pending_w or self._input_grads or self._received:
             left = sorted(self._outputs) + sorted(self._pending_w) + sorted(self._input_grads)
             raise RuntimeError(f"rank {self.rank}: work left over at the end: {left}")
