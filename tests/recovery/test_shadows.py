@@ -92,3 +92,40 @@ def test_a_lost_shadow_is_survived_by_fresh_processes(tmp_path):
     assert [e for e in events if e["kind"] == "failure_detected"]
     assert not [e for e in events if e["kind"] == "shadows_promoted" and e["generation"] == 1]
     assert result["final_state_hash"] == ref["final_state_hash"]
+
+
+def test_a_shadow_killed_mid_takeover_is_survived_exactly(tmp_path):
+    """The promoted shadow dies while it attaches, repairs and resumes: that is a failure of the
+    new generation, recovered like any other, and the result is still exact."""
+    cfg = tiny_job(iterations=150, interval=0)
+    ref = run_job(
+        dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, shadow_level=0)),
+        tmp_path / "ref",
+        quiet=True,
+    )
+    out = tmp_path / "run"
+    result: dict = {}
+    job = threading.Thread(target=lambda: result.update(run_job(cfg, out, quiet=True)))
+    job.start()
+
+    def events(kind: str) -> list[dict]:
+        if not (out / "events.jsonl").exists():
+            return []
+        return [e for e in read_jsonl(out / "events.jsonl") if e["kind"] == kind]
+
+    _wait_for(lambda: len([e for e in events("shadow_ready") if e["generation"] == 1]) == 2)
+    trainers = _pids("--spec " + str(out / "specs" / "train-gen0.json"))
+    assert trainers, "the job finished before the test could act"
+    os.kill(trainers[0], signal.SIGKILL)  # a trainer crashes; the shadows take over ...
+    _wait_for(
+        lambda: [e for e in events("shadow_promoted") if e["generation"] == 1 and e["rank"] == 0]
+    )
+    shadow_pid = next(
+        e["pid"] for e in events("shadow_ready") if e["generation"] == 1 and e["rank"] == 0
+    )
+    os.kill(shadow_pid, signal.SIGKILL)  # ... and one of them dies in the middle of it
+    job.join(timeout=600)
+    assert result["state"] == "done"
+    detected = events("failure_detected")
+    assert len(detected) >= 2 and any(e["generation"] == 1 for e in detected)
+    assert result["final_state_hash"] == ref["final_state_hash"]
