@@ -73,6 +73,10 @@ class _Baseline:
             pp_groups[d] = dist.new_group([g.ranks[0] for g in rep.stages])
         for s in range(plan.pp):
             dp_groups[s] = dist.new_group([rep.stages[s].ranks[0] for rep in plan.replicas])
+        self.world = dist.group.WORLD
+        self.standby = rank not in plan.ranks
+        if self.standby:  # a rank the plan leaves out only joins the world-wide all-reduce
+            return
         d, s = plan.locate(rank)
         self.replica, self.stage = d, s
         self.dp_group, self.dp = dp_groups[s], plan.dp
@@ -92,9 +96,11 @@ class _Baseline:
         module = _TorchStage(model, layers, plan.total_microbatches / plan.dp)
         pipe = PipelineStage(module, s, plan.pp, torch.device("cpu"), group=pp_groups[d])
         self.schedule = Schedule1F1B(pipe, m, loss_fn=lambda out, _target: out, scale_grads=False)
-        self.world = dist.group.WORLD
 
     def run_iteration(self, iteration: int) -> None:
+        if self.standby:
+            dist.all_reduce(torch.zeros(2, dtype=torch.float64), group=self.world)
+            return
         self.state.grads.zero_()
         mbs = self.source.iteration(iteration, self.replica)
         cat = {k: torch.cat([getattr(mb, k) for mb in mbs]) for k in ("tokens", "targets")}
