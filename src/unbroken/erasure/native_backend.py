@@ -165,10 +165,13 @@ class NativeCodec(Codec):
         else:
             self._isa = ISAS[isa]
         self._mul = gf256.mul_table()
-        self._operand_cache: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        self._mul_ptr = self._mul.ctypes.data
+        self._operand_cache: dict[bytes, tuple[np.ndarray, np.ndarray, int, int]] = {}
 
-    def _operands(self, coefficients: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # The same few matrices (the generator, its column subsets) recur every iteration.
+    def _operands(self, coefficients: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+        # The same few matrices (the generator, its column subsets) recur every iteration:
+        # cached with their addresses (a `.ctypes` lookup costs microseconds, and the updater
+        # calls this a hundred times per iteration).
         key = coefficients.shape[0].to_bytes(2, "little") + coefficients.tobytes()
         cached = self._operand_cache.get(key)
         if cached is None:
@@ -176,7 +179,7 @@ class NativeCodec(Codec):
             aff = np.ascontiguousarray(gf256.affine_qword(coef.T))
             if len(self._operand_cache) >= 64:
                 self._operand_cache.clear()
-            cached = self._operand_cache[key] = (coef, aff)
+            cached = self._operand_cache[key] = (coef, aff, coef.ctypes.data, aff.ctypes.data)
         return cached
 
     @property
@@ -199,16 +202,16 @@ class NativeCodec(Codec):
         dest_offset: int,
         accumulate: bool,
     ) -> None:
-        coef, aff = self._operands(coefficients)
+        coef, _aff, coef_ptr, aff_ptr = self._operands(coefficients)
         src = sources.ptrs
         src2 = xor_sources.ptrs if xor_sources is not None else None
         dst = dests.ptrs
         status = self._lib.ub_gf_apply(
             coef.shape[0],
             coef.shape[1],
-            coef.ctypes.data,
-            aff.ctypes.data,
-            self._mul.ctypes.data,
+            coef_ptr,
+            aff_ptr,
+            self._mul_ptr,
             src.ctypes.data,
             None if src2 is None else src2.ctypes.data,
             dst.ctypes.data,
