@@ -62,15 +62,20 @@ class _TorchStage(nn.Module):
 
 
 class _Baseline:
-    """torch.distributed.pipelining's Schedule1F1B on this rank's stage of `plan`."""
+    """torch.distributed.pipelining on this rank's stages of `plan`: `Schedule1F1B`, or
+    `ScheduleInterleaved1F1B` over its virtual stages for an interleaved plan."""
 
     def __init__(self, cfg: JobConfig, plan: ParallelPlan, rank: int, source) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleInterleaved1F1B,
+        )
 
         args = resolve_args(cfg.model)
         pp_groups, dp_groups = {}, {}
         for d, rep in enumerate(plan.replicas):  # every rank creates every group, in order
-            pp_groups[d] = dist.new_group([g.ranks[0] for g in rep.stages])
+            pp_groups[d] = dist.new_group([g.ranks[0] for g in rep.stages[: plan.pp]])
         for s in range(plan.pp):
             dp_groups[s] = dist.new_group([rep.stages[s].ranks[0] for rep in plan.replicas])
         self.world = dist.group.WORLD
@@ -80,9 +85,10 @@ class _Baseline:
         d, s = plan.locate(rank)
         self.replica, self.stage = d, s
         self.dp_group, self.dp = dp_groups[s], plan.dp
-        layers = plan.replicas[d].stages[s].layers
-        self.first, self.last = s == 0, s == plan.pp - 1
-        model = StageModel(args, [layers], TPGroup(), device="meta")
+        mine = [k for k in range(plan.num_stages) if k % plan.pp == s]  # virtual stages
+        ranges = [plan.replicas[d].stages[k].layers for k in mine]
+        self.first, self.last = 0 in mine, plan.num_stages - 1 in mine
+        model = StageModel(args, ranges, TPGroup(), device="meta")
         layout = FlatLayout.of(model)
         geometry = state_geometry(cfg, layout.numel)
         self.state = TrainState.allocate(layout, "cpu", geometry.padded_numel)
@@ -92,10 +98,22 @@ class _Baseline:
         step = ChunkStep(geometry, AdamW.from_config(cfg.train), layout.decay_end)
         self.updater = PlainUpdater(self.state, geometry, step)
         self.cfg, self.source = cfg, source
-        m = plan.microbatches[d]
-        module = _TorchStage(model, layers, plan.total_microbatches / plan.dp)
-        pipe = PipelineStage(module, s, plan.pp, torch.device("cpu"), group=pp_groups[d])
-        self.schedule = Schedule1F1B(pipe, m, loss_fn=lambda out, _target: out, scale_grads=False)
+        m, div = plan.microbatches[d], plan.total_microbatches / plan.dp
+        pipes = [
+            PipelineStage(
+                _TorchStage(model, layers, div),
+                k,
+                plan.num_stages,
+                torch.device("cpu"),
+                group=pp_groups[d],
+            )
+            for k, layers in zip(mine, ranges, strict=True)
+        ]
+        loss = lambda out, _target: out  # noqa: E731 - the last stage returns its loss already
+        if plan.virtual_stages > 1:
+            self.schedule = ScheduleInterleaved1F1B(pipes, m, loss_fn=loss, scale_grads=False)
+        else:
+            self.schedule = Schedule1F1B(pipes[0], m, loss_fn=loss, scale_grads=False)
 
     def run_iteration(self, iteration: int) -> None:
         if self.standby:

@@ -1,10 +1,11 @@
-"""Engine throughput vs torch.distributed.pipelining's Schedule1F1B, and simulator accuracy.
+"""Engine throughput vs torch.distributed.pipelining's schedules, and simulator accuracy.
 
-For the demo model (preset `small`) on 4 local gloo ranks, three plans — 1F1B with PP=2 × DP=2,
-PP=4, and PP=2 on 2 of the ranks (the other two stand by, so on a 2-core machine each active rank
-has a core) — run with our worker interpreter and with `torch.distributed.pipelining`
-(`PipelineStage` + `Schedule1F1B`) on the same stage split, initial values, micro-batches, loss
-scaling, DP reduction and optimizer, alternating in blocks within one run. It prints tokens/s
+For the demo model (preset `small`) on 4 local gloo ranks, four plans — 1F1B with PP=2 × DP=2,
+PP=4, PP=2 on 2 of the ranks (the other two stand by, so on a 2-core machine each active rank
+has a core), and interleaved 1F1B with PP=2, v=2 on 2 ranks — run with our worker interpreter
+and with `torch.distributed.pipelining` (`PipelineStage` + `Schedule1F1B`, or
+`ScheduleInterleaved1F1B` for the interleaved plan) on the same stage split, initial values,
+micro-batches, loss scaling, DP reduction and optimizer, alternating in blocks within one run. It prints tokens/s
 of both and their ratio, and the dry-run simulator's predicted iteration time (fed with the
 per-action means our run measured, the one-way link time of one activation and the DP
 all-reduce measured alone) against the measured median, with the error in percent. Progress
@@ -59,14 +60,20 @@ def _plans(args: argparse.Namespace) -> dict:
     layers = resolve_args(ModelConfig(preset=args.preset)).n_layers
     if layers < 4:
         raise UserError(f"preset {args.preset!r} has {layers} layers; PP=4 needs at least 4")
-    if args.microbatches < 4:
-        raise UserError("--microbatches must be at least 4 (Schedule1F1B needs M >= PP)")
+    if args.microbatches < 4 or args.microbatches % 2:
+        raise UserError(
+            "--microbatches must be even and at least 4 (Schedule1F1B needs M >= PP, "
+            "interleaving a multiple of PP)"
+        )
     m = args.microbatches
     return {
         "1f1b pp=2 dp=2": make_plan(2, 2, 1, layers, m, "1f1b"),
         "1f1b pp=4": make_plan(1, 4, 1, layers, m, "1f1b"),
         # 2 of the 4 ranks (the others stand by): a core per active rank on a 2-core machine
         "1f1b pp=2 (2 ranks)": make_plan(1, 2, 1, layers, m, "1f1b"),
+        "interleaved v=2 (2 ranks)": make_plan(
+            1, 2, 1, layers, m, "interleaved_1f1b", virtual_stages=2
+        ),
     }
 
 
@@ -178,13 +185,13 @@ def run(args: argparse.Namespace) -> int:
         f"{setup['load_average_1m']:.1f}), median of {args.block * args.rounds} iterations each"
     )
     head = (
-        f"{'plan':<19} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>6} "
+        f"{'plan':<26} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>6} "
         f"{'measured s':>11} {'predicted s':>12} {'error':>7}"
     )
     print(head)
     for r in results:
         print(
-            f"{r['plan']:<19} {r['tokens_per_s']:>11.0f} {r['baseline_tokens_per_s']:>12.0f} "
+            f"{r['plan']:<26} {r['tokens_per_s']:>11.0f} {r['baseline_tokens_per_s']:>12.0f} "
             f"{r['ratio']:>6.2f} {r['measured_iter_s']:>11.3f} {r['predicted_iter_s']:>12.3f} "
             f"{r['prediction_error_pct']:>+6.1f}%"
         )
