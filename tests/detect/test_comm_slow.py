@@ -78,3 +78,24 @@ def test_without_comm_timings_a_comm_slowdown_is_a_false_alarm_not_a_report():
     reports, decisions, _ = _reports(obs)
     assert reports == []
     assert [d for d in decisions if d.verdict is Verdict.FALSE_ALARM]
+
+
+def test_a_chance_compute_outlier_does_not_hide_a_comm_slowdown_that_costs_more():
+    # On a loaded machine the comm-slowed rank's compute can also stand out (1.35x here, over
+    # the 1.2 localization ratio) while its link costs far more: the report names the link.
+    factor = comm_factor_for("severe", _share(series(comm_s=COMM_S, seed=15)))
+    obs = series(comm_s=COMM_S, seed=15, slow_rank=1, slow_iter=30, factor=factor, slow_what="comm")
+    noisy = [
+        dataclasses.replace(
+            o,
+            ranks={
+                r: dataclasses.replace(t, mb_s=tuple(1.35 * s for s in t.mb_s))
+                if r == 1 and o.iteration >= 30
+                else t
+                for r, t in o.ranks.items()
+            },
+        )
+        for o in obs
+    ]
+    reports, _, _ = _reports(noisy)
+    assert [(r.rank, r.what) for r in reports] == [(1, "comm")]

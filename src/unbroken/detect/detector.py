@@ -14,14 +14,18 @@ every replica's micro-batches and, when available, each rank's `RankTiming`. The
 4. validation localizes: per rank, observed / predicted compute time of its timed
    micro-batches over c..t; the rank with the largest ratio is slow if it exceeds the median of
    the other ranks' ratios by `localize_ratio`; the quotient is the slowdown factor (`what` =
-   compute). Otherwise the communication: per rank, its gradient all-reduce time (`comm_s`)
+   compute). Then the communication: per rank, its gradient all-reduce time (`comm_s`)
    over its warm-up median, minus what waiting for a compute-slowed peer explains; a rank
-   whose own excess explains `comm_explains` of the iteration's excess, and is at least
-   `localize_ratio - 1` of the iteration time, is comm-slow (`what` = comm, factor =
+   whose own excess explains `comm_explains` of the iteration's excess that the slowest
+   replica's compute does not, and is at least `localize_ratio - 1` of the iteration time, is
+   comm-slow (`what` = comm, factor =
    all-reduce time over healthy). One such rank: it is named (a rank whose
    collective returns late, as the `slow ... what=comm` fault does). Several: the collective
    itself is slow on every member (a slow link in a ring) and per-rank timings cannot say
-   whose link it is — reported with rank None, at the sync stage. Found: a `FailSlowReport`
+   whose link it is — reported with rank None, at the sync stage. If both a compute outlier
+   and a comm-slow rank are found, the one whose excess (seconds over the window) is larger
+   is reported: on a noisy machine a rank's compute can stand out by chance while its link
+   costs seconds. Found: a `FailSlowReport`
    (also sent to the sink as a `DetectionEvent`). Not found: a false alarm.
 
 `baseline=True` is the same detector without step 3's workload filter (Greyhound): every change
@@ -72,7 +76,8 @@ class DetectorConfig:
     """A rank is slow when its observed/predicted compute ratio is this much over its peers'."""
     comm_explains: float = 0.5
     """A rank's own all-reduce excess (beyond waiting for slower peers) must be at least this
-    share of the iteration's excess over predicted for a comm fail-slow."""
+    share of the iteration's excess over predicted that compute does not explain, for a comm
+    fail-slow."""
     noise_floor: float = 0.02
     """Smallest relative standard deviation assumed for a run of the series (prior)."""
     history: int = 8
@@ -330,9 +335,14 @@ class FailSlowDetector:
         slow = max(ratios, key=lambda r: ratios[r])
         peers = statistics.median(v for r, v in ratios.items() if r != slow)
         factor = ratios[slow] / peers
+        found = self._localize_comm(len(window), observed, predicted, comm, observed_s, predicted_s)
         if factor >= self.cfg.localize_ratio:
-            return slow, factor, "compute"
-        return self._localize_comm(len(window), observed, predicted, comm, observed_s, predicted_s)
+            # Both a compute outlier and a comm excess: name what explains more of the
+            # slowdown (a noisy rank's compute must not hide a link that costs seconds).
+            compute_excess = observed[slow] - peers * predicted[slow]
+            if found is None or found[3] <= compute_excess:
+                return slow, factor, "compute"
+        return None if found is None else found[:3]
 
     def _localize_comm(
         self,
@@ -342,15 +352,21 @@ class FailSlowDetector:
         comm: Mapping[int, float],
         observed_s: float,
         predicted_s: float,
-    ) -> tuple[int | None, float, str] | None:
-        """Comm fail-slow: ranks whose own all-reduce excess explains the iteration's excess
-        and is, like a compute slowdown, at least `localize_ratio - 1` of the iteration."""
+    ) -> tuple[int | None, float, str, float] | None:
+        """Comm fail-slow: ranks whose own all-reduce excess explains `comm_explains` of the
+        iteration's excess that compute does not, and is, like a compute slowdown, at least
+        `localize_ratio - 1` of the iteration.
+        Returns (rank or None, factor, "comm", the largest own excess in seconds)."""
         healthy = self._comm_healthy
         excess_s = observed_s - predicted_s
         if excess_s <= 0 or not any(healthy.values()):
             return None  # no comm timings (older records, or no replicas)
-        least = max(self.cfg.comm_explains * excess_s, (self.cfg.localize_ratio - 1) * observed_s)
         late = {r: observed[r] - predicted[r] for r in observed}
+        # The part of the excess that the slowest replica's compute does not explain.
+        unexplained = excess_s - max(0.0, max(late.values(), default=0.0))
+        least = max(
+            self.cfg.comm_explains * unexplained, (self.cfg.localize_ratio - 1) * observed_s
+        )
         own = {}
         for r in comm:
             # Waiting in the all-reduce for a peer that computed longer is not this rank's link.
@@ -364,4 +380,4 @@ class FailSlowDetector:
         factor = statistics.fmean(
             [comm[r] / (n * healthy[r]) for r in ranks if healthy.get(r)] or [float("inf")]
         )
-        return rank, factor, "comm"
+        return rank, factor, "comm", max(own[r] for r in ranks)
