@@ -23,7 +23,7 @@ try:
 except BudgetUnavailable as exc:  # an environment without cgroup-v1 memory control
     NO_BUDGET = str(exc)
 
-pytestmark = pytest.mark.skipif(bool(NO_BUDGET), reason=f"memory budget unsupported: {NO_BUDGET}")
+needs_budget = pytest.mark.skipif(bool(NO_BUDGET), reason=f"memory budget unsupported: {NO_BUDGET}")
 
 
 def _job(budget_mb: int, reclaim: bool, spike: bool):
@@ -60,6 +60,7 @@ def measured(tmp_path_factory):
     return {"hash": s["final_state_hash"], "budget_mb": budget}
 
 
+@needs_budget
 def test_reclamation_absorbs_the_spike_and_training_stays_exact(measured, tmp_path):
     s = run_job(_job(measured["budget_mb"], True, spike=True), tmp_path, quiet=True)
     assert s["state"] == "done"
@@ -74,6 +75,7 @@ def test_reclamation_absorbs_the_spike_and_training_stays_exact(measured, tmp_pa
     assert report["oom_kills"] == 0
 
 
+@needs_budget
 def test_without_reclamation_the_same_spike_is_an_oom_kill(measured, tmp_path):
     s = run_job(_job(measured["budget_mb"], False, spike=True), tmp_path, quiet=True)
     assert not _events(tmp_path, "shadows_reclaimed")
@@ -81,3 +83,28 @@ def test_without_reclamation_the_same_spike_is_an_oom_kill(measured, tmp_path):
     assert killed, "the OOM killer should have killed a trainer"
     # The OOM was a failure like any other: recovered in place, still exact.
     assert s["state"] == "done" and s["final_state_hash"] == measured["hash"]
+
+
+def test_an_allocation_failure_is_retried_after_the_shadows_are_reclaimed(tmp_path):
+    """The allocator's OOM (an injected `oom`: what CUDA's caching allocator raises when the
+    device is full) makes the trainer ask its agent for the shadows' memory and compute the
+    iteration again — no crash, no recovery, bit-exact."""
+    faults = ["oom:rank=0,iter=30,phase=backward"]
+    cfg = tiny_job(world_size=2, iterations=36, inject=faults, interval=0)
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done" and s["bit_exact"] is True
+    assert not _events(tmp_path, "failure_detected")
+    (retry,) = _events(tmp_path, "oom_retry")
+    assert (retry["iter"], retry["phase"], retry["reclaimed"]) == (30, "backward", 2)
+    (reclaim,) = _events(tmp_path, "shadows_reclaimed")
+    assert "allocation failure in rank 0" in reclaim["cause"] and reclaim["level_from"] == 3
+
+
+def test_an_allocation_failure_with_nothing_to_reclaim_is_a_crash_recovered_in_place(tmp_path):
+    faults = ["oom:rank=1,iter=5,phase=forward"]
+    cfg = tiny_job(world_size=2, iterations=10, inject=faults, interval=0)
+    cfg = dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, shadow_level=0))
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done" and s["bit_exact"] is True
+    (detected,) = _events(tmp_path, "failure_detected")
+    assert "OutOfMemoryError" in detected["reason"]

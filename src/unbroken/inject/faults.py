@@ -23,6 +23,10 @@ class FaultKind(enum.StrEnum):
     """Slow the trainer's compute by `factor` from the trigger on (fail-slow)."""
     PAGELOSS = "pageloss"
     """Destroy retained pages (memfd holes) of one protection group, then SIGKILL."""
+    OOM = "oom"
+    """Fail one device allocation (`torch.OutOfMemoryError` at the trigger, once): what the
+    active trainer's allocator reports when the device is full. The trainer asks its agent to
+    reclaim the shadows and retries the iteration (Leto §6); without shadows it is a crash."""
     MEMSPIKE = "memspike"
     """Allocate and touch `mb` MiB more for the rest of the iteration (a memory peak such as a
     long-sequence batch or uneven expert routing): no failure unless memory runs out."""

@@ -92,8 +92,10 @@ class Injector:
         self._bucket_s: dict[int, deque[float]] = {}
         self._periods: deque[float] = deque(maxlen=HISTORY)
         self._iter_mark: tuple[int, float] | None = None
-        self._spike: np.ndarray | None = None
+        self._spike = None
         """A `memspike` allocation, held until the next iteration starts."""
+        self.device = None
+        """The trainer's device (set by the trainer): a `memspike` allocates there."""
 
     def _fired(self, fault: FaultSpec) -> bool:
         return self.store.check([f"inject/{fault.key}"])
@@ -167,7 +169,12 @@ class Injector:
             # budget with reclamation, this is where the allocation waits for the shadows'
             # memory (unbroken.shadow.memory); without it, where the OOM killer strikes.
             t0 = time.perf_counter()
-            self._spike = np.ones(fault.mb << 20, dtype=np.uint8)
+            if self.device is not None and self.device.type == "cuda":
+                import torch  # a real CUDA allocation: over capacity it raises OutOfMemoryError
+
+                self._spike = torch.ones(fault.mb << 20, dtype=torch.uint8, device=self.device)
+            else:
+                self._spike = np.ones(fault.mb << 20, dtype=np.uint8)
             self.emit(
                 "memory_spike",
                 rank=self.rank,
@@ -178,6 +185,13 @@ class Injector:
                 spec=fault.text(),
             )
             return
+        if fault.kind is FaultKind.OOM:
+            # Not a failure by itself: the trainer's allocation-failure path decides (it asks
+            # for the shadows' memory and retries; a crash only if there is none to reclaim).
+            import torch
+
+            self.emit("oom_injected", rank=self.rank, iter=iteration, phase=phase.value)
+            raise torch.OutOfMemoryError(f"injected allocation failure at {fault.text()}")
         destroyed = None
         if fault.kind is FaultKind.PAGELOSS:
             if self.page_loss is None:

@@ -87,6 +87,9 @@ class Agent:
         self.memory = None
         """The reclamation controller (`unbroken.shadow.controller`) under a memory budget."""
         self._shadow_attempt = 0
+        self._shadow_level_now = 0
+        self._device_policy = None
+        """Level policy for allocation failures reported by trainers (device OOM)."""
         """Sets of shadows started so far (each rendezvouses under its own store prefix)."""
         self._pending_shadows: tuple[dict, int, int, list[int]] | None = None
         """(start message, generation, level, ranks) of shadows waiting for the fork server to
@@ -231,6 +234,8 @@ class Agent:
             for r in ranks:
                 self.trainers[r] = self._spawn(msg, r, gen, msg["spec"], 0)
         level = int(msg.get("shadow_level") or 0)
+        if level and self._device_policy is not None:
+            self._device_policy.at_recovery(None, len(ranks))  # a recovery resets the cap
         if level and self.memory is not None:
             chosen = self.memory.level_for_next(len(ranks))
             if chosen != level:
@@ -255,6 +260,7 @@ class Agent:
             fs = self.forkserver
             start = "fork" if fs is not None and fs.failed is None else "exec"
             levels = {"level": level, "generation": gen + 1, "start": start}
+            self._shadow_level_now = level
             if fs is not None and fs.failed:
                 levels["fork_failed"] = fs.failed
         self.channel.send(
@@ -314,6 +320,54 @@ class Agent:
             self._pending_shadows = (msg, nxt, fields["level_to"], sorted(self.trainers))
             self._spawn_pending_shadows()
 
+    def _on_reclaim_request(self, req: dict) -> None:
+        """A trainer's allocation failed (its allocator's OOM): reclaim the shadows, wait until
+        they are gone, answer; relaunch them at a level the policy allows (Leto §6)."""
+        from unbroken.shadow.policy import LevelPolicy
+
+        t0 = time.monotonic()
+        live = [t for t in self.shadows.values() if t.proc.poll() is None]
+        answer: dict = {"reclaimed": len(live)}
+        if live:
+            level_from = self._shadow_level_now
+            pending = self._pending_shadows
+            self.kill_shadows()
+            if self._device_policy is None:
+                self._device_policy = LevelPolicy(
+                    configured=int(self._last_start.get("shadow_level") or 0),
+                    budget=int(req.get("total") or 0) or (1 << 62),
+                )
+            level = self._device_policy.after_reclaim(
+                active=int(req.get("used") or 0), shadows=len(live)
+            )
+            answer.update(level_to=level, wait_s=time.monotonic() - t0)
+            self._memory_event(
+                "shadows_reclaimed",
+                cause=f"allocation failure in rank {req['rank']}: {req.get('reason', '')}",
+                t_oom=req.get("t"),
+                shadows=len(live),
+                level_from=level_from,
+                level_to=level,
+                wait_s=answer["wait_s"],
+                device_used_mb=(req.get("used") or 0) / (1 << 20),
+            )
+            if level and pending is None:
+                self._shadow_level_now = level
+                self._pending_shadows = (
+                    self._last_start,
+                    live[0].generation,
+                    level,
+                    sorted(self.trainers),
+                )
+                self._spawn_pending_shadows()
+        else:
+            self._memory_event(
+                "oom",
+                reason=f"allocation failure in rank {req['rank']} with no shadow to reclaim",
+            )
+        with contextlib.suppress(OSError):  # a trainer that died meanwhile needs no answer
+            self.hb.sendto(json.dumps(answer).encode(), req["reply"].replace("@", "\0", 1))
+
     def _sample_memory(self) -> None:
         if self.memory is None or not self.running:
             return
@@ -363,8 +417,11 @@ class Agent:
                 return
             try:
                 beat = json.loads(data)
+                if beat.get("op") == "reclaim":
+                    self._on_reclaim_request(beat)
+                    continue
                 t = self.trainers.get(int(beat["rank"]))
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a garbled datagram is ignored, never fatal
             if t is None or beat.get("generation") != t.generation:
                 t = self.shadows.get(int(beat["rank"]))

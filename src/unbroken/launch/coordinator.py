@@ -367,10 +367,12 @@ class Coordinator:
             fields = {k: v for k, v in msg.items() if k not in ("op", "event", "seq")}
             self.events.emit(kind, **fields)
             if kind == "shadows_reclaimed":
+                freed = fields.get("freed_mb")
                 self.progress.say(
-                    f"memory: reclaimed {fields['shadows']} shadow(s), {fields['freed_mb']:.0f} "
-                    f"MiB in {fields['wait_s'] * 1e3:.0f} ms; relaunching at "
-                    f"L{fields['level_to']}"
+                    f"memory: reclaimed {fields.get('shadows')} shadow(s)"
+                    + (f", {freed:.0f} MiB" if isinstance(freed, (int, float)) else "")
+                    + f" in {float(fields.get('wait_s') or 0) * 1e3:.0f} ms; relaunching at "
+                    f"L{fields.get('level_to')}"
                 )
             elif kind == "oom":
                 self.progress.say(f"memory: out of budget with nothing to reclaim ({fields})")

@@ -246,12 +246,14 @@ def run(
     job_t0 = float(store.get(job_t0_key).decode())
     faults = [parse_fault(f) for f in cfg.inject]
     injector = Injector(faults, rank, store, events.emit, job_t0)
+    injector.device = device
     if retained is not None:
         injector.page_loss = retained.page_loss_target(built.geometry)
     from unbroken.detect.timing import PhaseTimer
 
     timer = PhaseTimer(rank)  # after the injector: a `slow` stall lands in its own interval
-    hooks = [injector, timer] + ([hb] if hb else [])
+    # The heartbeat first: it records the phase a failure (an injected one too) happened in.
+    hooks = ([hb] if hb else []) + [injector, timer]
     autocast = None
     if device.type == "cuda" and cfg.train.precision in ("auto", "bf16"):
         autocast = torch.bfloat16
@@ -292,8 +294,26 @@ def run(
             group_s=t_group,
         )
     timings = JsonlLog(run_dir / "timings.jsonl", run=spec.run_name)
+    iterate = trainer.run_iteration
+    if heartbeat_addr and hb is not None and cfg.recovery.shadow_level:
+        from unbroken.shadow.client import ReclaimClient
+
+        client = ReclaimClient(heartbeat_addr, rank, spec.generation)
+        iterate = _reclaiming(trainer, client, hb, events, rank, device)
     _train_loop(
-        cfg, spec, rank, trainer, start_iter, ckpt, store, group, events, metrics, timer, timings
+        cfg,
+        spec,
+        rank,
+        trainer,
+        start_iter,
+        ckpt,
+        store,
+        group,
+        events,
+        metrics,
+        timer,
+        timings,
+        iterate,
     )
     dist.barrier(group=group)
     if rank == 0:
@@ -306,8 +326,55 @@ def run(
     return 0
 
 
+def _reclaiming(trainer, client, hb, events, rank: int, device):
+    """`trainer.run_iteration` with Leto's allocation-failure path: an OOM in forward/backward
+    (the model state untouched, gradients re-zeroed by the retry) asks the agent to reclaim the
+    shadows and computes the iteration again; anything else, or nothing left to reclaim, is
+    raised (a crash, recovered in place)."""
+    import torch
+
+    def iterate(it: int):
+        while True:
+            try:
+                return trainer.run_iteration(it)
+            except (torch.OutOfMemoryError, MemoryError) as exc:
+                if hb.iteration != it or hb.phase not in ("forward", "backward"):
+                    raise
+                used = total = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    free, total = torch.cuda.mem_get_info(device)
+                    used = total - free
+                t0 = time.time()
+                answer = client.request(f"{type(exc).__name__} in {hb.phase}", used, total)
+                events.emit(
+                    "oom_retry",
+                    rank=rank,
+                    iter=it,
+                    phase=hb.phase,
+                    reclaimed=answer.get("reclaimed", 0),
+                    wait_s=time.time() - t0,
+                )
+                if not answer.get("reclaimed"):
+                    raise
+
+    return iterate
+
+
 def _train_loop(
-    cfg, spec, rank, trainer, start_iter, ckpt, store, group, events, metrics, timer, timings
+    cfg,
+    spec,
+    rank,
+    trainer,
+    start_iter,
+    ckpt,
+    store,
+    group,
+    events,
+    metrics,
+    timer,
+    timings,
+    iterate,
 ) -> None:
     from unbroken.checkpoint import save_checkpoint
     from unbroken.checkpoint.interval import young_interval
@@ -333,7 +400,7 @@ def _train_loop(
     healthy: list[float] = []
     total = cfg.train.iterations
     for it in range(start_iter, total):
-        result = trainer.run_iteration(it)
+        result = iterate(it)
         healthy.append(result.seconds)
         if timer.records and timer.records[-1].iteration == it:
             # Per-rank compute timings and workload, for fail-slow validation (unbroken.detect).

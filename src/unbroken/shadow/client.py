@@ -1,0 +1,60 @@
+"""Trainer side of reclamation on an allocation failure (Leto §6, "OOM callback").
+
+When the active trainer's device allocator reports an OOM (`torch.OutOfMemoryError`), the
+trainer asks its node agent to reclaim the shadows' memory and waits until the agent answers
+that they are gone; then it retries. On a CPU node under a memory budget the kernel plays the
+allocator's part (`unbroken.shadow.memory`); this path is for allocators that fail instead of
+waiting — CUDA's caching allocator, or an injected `oom` fault.
+
+Request and answer are Unix datagrams on the agent's heartbeat socket (the trainer binds its own
+abstract address for the answer). Whether a retry is safe is the trainer's call: only an
+allocation failure before the gradient all-reduce (forward/backward) — the model state is
+untouched there, the iteration is simply computed again with the same inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+__all__ = ["ReclaimClient"]
+
+
+def _addr(text: str) -> str:
+    return text.replace("@", "\0", 1) if text.startswith("@") else text
+
+
+class ReclaimClient:
+    def __init__(self, agent_addr: str, rank: int, generation: int, timeout_s: float = 30.0):
+        self.agent_addr = _addr(agent_addr)
+        self.rank = rank
+        self.generation = generation
+        self.timeout_s = timeout_s
+        self._reply_name = f"@unbroken-reclaim-{os.getpid()}-{os.urandom(4).hex()}"
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(_addr(self._reply_name))
+
+    def request(self, reason: str, used: int | None = None, total: int | None = None) -> dict:
+        """Ask for the shadows' memory; returns the agent's answer ({"reclaimed": n shadows,
+        "level_to", "wait_s"}). Raises TimeoutError if the agent does not answer."""
+        msg = {
+            "op": "reclaim",
+            "rank": self.rank,
+            "generation": self.generation,
+            "reply": self._reply_name,
+            "reason": reason,
+            "used": used,
+            "total": total,
+            "t": time.time(),
+        }
+        self._sock.sendto(json.dumps(msg).encode(), self.agent_addr)
+        self._sock.settimeout(self.timeout_s)
+        try:
+            data = self._sock.recv(65536)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the agent did not answer a reclamation request in {self.timeout_s} s"
+            ) from None
+        return json.loads(data)
