@@ -62,9 +62,13 @@ class ForkedProc:
         return True
 
     def poll(self) -> int | None:
-        """Exit status once the process has exited (negative: killed by that signal)."""
-        code = self._process.exitcode
-        return code if code is not None and self._gone(0) else None
+        """Exit status once the process has exited (negative: killed by that signal). The
+        kernel's word (the pidfd) decides; the status then follows from the server within
+        moments, and is waited for — a dead shadow must never look alive."""
+        if not self._gone(0):
+            return None
+        self._process.join()
+        return self._process.exitcode
 
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None:
