@@ -8,18 +8,16 @@ it hooks) and the rest is not, the iteration takes F' = (1 - s) + s * F times as
 
     throughput loss L = 1 - 1 / F'   =>   F = 1 + (1 / (1 - L) - 1) / s.
 
-With s = 1 (the `slow` fault hooks every phase step: forward, backward, protect, sync, update
-chunks) the factors are 1.54 (weak), 2.22 (medium), 3.33 (severe). The bench measures the loss
-these factors really cause and prints it next to the target.
+With s = 1 (the compute `slow` fault stretches every phase step but the all-reduce buckets:
+forward, backward, protect, sync, update chunks) the factors are 1.54 (weak), 2.22 (medium),
+3.33 (severe). The bench measures the loss these factors really cause and prints it next to the
+target.
 
 Communication slow-down (a slow link or NIC): the same formula with s = the communication share
-of the iteration. It cannot be built without touching `unbroken.train.loop`/`unbroken.inject`:
-the gradient all-reduce has no phase hook of its own (the interval from the last backward hook
-to the protect hook holds both the last backward and the all-reduce), so a stall cannot target
-it. What it needs: hooks `Phase.ALLREDUCE` (step = bucket) fired right before each
-`dist.all_reduce` in `Trainer.compute` and a phase marker after the last one, and a `slow` fault
-field `what=compute|comm` that makes the injector stall only after compute steps or only
-after all-reduce buckets. `comm_factor_for` below gives the factor once that exists.
+of the iteration, `comm_factor_for`. The injector (`slow ... what=comm,level=L`, [Note:
+slow-fault] in `unbroken.inject.injector`) measures s on the rank before the fault and stalls
+after each gradient all-reduce bucket (hooks `Phase.ALLREDUCE` / `Phase.REDUCED` in
+`unbroken.train.loop`), so the stall per iteration is L / (1 - L) of the healthy iteration.
 """
 
 from __future__ import annotations
@@ -60,7 +58,8 @@ def slow_factor_for(level: Level | str, slowed_share: float = 1.0) -> float:
 
 
 def comm_factor_for(level: Level | str, comm_share: float) -> float:
-    """Factor for a communication-only slow-down (needs the hook described above)."""
+    """Factor F by which the all-reduce must slow down to cost the level's throughput loss,
+    when it is a share `comm_share` of the slowed rank's healthy iteration."""
     return slow_factor_for(level, comm_share)
 
 
