@@ -39,13 +39,15 @@ def _agent_pid(out) -> int:
     return _wait_for(find)
 
 
-@pytest.mark.parametrize(("sig", "bound_s"), [(signal.SIGKILL, 1.0), (signal.SIGSTOP, 1.0 + 1.5)])
+# node_timeout_s 2 s: on a loaded 2-core machine an agent starting its processes was silent for
+# ~1 s and a 1 s timeout declared the node lost before the test acted.
+@pytest.mark.parametrize(("sig", "bound_s"), [(signal.SIGKILL, 1.0), (signal.SIGSTOP, 2.0 + 1.5)])
 def test_agent_loss_is_detected_within_its_bound(tmp_path, sig, bound_s):
     cfg = tiny_job(iterations=400, interval=0)
     cfg = dataclasses.replace(
         cfg,
         recovery=dataclasses.replace(
-            cfg.recovery, node_heartbeat_s=0.2, node_timeout_s=1.0, shadow_level=0
+            cfg.recovery, node_heartbeat_s=0.2, node_timeout_s=2.0, shadow_level=0
         ),
     )
     result: dict = {}

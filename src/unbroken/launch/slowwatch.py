@@ -108,6 +108,7 @@ class SlowWatch:
             self.events.emit(
                 "fail_slow",
                 rank=r.rank,
+                what=r.what,
                 stage=r.stage,
                 factor=r.factor,
                 since_iter=r.iteration,
@@ -115,8 +116,13 @@ class SlowWatch:
                 **fields,
             )
             self.say(
-                f"fail-slow detected: rank {r.rank} runs {r.factor:.2f}x slower since iteration "
-                f"{r.iteration} (detected after iteration {r.detected_at})"
+                (
+                    f"fail-slow detected: rank {r.rank}"
+                    if r.rank is not None
+                    else "fail-slow detected: the sync stage (every rank's all-reduce)"
+                )
+                + f" {'communicates' if r.what == 'comm' else 'runs'} {r.factor:.2f}x slower "
+                f"since iteration {r.iteration} (detected after iteration {r.detected_at})"
             )
         else:
             self.events.emit("change_point", **fields)

@@ -61,7 +61,10 @@ def build_summary(
         "world_size": config["parallel"]["world_size"],
         "recovery_mode": config["recovery"]["mode"],
         "fail_slow": [
-            {k: e[k] for k in ("rank", "stage", "factor", "since_iter", "detected_at")}
+            {
+                "what": e.get("what", "compute"),
+                **{k: e[k] for k in ("rank", "stage", "factor", "since_iter", "detected_at")},
+            }
             for e in f_events
             if e["kind"] == "fail_slow"
         ],
@@ -114,8 +117,10 @@ def format_table(summary: dict[str, Any]) -> str:
         f"checkpoint interval: {summary['ckpt_interval']} it, cost {summary['ckpt_cost_s']:.3f}s",
     ]
     for fs in summary["fail_slow"]:
+        where = f"rank {fs['rank']}" if fs["rank"] is not None else "the sync stage"
+        what = "communication" if fs.get("what") == "comm" else "compute"
         lines.append(
-            f"fail-slow detected: rank {fs['rank']} {fs['factor']:.2f}x slower since iteration "
+            f"fail-slow detected: {where} ({what}) {fs['factor']:.2f}x slower since iteration "
             f"{fs['since_iter']}, reported after iteration {fs['detected_at']}"
         )
     if summary["recoveries"]:
