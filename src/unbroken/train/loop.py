@@ -164,7 +164,8 @@ class Trainer:
         if self.group is not None and self.dp > 1:
             dist.all_reduce(loss_t, group=self.group)
             loss_t.div_(self.dp)
-        norm = float(torch.linalg.vector_norm(grads, dtype=torch.float32))
+        # float64: the same sum however the gradient is split (TP shards, pipeline stages)
+        norm = float(torch.linalg.vector_norm(grads, dtype=torch.float64))
         clip = self.cfg.grad_clip
         scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
         return float(loss_t), norm, scale
