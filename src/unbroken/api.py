@@ -67,6 +67,11 @@ def run_job(
         search.append(str(path.resolve().parent))
     else:
         cfg = config
+    if cfg.parallel.planned:
+        if cfg.model.factory:
+            raise UserError("parallel.tp/pp > 1 run the reference model only (model.factory set)")
+        if cfg.model.moe_experts:
+            raise UserError("parallel.tp/pp > 1: the engine runs the dense model (moe_experts set)")
     if cfg.recovery.memory_budget_mb:
         from unbroken.shadow.memory import BudgetUnavailable, require_budget_support
 

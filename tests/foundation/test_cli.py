@@ -25,6 +25,8 @@ def _unbroken(*args, cwd=None):
         ("[train]\nlr = 'fast'\n", "key 'train.lr' must be a number"),
         ("[parallel]\nworld_size = 6\ndp = 4\n", "parallel degrees don't divide the world"),
         ("[parallel]\nworld_size = 6\ntp = 4\n", "tp*pp = 4 does not divide"),
+        ("[parallel]\nworld_size = 6\ntp = 3\n", "tp must be a power of two"),
+        ("[parallel]\nworld_size = 4\npp = 2\nschedule = 'interleaved'\n", "virtual_stages >= 2"),
         ("[bogus]\nx = 1\n", "unknown key 'bogus'"),
         ("[data]\ncorpus = '/no/such/dir'\n", "corpus path not found"),
         ("[model]\npreset = 'huge'\n", "model.preset 'huge' is unknown"),

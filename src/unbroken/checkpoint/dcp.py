@@ -53,8 +53,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _state_dict(state: TrainState, iteration: int) -> dict[str, torch.Tensor]:
-    sd = dict(state.persistent())
+def _state_dict(state: TrainState, iteration: int, shard: str = "") -> dict[str, torch.Tensor]:
+    """`shard`: a per-rank key prefix for states that differ between ranks (pipeline stages, TP
+    shards); without it DCP treats equal keys as one replicated tensor and saves it once."""
+    sd = {f"{shard}/{k}" if shard else k: v for k, v in state.persistent().items()}
     sd["iteration"] = torch.tensor(iteration, dtype=torch.int64)
     return sd
 
@@ -67,6 +69,7 @@ def save_checkpoint(
     group: dist.ProcessGroup | None,
     rank: int,
     keep: int,
+    shard: str = "",
 ) -> float:
     """Save the state before `iteration` runs; returns the seconds it took (all ranks).
 
@@ -81,7 +84,7 @@ def save_checkpoint(
         dist.barrier(group=group)
     sd = {
         k: v.detach().cpu() if v.device.type != "cpu" else v
-        for k, v in _state_dict(state, iteration).items()
+        for k, v in _state_dict(state, iteration, shard).items()
     }
     dcp.save(sd, checkpoint_id=str(path), process_group=group)
     if group is not None:
@@ -151,10 +154,10 @@ def find_latest_valid(root: str | Path, on_skip=None) -> CheckpointInfo | None:
 
 
 def load_checkpoint(
-    info: CheckpointInfo, state: TrainState, *, group: dist.ProcessGroup | None
+    info: CheckpointInfo, state: TrainState, *, group: dist.ProcessGroup | None, shard: str = ""
 ) -> int:
     """Load into the flat buffers in place; returns the next iteration to run."""
-    sd = _state_dict(state, 0)
+    sd = _state_dict(state, 0, shard)
     host = {k: (v.cpu() if v.device.type != "cpu" else v) for k, v in sd.items()}
     dcp.load(host, checkpoint_id=str(info.path), process_group=group)
     for k, v in sd.items():

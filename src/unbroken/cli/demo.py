@@ -66,6 +66,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs/demo", help="output dir (default: runs/demo)")
     p.add_argument("--world-size", type=int, default=4, help="ranks (default: 4)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default: 1)")
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=("gpipe", "1f1b", "interleaved", "zb_h1"),
+        help="pipeline schedule when --pp > 1 (default: 1f1b)",
+    )
     p.set_defaults(func=run)
 
 
@@ -74,12 +82,19 @@ def run(args: argparse.Namespace) -> int:
     from unbroken.errors import UserError
 
     cfg = demo_config(args.quick)
-    if args.world_size != cfg.parallel.world_size:
-        if args.world_size < 3:
-            raise UserError(
-                "--world-size must be at least 3 (the demo injects faults on ranks 0-2)"
-            )
-        cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=args.world_size))
+    if args.world_size < 3:
+        raise UserError("--world-size must be at least 3 (the demo injects faults on ranks 0-2)")
+    try:
+        parallel = ParallelConfig(
+            world_size=args.world_size,
+            tp=args.tp,
+            pp=args.pp,
+            schedule=args.schedule,
+            virtual_stages=2 if args.schedule == "interleaved" else 1,
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    cfg = dataclasses.replace(cfg, parallel=parallel)
     t0 = time.time()
     summary = run_job(cfg, args.out, reference=True)
     if args.json:

@@ -133,6 +133,10 @@ class ParallelConfig:
     """Pipeline-parallel degree."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Communicator backend; auto = nccl on cuda, else gloo."""
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb_h1"] = "1f1b"
+    """Pipeline schedule when pp > 1 (`unbroken.parallel.schedules`)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved 1F1B needs >= 2)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -154,11 +158,20 @@ class ParallelConfig:
                 f"{self.dp}*{self.tp}*{self.pp} = {self.dp * model_ranks} != world_size = "
                 f"{self.world_size}; set parallel.dp = {self.world_size // model_ranks} or leave it 0"
             )
-        if self.tp != 1 or self.pp != 1:
+        if self.tp & (self.tp - 1):
+            raise ValueError(f"parallel.tp must be a power of two (got {self.tp})")
+        if self.virtual_stages < 1:
+            raise ValueError("parallel.virtual_stages must be at least 1")
+        if (self.schedule == "interleaved") != (self.virtual_stages > 1):
             raise ValueError(
-                "parallel.tp and parallel.pp > 1 need the hybrid-parallel engine, which this "
-                "build does not have yet; use tp = 1 and pp = 1"
+                "parallel.schedule = 'interleaved' goes with parallel.virtual_stages >= 2, and "
+                f"only it (got {self.schedule!r} with virtual_stages = {self.virtual_stages})"
             )
+
+    @property
+    def planned(self) -> bool:
+        """True when the job runs through the hybrid-parallel engine (tp or pp > 1)."""
+        return self.tp > 1 or self.pp > 1
 
 
 @dataclass(kw_only=True, slots=True)

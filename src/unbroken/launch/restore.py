@@ -24,9 +24,11 @@ class CheckpointPlan:
     root: Path
     cost_s: float = 0.0
     """Measured cost of the iteration-0 checkpoint (0 when none was taken here)."""
+    shard: str = ""
+    """Per-rank key prefix when ranks hold different state (engine plans); see dcp."""
 
 
-def _load_latest(root: Path, state, rank: int, group, events) -> int | None:
+def _load_latest(root: Path, state, rank: int, group, events, shard: str = "") -> int | None:
     holder: list[Any] = [None]
     if rank == 0:
 
@@ -40,7 +42,9 @@ def _load_latest(root: Path, state, rank: int, group, events) -> int | None:
         return None
     path = Path(holder[0])
     t0 = time.time()
-    start = load_checkpoint(CheckpointInfo(path, int(path.name[5:])), state, group=group)
+    start = load_checkpoint(
+        CheckpointInfo(path, int(path.name[5:])), state, group=group, shard=shard
+    )
     if rank == 0:
         events.emit("checkpoint_loaded", iter=start, seconds=time.time() - t0)
     return start
@@ -54,6 +58,9 @@ def _reinitialize(cfg, built, retained) -> None:
     else:
         for t in (built.state.params, built.state.exp_avg, built.state.exp_avg_sq):
             t.zero_()
+    if getattr(built, "reinit", None) is not None:
+        built.reinit()  # an engine rank: its shard of the full model's initial parameters
+        return
     if cfg.model.factory:
         raise RuntimeError("no checkpoint to restart a user model from")
     init_parameters(
@@ -70,7 +77,8 @@ def restore_state(
     from unbroken.update.rmu import ResumableUpdater
 
     plan = CheckpointPlan(
-        Path(cfg.checkpoint.dir or Path(spec.run_dir) / "checkpoints" / spec.run_name)
+        Path(cfg.checkpoint.dir or Path(spec.run_dir) / "checkpoints" / spec.run_name),
+        shard=f"rank{rank}" if cfg.parallel.planned else "",
     )
     transactional = isinstance(updater, ResumableUpdater)
     if spec.recovery == "inplace" and retained is not None and not retained.fresh:
@@ -100,7 +108,7 @@ def restore_state(
         )
         return start, plan
     if spec.resume and cfg.checkpoint.enabled:
-        start = _load_latest(plan.root, built.state, rank, group, events)
+        start = _load_latest(plan.root, built.state, rank, group, events, plan.shard)
         if start is None:
             start = 0
             if retained is not None and not retained.fresh:
@@ -114,7 +122,13 @@ def restore_state(
         updater.initialize(done_iter=-1)
     if cfg.checkpoint.enabled and not spec.resume:
         plan.cost_s = save_checkpoint(
-            plan.root, built.state, 0, group=group, rank=rank, keep=cfg.checkpoint.keep
+            plan.root,
+            built.state,
+            0,
+            group=group,
+            rank=rank,
+            keep=cfg.checkpoint.keep,
+            shard=plan.shard,
         )
         if rank == 0:
             events.emit("checkpoint_saved", iter=0, seconds=plan.cost_s)

@@ -223,23 +223,6 @@ def run(
         from unbroken.state.client import RetainedClient
 
         retained = RetainedState(cfg, RetainedClient(spec.state_sockets[str(rank)], timeout_s=60))
-    built = build_training(
-        cfg,
-        n_shards=cfg.parallel.dp,
-        device=device,
-        search=spec.search_path,
-        allocate=retained.allocate if retained else None,
-    )
-    state = built.state
-    if retained is not None:
-        from unbroken.update.rmu import ResumableUpdater
-
-        updater = ResumableUpdater(
-            state, built.geometry, built.step, retained.tensors(), cfg.protection
-        )
-    else:
-        updater = PlainUpdater(state, built.geometry, built.step)
-
     job_t0_key = "job/t0"
     if rank == 0 and not store.check([job_t0_key]):
         store.set(job_t0_key, repr(time.time()))
@@ -247,8 +230,6 @@ def run(
     faults = [parse_fault(f) for f in cfg.inject]
     injector = Injector(faults, rank, store, events.emit, job_t0)
     injector.device = device
-    if retained is not None:
-        injector.page_loss = retained.page_loss_target(built.geometry)
     from unbroken.detect.timing import PhaseTimer
 
     timer = PhaseTimer(rank)  # after the injector: a `slow` stall lands in its own interval
@@ -257,19 +238,41 @@ def run(
     autocast = None
     if device.type == "cuda" and cfg.train.precision in ("auto", "bf16"):
         autocast = torch.bfloat16
-    trainer = Trainer(
-        model=built.model,
-        state=state,
-        source=built.source,
-        shard=rank % cfg.parallel.dp,
-        cfg=cfg.train,
-        group=group,
-        device=device,
-        autocast_dtype=autocast,
-        hooks=hooks,
-        updater=updater,
-        loss_fn=built.loss_fn,
-    )
+    if cfg.parallel.planned:
+        built, updater, trainer = _build_engine(cfg, group, device, retained, hooks, autocast)
+        state = built.state
+    else:
+        built = build_training(
+            cfg,
+            n_shards=cfg.parallel.dp,
+            device=device,
+            search=spec.search_path,
+            allocate=retained.allocate if retained else None,
+        )
+        state = built.state
+        if retained is not None:
+            from unbroken.update.rmu import ResumableUpdater
+
+            updater = ResumableUpdater(
+                state, built.geometry, built.step, retained.tensors(), cfg.protection
+            )
+        else:
+            updater = PlainUpdater(state, built.geometry, built.step)
+        trainer = Trainer(
+            model=built.model,
+            state=state,
+            source=built.source,
+            shard=rank % cfg.parallel.dp,
+            cfg=cfg.train,
+            group=group,
+            device=device,
+            autocast_dtype=autocast,
+            hooks=hooks,
+            updater=updater,
+            loss_fn=built.loss_fn,
+        )
+    if retained is not None:
+        injector.page_loss = retained.page_loss_target(built.geometry)
 
     outcome = restore_state(
         spec=spec,
@@ -316,14 +319,90 @@ def run(
         iterate,
     )
     dist.barrier(group=group)
+    final_hash = job_state_hash(cfg, state, group)
     if rank == 0:
-        events.emit("trainer_done", generation=spec.generation, final_state_hash=state.state_hash())
+        events.emit("trainer_done", generation=spec.generation, final_state_hash=final_hash)
     if hb:
         # Tell the agent we are exiting on purpose; it allows the slow teardown of the group.
         hb.phase = "exiting"
         hb.beat()
     dist.destroy_process_group()
     return 0
+
+
+@dataclass(slots=True)
+class _EngineBuilt:
+    """What the rest of the trainer uses of a build, for an engine rank."""
+
+    state: Any
+    geometry: Any
+    reinit: Any
+    """Fresh initial parameters in this rank's buffers (its shard of the full model's)."""
+
+
+def _build_engine(cfg, group, device, retained, hooks, autocast):
+    """This rank of the job's plan (`unbroken.engine`) on the retained buffers, as
+    (built, updater, worker); the worker has the `Trainer` interface the loop uses."""
+    from unbroken.engine.build import build_worker, full_initial_params
+    from unbroken.engine.sharding import load_from_full
+    from unbroken.parallel import make_plan
+    from unbroken.update import PlainUpdater
+
+    p = cfg.parallel
+    plan = make_plan(
+        dp=p.dp,
+        pp=p.pp,
+        tp=p.tp,
+        num_layers=_n_layers(cfg),
+        microbatches=cfg.data.microbatches,
+        schedule=p.schedule,
+        virtual_stages=p.virtual_stages,
+    )
+
+    def make_updater(state, geometry, step):
+        if retained is None:
+            return PlainUpdater(state, geometry, step)
+        from unbroken.update.rmu import ResumableUpdater
+
+        return ResumableUpdater(state, geometry, step, retained.tensors(), cfg.protection)
+
+    rank_engine = build_worker(
+        cfg,
+        plan,
+        group,
+        device=device,
+        allocate=retained.allocate if retained else None,
+        hooks=hooks,
+        autocast_dtype=autocast,
+        make_updater=make_updater,
+    )
+    worker, state = rank_engine.worker, rank_engine.state
+    tp = rank_engine.groups.tp
+
+    def reinit() -> None:
+        load_from_full(full_initial_params(cfg), state.layout, state.params, tp.size, tp.rank)
+
+    return _EngineBuilt(state, rank_engine.geometry, reinit), worker.updater, worker
+
+
+def job_state_hash(cfg, state, group) -> str:
+    """The job's model state hash: this rank's when every rank holds all of it (data parallel),
+    else a hash over every rank's shard hash in rank order (collective: all ranks call it)."""
+    if not cfg.parallel.planned:
+        return state.state_hash()
+    import hashlib
+
+    import torch.distributed as dist
+
+    hashes: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hashes, state.state_hash(), group=group)
+    return hashlib.sha256("".join(map(str, hashes)).encode()).hexdigest()[:16]
+
+
+def _n_layers(cfg) -> int:
+    from unbroken.model import resolve_args
+
+    return resolve_args(cfg.model).n_layers
 
 
 def _reclaiming(trainer, client, hb, events, rank: int, device):
@@ -391,7 +470,13 @@ def _train_loop(
         # ranks take the same branch.
         if not ckpt.cost_s:
             ckpt.cost_s = save_checkpoint(
-                ckpt.root, state, start_iter, group=group, rank=rank, keep=cfg.checkpoint.keep
+                ckpt.root,
+                state,
+                start_iter,
+                group=group,
+                rank=rank,
+                keep=cfg.checkpoint.keep,
+                shard=ckpt.shard,
             )
             if rank == 0:
                 events.emit("checkpoint_saved", iter=start_iter, seconds=ckpt.cost_s)
@@ -431,10 +516,17 @@ def _train_loop(
                 interval = int(store.get(interval_key).decode())
             if interval and (it + 1) % interval == 0 and it + 1 < total:
                 ckpt_s = save_checkpoint(
-                    ckpt.root, state, it + 1, group=group, rank=rank, keep=cfg.checkpoint.keep
+                    ckpt.root,
+                    state,
+                    it + 1,
+                    group=group,
+                    rank=rank,
+                    keep=cfg.checkpoint.keep,
+                    shard=ckpt.shard,
                 )
                 if rank == 0:
                     events.emit("checkpoint_saved", iter=it + 1, seconds=ckpt_s)
+        digest = job_state_hash(cfg, state, group)
         if metrics is not None:
             t_end = time.time()
             metrics.write(
@@ -449,7 +541,7 @@ def _train_loop(
                     "lr": result.lr,
                     "tokens": result.tokens,
                     "tokens_per_s": result.tokens / max(1e-9, t_end - result.t_start),
-                    "state_hash": state.state_hash(),
+                    "state_hash": digest,
                     "ckpt_s": ckpt_s,
                     "doc_lengths": [list(x) for x in result.doc_lengths],
                 }
