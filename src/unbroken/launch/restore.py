@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from unbroken.checkpoint import find_latest_valid, load_checkpoint, save_checkpoint
@@ -81,7 +82,21 @@ def restore_state(
         shard=f"rank{rank}" if cfg.parallel.planned else "",
     )
     transactional = isinstance(updater, ResumableUpdater)
-    if spec.recovery == "inplace" and retained is not None and not retained.fresh:
+    inplace = spec.recovery == "inplace" and retained is not None and not retained.fresh
+    if spec.recovery == "inplace" and group is not None:
+        # Every rank must take the same path (their collectives differ). A rank whose retained
+        # state is gone (fresh regions) takes the whole job to checkpoint-restart.
+        seen = torch.tensor([int(inplace), int(not inplace)], dtype=torch.int64)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+        if int(seen[0]) and int(seen[1]):  # mixed: nobody can resume in place
+            if not inplace:
+                events.emit(
+                    "inplace_fallback",
+                    rank=rank,
+                    reason="this rank's retained state is gone (its regions are new)",
+                )
+            return None
+    if inplace:
         t0 = time.perf_counter()
         report = None
         try:
