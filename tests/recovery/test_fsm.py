@@ -37,6 +37,21 @@ def test_fatal_exit_falls_back_to_checkpoint_restart_once():
     assert m.on_stopped(2).recovery == "inplace"  # the fallback was for one recovery only
 
 
+def test_a_fatal_exit_after_stalled_failures_still_gets_its_checkpoint_fallback():
+    m = _running()
+    for g in range(2):  # two stalled, uninjected failures (e.g. killed mid-takeover)
+        m.note_progress(progressed=False, injected=False)
+        assert m.on_rank_exit(0, g, -9).op == "stop"
+        m.on_started(m.on_stopped(g).generation)
+    m.note_progress(progressed=False, injected=False)
+    assert m.on_rank_exit(0, 2, FATAL_EXIT).op == "stop"  # not a crash loop: fall back
+    assert m.on_stopped(2).recovery == "ckpt_restart"
+    m.on_started(3)
+    m.note_progress(progressed=False, injected=False)
+    a = m.on_rank_exit(1, 3, 1)  # the fallback made no progress either: now it is a loop
+    assert a.op == "fail" and "crash loop" in a.reason
+
+
 def test_crash_loop_and_max_restarts_fail_with_a_reason():
     m = _running()
     for g in range(3):

@@ -137,7 +137,9 @@ class RecoveryMachine:
         self.stalled_failures = 0 if (progressed or injected) else self.stalled_failures + 1
 
     def _failure(self, reason: str) -> Action:
-        if self.stalled_failures >= 3:
+        # A trainer that asked for the checkpoint fallback gets it even after stalled failures:
+        # it is a different recovery, not the same one looping. If that fails too, it is a loop.
+        if self.stalled_failures >= 3 and not self.fallback:
             self._go(RecoveryState.FAILED, f"{reason}; crash loop (no progress three times)")
             return Action("fail", self.generation, reason=f"crash loop: {reason}")
         if self.restarts >= self.max_restarts:
