@@ -99,3 +99,27 @@ def test_a_chance_compute_outlier_does_not_hide_a_comm_slowdown_that_costs_more(
     ]
     reports, _, _ = _reports(noisy)
     assert [(r.rank, r.what) for r in reports] == [(1, "comm")]
+
+
+def test_peers_waiting_for_a_slow_rank_outside_its_micro_batches_do_not_make_a_link_fault():
+    # A compute-slowed rank is also slow in protect/sync/update, outside the micro-batch times
+    # that `waited` subtracts: its peers then wait longer in the next all-reduce than its
+    # micro-batch lateness explains (seen in the demo: reported as a sync-stage link with
+    # factor ~20). The rank that computes slower and waits least is the slow one.
+    obs = series(world=4, comm_s=COMM_S, seed=13, slow_rank=0, slow_iter=30, factor=1.54)
+    extra = 0.5 * obs[40].seconds  # waiting for stalls the micro-batch timings do not show
+    obs = [
+        dataclasses.replace(
+            o,
+            seconds=o.seconds + (extra if o.iteration >= 30 else 0.0),
+            ranks={
+                r: dataclasses.replace(
+                    t, comm_s=t.comm_s + (extra if o.iteration >= 30 and r != 0 else 0.0)
+                )
+                for r, t in o.ranks.items()
+            },
+        )
+        for o in obs
+    ]
+    reports, _, _ = _reports(obs)
+    assert [(r.rank, r.what) for r in reports] == [(0, "compute")]

@@ -337,8 +337,17 @@ class FailSlowDetector:
         factor = ratios[slow] / peers
         found = self._localize_comm(len(window), observed, predicted, comm, observed_s, predicted_s)
         if factor >= self.cfg.localize_ratio:
-            # Both a compute outlier and a comm excess: name what explains more of the
-            # slowdown (a noisy rank's compute must not hide a link that costs seconds).
+            # A rank that computes slower arrives last at every collective, so it waits in
+            # them least while its peers' all-reduce time grows by waiting for it (also for
+            # its stalls outside the micro-batches, which `waited` cannot see). A slow link
+            # is the opposite: its own all-reduce is the longest. So when the compute
+            # outlier waited least, the peers' comm excess is waiting for it.
+            if len(comm) > 1 and comm.get(slow, 0.0) <= min(
+                v for r, v in comm.items() if r != slow
+            ):
+                return slow, factor, "compute"
+            # Otherwise name what explains more of the slowdown (a noisy rank's compute must
+            # not hide a link that costs seconds).
             compute_excess = observed[slow] - peers * predicted[slow]
             if found is None or found[3] <= compute_excess:
                 return slow, factor, "compute"
