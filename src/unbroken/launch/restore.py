@@ -23,20 +23,28 @@ __all__ = ["CheckpointPlan", "restore_state"]
 @dataclass(slots=True)
 class CheckpointPlan:
     root: Path
+    keep: int
+    """Complete checkpoints kept (checkpoint.keep)."""
     cost_s: float = 0.0
     """Measured cost of the iteration-0 checkpoint (0 when none was taken here)."""
     shard: str = ""
     """Per-rank key prefix when ranks hold different state (engine plans); see dcp."""
 
+    def save(self, state, iteration: int, *, group, rank: int) -> float:
+        """Checkpoint `state` before `iteration` under this plan; returns the seconds taken."""
+        return save_checkpoint(
+            self.root, state, iteration, group=group, rank=rank, keep=self.keep, shard=self.shard
+        )
 
-def _load_latest(root: Path, state, rank: int, group, events, shard: str = "") -> int | None:
+
+def _load_latest(plan: CheckpointPlan, state, rank: int, group, events) -> int | None:
     holder: list[Any] = [None]
     if rank == 0:
 
         def skipped(info, reason):
             events.emit("checkpoint_skipped", path=str(info.path), reason=reason)
 
-        found = find_latest_valid(root, on_skip=skipped)
+        found = find_latest_valid(plan.root, on_skip=skipped)
         holder[0] = str(found.path) if found else None
     dist.broadcast_object_list(holder, src=0, group=group)
     if holder[0] is None:
@@ -44,7 +52,7 @@ def _load_latest(root: Path, state, rank: int, group, events, shard: str = "") -
     path = Path(holder[0])
     t0 = time.time()
     start = load_checkpoint(
-        CheckpointInfo(path, int(path.name[5:])), state, group=group, shard=shard
+        CheckpointInfo(path, int(path.name[5:])), state, group=group, shard=plan.shard
     )
     if rank == 0:
         events.emit("checkpoint_loaded", iter=start, seconds=time.time() - t0)
@@ -79,6 +87,7 @@ def restore_state(
 
     plan = CheckpointPlan(
         Path(cfg.checkpoint.dir or Path(spec.run_dir) / "checkpoints" / spec.run_name),
+        keep=cfg.checkpoint.keep,
         shard=f"rank{rank}" if cfg.parallel.planned else "",
     )
     transactional = isinstance(updater, ResumableUpdater)
@@ -123,7 +132,7 @@ def restore_state(
         )
         return start, plan
     if spec.resume and cfg.checkpoint.enabled:
-        start = _load_latest(plan.root, built.state, rank, group, events, plan.shard)
+        start = _load_latest(plan, built.state, rank, group, events)
         if start is None:
             start = 0
             if retained is not None and not retained.fresh:
@@ -136,15 +145,7 @@ def restore_state(
     if transactional:
         updater.initialize(done_iter=-1)
     if cfg.checkpoint.enabled and not spec.resume:
-        plan.cost_s = save_checkpoint(
-            plan.root,
-            built.state,
-            0,
-            group=group,
-            rank=rank,
-            keep=cfg.checkpoint.keep,
-            shard=plan.shard,
-        )
+        plan.cost_s = plan.save(built.state, 0, group=group, rank=rank)
         if rank == 0:
             events.emit("checkpoint_saved", iter=0, seconds=plan.cost_s)
     return 0, plan

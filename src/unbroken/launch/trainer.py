@@ -455,7 +455,6 @@ def _train_loop(
     timings,
     iterate,
 ) -> None:
-    from unbroken.checkpoint import save_checkpoint
     from unbroken.checkpoint.interval import young_interval
 
     state = trainer.state
@@ -469,15 +468,7 @@ def _train_loop(
         # the store before the save's first barrier and rank 0 sets the key after it, so all
         # ranks take the same branch.
         if not ckpt.cost_s:
-            ckpt.cost_s = save_checkpoint(
-                ckpt.root,
-                state,
-                start_iter,
-                group=group,
-                rank=rank,
-                keep=cfg.checkpoint.keep,
-                shard=ckpt.shard,
-            )
+            ckpt.cost_s = ckpt.save(state, start_iter, group=group, rank=rank)
             if rank == 0:
                 events.emit("checkpoint_saved", iter=start_iter, seconds=ckpt.cost_s)
         if rank == 0:
@@ -515,18 +506,13 @@ def _train_loop(
                     )
                 interval = int(store.get(interval_key).decode())
             if interval and (it + 1) % interval == 0 and it + 1 < total:
-                ckpt_s = save_checkpoint(
-                    ckpt.root,
-                    state,
-                    it + 1,
-                    group=group,
-                    rank=rank,
-                    keep=cfg.checkpoint.keep,
-                    shard=ckpt.shard,
-                )
+                ckpt_s = ckpt.save(state, it + 1, group=group, rank=rank)
                 if rank == 0:
                     events.emit("checkpoint_saved", iter=it + 1, seconds=ckpt_s)
-        digest = job_state_hash(cfg, state, group)
+        # Only rank 0 writes metrics; a plan's hash is a collective every rank joins.
+        digest = None
+        if metrics is not None or cfg.parallel.planned:
+            digest = job_state_hash(cfg, state, group)
         if metrics is not None:
             t_end = time.time()
             metrics.write(
