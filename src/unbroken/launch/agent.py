@@ -299,7 +299,7 @@ class Agent:
         mem = self.memory
         assert mem is not None
         live = [t for t in self.shadows.values() if t.proc.poll() is None]
-        verdict = mem.on_oom([t.proc.pid for t in live])
+        verdict = mem.on_oom([t.proc.pid for t in live], self._shadow_level_now)
         if verdict == "real":
             self._memory_event(
                 "oom",
@@ -314,10 +314,14 @@ class Agent:
         self.kill_shadows()  # SIGKILL, then wait until each is gone (its memory returned)
         fields = mem.reclaimed(len(self.trainers))
         self._memory_event("shadows_reclaimed", **fields)
-        if fields["level_to"] and pending is None and live:
-            msg = self._last_start
-            nxt = live[0].generation
-            self._pending_shadows = (msg, nxt, fields["level_to"], sorted(self.trainers))
+        if pending is None and live:
+            self._relaunch_shadows(fields["level_to"], live[0].generation)
+
+    def _relaunch_shadows(self, level: int, generation: int) -> None:
+        """After a reclamation: the same generation's shadows again, at `level` (0: none)."""
+        self._shadow_level_now = level
+        if level:
+            self._pending_shadows = (self._last_start, generation, level, sorted(self.trainers))
             self._spawn_pending_shadows()
 
     def _on_reclaim_request(self, req: dict) -> None:
@@ -351,15 +355,8 @@ class Agent:
                 wait_s=answer["wait_s"],
                 device_used_mb=(req.get("used") or 0) / (1 << 20),
             )
-            if level and pending is None:
-                self._shadow_level_now = level
-                self._pending_shadows = (
-                    self._last_start,
-                    live[0].generation,
-                    level,
-                    sorted(self.trainers),
-                )
-                self._spawn_pending_shadows()
+            if pending is None:
+                self._relaunch_shadows(level, live[0].generation)
         else:
             self._memory_event(
                 "oom",

@@ -38,8 +38,6 @@ class _Reclaim:
 class ReclaimController:
     budget: MemoryBudget
     policy: LevelPolicy
-    level: int = 0
-    """The level of the shadows now alive (or pending)."""
     peak_active: int | None = None
     """Largest memory in use without shadows seen so far (bytes)."""
     measured: set[int] = field(default_factory=set)
@@ -71,13 +69,13 @@ class ReclaimController:
         self.peak_active = max(active, self.peak_active or 0)
 
     def level_for_next(self, ranks: int) -> int:
-        self.level = self.policy.at_recovery(self.peak_active, ranks)
+        level = self.policy.at_recovery(self.peak_active, ranks)
         self.budget.restore_oom_hold()
-        return self.level
+        return level
 
-    def on_oom(self, shadow_pids: list[int]) -> str:
+    def on_oom(self, shadow_pids: list[int], level: int) -> str:
         """An OOM notification. Returns "reclaim" (kill `shadow_pids`, wait until they are gone,
-        then call `reclaimed`), "real" (nothing to reclaim: the hold was released and the
+        then call `reclaimed`; `level` is theirs), "real" (nothing to reclaim: the hold was released and the
         kernel's OOM killer decides, as without a controller) or "none" (already resolved)."""
         self.budget.drain_events()
         if not self.budget.under_oom():
@@ -85,15 +83,15 @@ class ReclaimController:
         if not shadow_pids:
             self.budget.release_oom_hold()
             return "real"
-        self._start(shadow_pids)
+        self._start(shadow_pids, level)
         return "reclaim"
 
-    def _start(self, shadow_pids: list[int]) -> None:
+    def _start(self, shadow_pids: list[int], level: int) -> None:
         held = sum(private_bytes(pid) for pid in shadow_pids)
         usage = self.budget.usage()
         self.peak_active = max(usage - held, self.peak_active or 0)
         self._pending = _Reclaim(
-            time.time(), time.monotonic(), usage, held, len(shadow_pids), self.level
+            time.time(), time.monotonic(), usage, held, len(shadow_pids), level
         )
 
     def reclaimed(self, ranks: int) -> dict:
@@ -108,12 +106,12 @@ class ReclaimController:
         # The demand that hit the budget: what was in use without the shadows then (the
         # waiting allocation may already be done and freed by now — it may come again).
         active = max(after, r.usage_before - r.held)
-        self.level = self.policy.after_reclaim(active=active, shadows=ranks)
+        level = self.policy.after_reclaim(active=active, shadows=ranks)
         return {
             "t_oom": r.t_oom,
             "shadows": r.shadows,
             "level_from": r.level_from,
-            "level_to": self.level,
+            "level_to": level,
             "freed_mb": r.held / MIB,
             "wait_s": wait_s,
             "usage_mb_before": r.usage_before / MIB,
