@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
+
+from unbroken.launch.ranks import run_ranks
 
 __all__ = ["BenchJob", "BenchSetup", "run_jobs"]
 
@@ -208,28 +209,7 @@ def run_jobs(setup: BenchSetup, jobs: list[BenchJob], out: Path) -> None:
             }
         )
     )
-    env = dict(os.environ, OMP_NUM_THREADS=str(setup.threads))
-    src = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "unbroken.detect._jobs", str(spec), str(r)], env=env
-        )
-        for r in range(setup.world_size)
-    ]
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
-                break  # one rank died: its peers would wait in a collective until timeout
-            time.sleep(0.2)  # polling child processes, not synchronizing with them
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    codes = [p.returncode for p in procs]
-    if any(codes):
-        raise RuntimeError(f"bench worker exit codes {codes}")
+    run_ranks("unbroken.detect._jobs", [str(spec)], setup.world_size, setup.threads, "bench worker")
 
 
 def _main(argv: list[str]) -> None:

@@ -19,13 +19,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from unbroken.errors import UserError
+from unbroken.launch.ranks import run_ranks
 
 __all__ = ["add_arguments", "run"]
 
@@ -80,24 +79,9 @@ def _plans(args: argparse.Namespace) -> dict:
 def _launch(spec: dict, tmp: Path) -> dict:
     path = tmp / "spec.json"
     path.write_text(json.dumps(spec))
-    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
-    src = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "unbroken.engine._bench_ranks", str(path)]
-    procs = [subprocess.Popen([*cmd, str(r)], env=env) for r in range(WORLD_SIZE)]
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
-                break  # one rank died: its peers would wait in a collective until timeout
-            time.sleep(0.2)  # polling child processes, not synchronizing with them
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    codes = [p.returncode for p in procs]
-    if any(codes):
-        raise RuntimeError(f"bench engine: rank exit codes {codes}")
+    run_ranks(
+        "unbroken.engine._bench_ranks", [str(path)], WORLD_SIZE, spec["threads"], "bench engine"
+    )
     return json.loads(Path(spec["result"]).read_text())
 
 
