@@ -5,36 +5,21 @@ import torch
 from unbroken.config import DataConfig, JobConfig, ModelConfig, TrainConfig
 from unbroken.detect.timing import PhaseTimer
 from unbroken.detect.varlen import varlen_loss
-from unbroken.train import Trainer
 from unbroken.train.build import build_training
 from unbroken.train.loop import reference_loss
-from unbroken.update import PlainUpdater
 
+from ..foundation.conftest import local_trainer
 
-def _built():
-    cfg = JobConfig(
-        model=ModelConfig(preset="tiny"),
-        data=DataConfig(tokens_per_microbatch=256, microbatches=3, max_documents=200),
-        train=TrainConfig(iterations=1),
-    )
-    return cfg, build_training(cfg, n_shards=1, device=torch.device("cpu"))
+CFG = JobConfig(
+    model=ModelConfig(preset="tiny"),
+    data=DataConfig(tokens_per_microbatch=256, microbatches=3, max_documents=200),
+    train=TrainConfig(iterations=1),
+)
 
 
 def test_phase_timer_records_a_real_iteration():
-    cfg, b = _built()
     timer = PhaseTimer(rank=0)
-    trainer = Trainer(
-        model=b.model,
-        state=b.state,
-        source=b.source,
-        shard=0,
-        cfg=cfg.train,
-        group=None,
-        device=torch.device("cpu"),
-        hooks=[timer],
-        updater=PlainUpdater(b.state, b.geometry, b.step),
-        loss_fn=varlen_loss,
-    )
+    _, trainer = local_trainer(CFG, hooks=[timer], loss_fn=varlen_loss)
     res = trainer.run_iteration(0)
     (rec,) = timer.records
     # One replica: no all-reduce hook ends the last micro-batch, so it is not timed.
@@ -45,7 +30,7 @@ def test_phase_timer_records_a_real_iteration():
 
 
 def test_varlen_loss_equals_the_masked_reference_loss():
-    _, b = _built()
+    b = build_training(CFG, n_shards=1, device=torch.device("cpu"))
     cpu = torch.device("cpu")
     for mb in b.source.iteration(0, 0):
         with torch.no_grad():

@@ -75,22 +75,11 @@ def one_thread():
 
 def reference(cfg: JobConfig, dp: int, iterations: int) -> Outcome:
     """The single-process `unbroken.train` path for a `dp`-replica job."""
-    from unbroken.train import Trainer, lr_at
-    from unbroken.train.build import build_training
-    from unbroken.update import PlainUpdater
+    from tests.foundation.conftest import local_trainer
+    from unbroken.train import lr_at
 
     with one_thread():
-        built = build_training(cfg, n_shards=dp, device=torch.device("cpu"))
-        tr = Trainer(
-            model=built.model,
-            state=built.state,
-            source=built.source,
-            shard=0,
-            cfg=cfg.train,
-            group=None,
-            device=torch.device("cpu"),
-            updater=PlainUpdater(built.state, built.geometry, built.step),
-        )
+        built, tr = local_trainer(cfg, n_shards=dp)
         losses, norms = [], []
         grads = built.state.grads
         for it in range(iterations):

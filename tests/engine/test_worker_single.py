@@ -10,10 +10,9 @@ import torch
 import torch.distributed as dist
 
 from tests.engine.harness import engine_job, one_thread
+from tests.foundation.conftest import local_trainer
 from unbroken.engine.build import build_worker
 from unbroken.parallel import make_plan
-from unbroken.train import Trainer
-from unbroken.train.build import build_training
 from unbroken.update import PlainUpdater
 
 
@@ -44,18 +43,7 @@ def test_one_rank_plan_is_the_trainer(world):
         return PlainUpdater(state, geometry, step)
 
     with one_thread():
-        built = build_training(cfg, n_shards=1, device=torch.device("cpu"))
-        ref = Trainer(
-            model=built.model,
-            state=built.state,
-            source=built.source,
-            shard=0,
-            cfg=cfg.train,
-            group=None,
-            device=torch.device("cpu"),
-            hooks=[record(seen_ref)],
-            updater=PlainUpdater(built.state, built.geometry, built.step),
-        )
+        built, ref = local_trainer(cfg, hooks=[record(seen_ref)])
         plan = make_plan(1, 1, 1, 4, cfg.data.microbatches, "1f1b")
         ours = build_worker(
             cfg,

@@ -18,6 +18,31 @@ from unbroken.config import (
 )
 
 
+def local_trainer(cfg: JobConfig, *, n_shards: int = 1, hooks=(), **trainer_kw):
+    """A one-process `Trainer` (shard 0, no group, CPU) on fresh local buffers with the plain
+    updater, as most single-process tests build it. Returns (built, trainer)."""
+    import torch
+
+    from unbroken.train import Trainer
+    from unbroken.train.build import build_training
+    from unbroken.update import PlainUpdater
+
+    built = build_training(cfg, n_shards=n_shards, device=torch.device("cpu"))
+    trainer = Trainer(
+        model=built.model,
+        state=built.state,
+        source=built.source,
+        shard=0,
+        cfg=cfg.train,
+        group=None,
+        device=torch.device("cpu"),
+        hooks=list(hooks),
+        updater=PlainUpdater(built.state, built.geometry, built.step),
+        **trainer_kw,
+    )
+    return built, trainer
+
+
 def tiny_job(
     *,
     world_size: int = 2,

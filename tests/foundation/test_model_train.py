@@ -6,8 +6,9 @@ import torch
 
 from unbroken.config import ModelConfig, TrainConfig
 from unbroken.model import FlatLayout, build_model, init_parameters, materialize, resolve_args
-from unbroken.train import AdamW, Phase, Trainer, TrainState, lr_at
-from unbroken.train.build import build_training
+from unbroken.train import AdamW, Phase, TrainState, lr_at
+
+from .conftest import local_trainer
 
 
 def _trainer(seed=0, moe=False, hooks=()):
@@ -19,21 +20,7 @@ def _trainer(seed=0, moe=False, hooks=()):
         train=TrainConfig(iterations=10, lr=1e-3, seed=seed),
         protection=ProtectionConfig(page_bytes=4096, stripe_pages=2, chunk_bytes=1024),
     )
-    built = build_training(cfg, n_shards=1, device=torch.device("cpu"))
-    from unbroken.update import PlainUpdater
-
-    tr = Trainer(
-        model=built.model,
-        state=built.state,
-        source=built.source,
-        shard=0,
-        cfg=cfg.train,
-        group=None,
-        device=torch.device("cpu"),
-        hooks=hooks,
-        updater=PlainUpdater(built.state, built.geometry, built.step),
-    )
-    return tr
+    return local_trainer(cfg, hooks=hooks)[1]
 
 
 def test_parameters_are_views_of_caller_storage():
