@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import threading
@@ -14,29 +13,11 @@ import time
 import pytest
 
 from unbroken.api import run_job
+from unbroken.detect._latency import _agent_pid
 from unbroken.metrics.log import read_jsonl
 
 from ..foundation.conftest import tiny_job
 from .test_shadows import _wait_for
-
-
-def _agent_pid(out) -> int:
-    def find():
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    cmd = fh.read().split(b"\0")
-            except OSError:
-                continue
-            if b"unbroken.launch.agent" in cmd and os.getppid() != int(entry):
-                env_port = json.loads((out / "coordinator-train.json").read_text())["port"]
-                if f"127.0.0.1:{env_port}".encode() in cmd:
-                    return int(entry)
-        return None
-
-    return _wait_for(find)
 
 
 # node_timeout_s 2 s: on a loaded 2-core machine an agent starting its processes was silent for
@@ -54,7 +35,7 @@ def test_agent_loss_is_detected_within_its_bound(tmp_path, sig, bound_s):
     job = threading.Thread(target=lambda: result.update(run_job(cfg, tmp_path, quiet=True)))
     job.start()
     _wait_for(lambda: (tmp_path / "metrics.jsonl").exists())  # training is under way
-    pid = _agent_pid(tmp_path)
+    pid = _wait_for(lambda: _agent_pid(tmp_path))
     t_loss = time.time()
     os.kill(pid, sig)
     job.join(timeout=120)

@@ -60,7 +60,10 @@ def test_l3_shadows_take_over_a_crash_exactly(tmp_path):
     assert not [e for e in events if e["kind"] == "checkpoint_loaded"]
 
 
-def test_a_lost_shadow_is_survived_by_fresh_processes(tmp_path):
+def _reference_then_background_run(tmp_path):
+    """A 150-iteration job: its fault-free reference without shadows (run to the end), then
+    the job itself with shadows, started in a thread for the test to act on.
+    Returns (reference summary, run dir, the run's summary once joined, its thread)."""
     cfg = tiny_job(iterations=150, interval=0)
     ref = run_job(
         dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, shadow_level=0)),
@@ -71,6 +74,11 @@ def test_a_lost_shadow_is_survived_by_fresh_processes(tmp_path):
     result: dict = {}
     job = threading.Thread(target=lambda: result.update(run_job(cfg, out, quiet=True)))
     job.start()
+    return ref, out, result, job
+
+
+def test_a_lost_shadow_is_survived_by_fresh_processes(tmp_path):
+    ref, out, result, job = _reference_then_background_run(tmp_path)
 
     def shadows() -> list[int]:
         if not (out / "metrics.jsonl").exists():
@@ -97,16 +105,7 @@ def test_a_lost_shadow_is_survived_by_fresh_processes(tmp_path):
 def test_a_shadow_killed_mid_takeover_is_survived_exactly(tmp_path):
     """The promoted shadow dies while it attaches, repairs and resumes: that is a failure of the
     new generation, recovered like any other, and the result is still exact."""
-    cfg = tiny_job(iterations=150, interval=0)
-    ref = run_job(
-        dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, shadow_level=0)),
-        tmp_path / "ref",
-        quiet=True,
-    )
-    out = tmp_path / "run"
-    result: dict = {}
-    job = threading.Thread(target=lambda: result.update(run_job(cfg, out, quiet=True)))
-    job.start()
+    ref, out, result, job = _reference_then_background_run(tmp_path)
 
     def events(kind: str) -> list[dict]:
         if not (out / "events.jsonl").exists():
