@@ -22,7 +22,7 @@ from typing import Any
 
 from unbroken.config import JobConfig, load_config, to_dict
 from unbroken.errors import UserError
-from unbroken.inject import parse_fault
+from unbroken.inject import FaultKind, parse_fault
 from unbroken.launch.coordinator import Coordinator, RunOutcome
 from unbroken.metrics.plot import plot_runs
 from unbroken.metrics.summary import build_summary
@@ -79,12 +79,18 @@ def run_job(
             require_budget_support()
         except BudgetUnavailable as exc:
             raise UserError(f"recovery.memory_budget_mb is set but {exc}") from None
+    gpu_retained = _check_gpu_retained(cfg)
     for spec in cfg.inject:
         fault = parse_fault(spec)
         if fault.rank >= cfg.parallel.world_size:
             raise UserError(
                 f"fault {spec!r}: rank {fault.rank} does not exist (world_size "
                 f"{cfg.parallel.world_size})"
+            )
+        if gpu_retained and fault.kind is FaultKind.PAGELOSS:
+            raise UserError(
+                f"fault {spec!r}: page loss is injected into host memory; retained GPU memory "
+                "is not localized per page yet (docs/architecture.md)"
             )
     _check_user_objects(cfg, search)
     out = Path(out)
@@ -124,6 +130,33 @@ def run_job(
     except ImportError as exc:  # a machine without matplotlib still gets every other output
         print(f"unbroken: no plot ({exc})", file=sys.stderr)
     return summary
+
+
+#: The page size of retained GPU memory: the CUDA virtual-memory granularity (ARCHITECTURE.md).
+GPU_PAGE_BYTES = 2 << 20
+
+
+def _check_gpu_retained(cfg: JobConfig) -> bool:
+    """Whether trainers will retain state in GPU memory; if so, check the page size fits.
+
+    Raises:
+        UserError: protection.page_bytes is not a multiple of the 2 MiB GPU page.
+    """
+    if cfg.recovery.mode != "inplace" or cfg.train.device == "cpu":
+        return False
+    if cfg.train.device == "auto":
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+    if cfg.protection.page_bytes % GPU_PAGE_BYTES:
+        raise UserError(
+            f"protection.page_bytes = {cfg.protection.page_bytes}: in-place recovery on cuda "
+            f"retains state in GPU memory, whose pages are {GPU_PAGE_BYTES} bytes; set "
+            f"protection.page_bytes to a multiple of {GPU_PAGE_BYTES} (or recovery.mode = "
+            '"ckpt_restart")'
+        )
+    return True
 
 
 def _check_user_objects(cfg: JobConfig, search: list[str]) -> None:

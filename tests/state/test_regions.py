@@ -42,7 +42,14 @@ def test_size_rounds_up_and_reallocate_reuses(client):
     with pytest.raises(RetainedStateError, match="free it before"):
         client.allocate("grads", 4 * PAGE, page_bytes=PAGE, protected=False)
     assert client.list() == [
-        {"name": "grads", "nbytes": 2 * PAGE, "page_bytes": PAGE, "protected": False}
+        {
+            "name": "grads",
+            "nbytes": 2 * PAGE,
+            "page_bytes": PAGE,
+            "protected": False,
+            "device": None,
+            "serial": 1,
+        }
     ]
     client.free("grads")
     assert client.list() == []

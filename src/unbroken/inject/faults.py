@@ -73,6 +73,10 @@ class FaultSpec:
     """`pageloss`: how many protection groups lose pages (each `pages` + `parity`)."""
     mb: int = 0
     """`memspike`: MiB allocated (and written) until the iteration ends."""
+    over: int = 0
+    """`memspike` on a GPU: allocate the device's free memory plus `over` MiB instead of `mb`
+    — more than is free, so it succeeds only if at least `over` MiB are reclaimed (a forced
+    OOM for the allocation-failure path). The size is fixed when it first fires."""
 
     @property
     def key(self) -> str:
@@ -94,7 +98,7 @@ class FaultSpec:
             if self.what is not SlowTarget.COMPUTE:
                 parts.append(f"what={self.what.value}")
         if self.kind is FaultKind.MEMSPIKE:
-            parts.append(f"mb={self.mb}")
+            parts.append(f"over={self.over}" if self.over else f"mb={self.mb}")
         if self.kind is FaultKind.PAGELOSS:
             parts.append(f"pages={self.pages}")
             if self.parity:
@@ -130,7 +134,7 @@ def parse_fault(spec: str) -> FaultSpec:
     if kind is FaultKind.SLOW:
         known |= {"level", "what"}
     if kind is FaultKind.MEMSPIKE:
-        known |= {"mb"}
+        known |= {"mb", "over"}
     if unknown := set(fields) - known:
         raise UserError(
             f"fault {spec!r}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}"
@@ -147,6 +151,7 @@ def parse_fault(spec: str) -> FaultSpec:
         group = int(fields["group"]) if "group" in fields else None
         groups = int(fields.get("groups", "1"))
         mb = int(fields.get("mb", "0"))
+        over = int(fields.get("over", "0"))
         level = _choice(fields, "level", Level)
         what = _choice(fields, "what", SlowTarget) or SlowTarget.COMPUTE
     except KeyError:
@@ -157,8 +162,11 @@ def parse_fault(spec: str) -> FaultSpec:
         raise UserError(f"fault {spec!r}: give exactly one trigger, iter=I or at=SECONDS")
     if kind is FaultKind.PAGELOSS and (pages + parity < 1 or groups < 1):
         raise UserError(f"fault {spec!r}: pageloss needs pages=N and/or parity=N")
-    if kind is FaultKind.MEMSPIKE and mb < 1:
-        raise UserError(f"fault {spec!r}: memspike needs mb=N (MiB, >= 1)")
+    if kind is FaultKind.MEMSPIKE and (mb < 1) == (over < 1):
+        raise UserError(
+            f"fault {spec!r}: memspike needs exactly one of mb=N (MiB, >= 1) or over=N "
+            "(MiB beyond the GPU's free memory, >= 1)"
+        )
     if kind is FaultKind.SLOW and level is not None and "factor" in fields:
         raise UserError(f"fault {spec!r}: give factor=F or level=L, not both")
     if kind is FaultKind.SLOW and level is None and factor <= 1.0:
@@ -182,6 +190,7 @@ def parse_fault(spec: str) -> FaultSpec:
         group=group,
         groups=groups,
         mb=mb,
+        over=over,
     )
 
 

@@ -94,6 +94,10 @@ class Injector:
         self._iter_mark: tuple[int, float] | None = None
         self._spike = None
         """A `memspike` allocation, held until the next iteration starts."""
+        self._failed_spike: tuple[str, int, int] | None = None
+        """(fault key, iteration, bytes) of a `memspike` whose allocation ran out of memory:
+        the allocation-failure path retries the iteration, and the spike asks again for the
+        same bytes."""
         self.device = None
         """The trainer's device (set by the trainer): a `memspike` allocates there."""
 
@@ -117,9 +121,57 @@ class Injector:
                 self._periods.append(now - self._iter_mark[1])
             self._iter_mark = (iteration, now)
         for fault in self.faults:
-            if self._matches(fault, phase, iteration, step, n_steps) and not self._fired(fault):
+            if self._matches(fault, phase, iteration, step, n_steps) and (
+                not self._fired(fault) or self._retrying(fault, iteration)
+            ):
                 self._fire(fault, phase, iteration, step)
         self._phase_start = self.clock()
+
+    def _retrying(self, fault: FaultSpec, iteration: int) -> bool:
+        f = self._failed_spike
+        return f is not None and f[:2] == (fault.key, iteration)
+
+    def _spike_bytes(self, fault: FaultSpec, iteration: int) -> int:
+        if self._retrying(fault, iteration):
+            return self._failed_spike[2]  # type: ignore[index]
+        if not fault.over:
+            return fault.mb << 20
+        if self.device is None or self.device.type != "cuda":
+            raise InjectedFault(f"{fault.text()}: over=N needs a CUDA device (use mb=N)")
+        import torch
+
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + (fault.over << 20)
+
+    def _memspike(self, fault: FaultSpec, phase: Phase, iteration: int) -> None:
+        """Real pages, written so the device or the kernel must back them. Under a memory
+        budget with reclamation, this is where the allocation waits for the shadows' memory
+        (unbroken.shadow.memory); on a GPU an allocation over capacity raises
+        OutOfMemoryError, which the trainer's allocation-failure path answers."""
+        nbytes = self._spike_bytes(fault, iteration)
+        t0 = time.perf_counter()
+        if self.device is not None and self.device.type == "cuda":
+            import torch
+
+            try:
+                self._spike = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
+            except torch.OutOfMemoryError:
+                self._failed_spike = (fault.key, iteration, nbytes)
+                self.emit("memory_spike_failed", rank=self.rank, iter=iteration, mb=nbytes >> 20)
+                raise
+        else:
+            self._spike = np.ones(nbytes, dtype=np.uint8)
+        self._failed_spike = None
+        self.emit(
+            "memory_spike",
+            rank=self.rank,
+            iter=iteration,
+            phase=phase.value,
+            mb=nbytes >> 20,
+            alloc_s=time.perf_counter() - t0,
+            spec=fault.text(),
+        )
 
     def _stall(self, step_s: float, iteration: int) -> None:
         """Stall for the phase step that just ended ([Note: slow-fault])."""
@@ -165,25 +217,7 @@ class Injector:
     def _fire(self, fault: FaultSpec, phase: Phase, iteration: int, step: int) -> None:
         self.store.set(f"inject/{fault.key}", str(time.time()))
         if fault.kind is FaultKind.MEMSPIKE:
-            # Not a failure: real pages, written so the kernel must back them. Under a memory
-            # budget with reclamation, this is where the allocation waits for the shadows'
-            # memory (unbroken.shadow.memory); without it, where the OOM killer strikes.
-            t0 = time.perf_counter()
-            if self.device is not None and self.device.type == "cuda":
-                import torch  # a real CUDA allocation: over capacity it raises OutOfMemoryError
-
-                self._spike = torch.ones(fault.mb << 20, dtype=torch.uint8, device=self.device)
-            else:
-                self._spike = np.ones(fault.mb << 20, dtype=np.uint8)
-            self.emit(
-                "memory_spike",
-                rank=self.rank,
-                iter=iteration,
-                phase=phase.value,
-                mb=fault.mb,
-                alloc_s=time.perf_counter() - t0,
-                spec=fault.text(),
-            )
+            self._memspike(fault, phase, iteration)  # not a failure unless memory runs out
             return
         if fault.kind is FaultKind.OOM:
             # Not a failure by itself: the trainer's allocation-failure path decides (it asks

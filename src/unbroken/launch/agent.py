@@ -91,6 +91,10 @@ class Agent:
         self._device_policy = None
         """Level policy for allocation failures reported by trainers (device OOM)."""
         """Sets of shadows started so far (each rendezvouses under its own store prefix)."""
+        self._relaunch_after: tuple[int, int, int, int] | None = None
+        """(rank, iteration, level, generation): shadows reclaimed for a trainer's allocation
+        failure come back once that trainer's heartbeat shows it got past the iteration it
+        retried — a shadow starting meanwhile would compete for the memory just freed."""
         self._pending_shadows: tuple[dict, int, int, list[int]] | None = None
         """(start message, generation, level, ranks) of shadows waiting for the fork server to
         finish its imports; spawned from the supervision loop, never blocking it."""
@@ -233,6 +237,7 @@ class Agent:
             self.kill_shadows()
             for r in ranks:
                 self.trainers[r] = self._spawn(msg, r, gen, msg["spec"], 0)
+        self._relaunch_after = None  # this start brings its own shadows
         level = int(msg.get("shadow_level") or 0)
         if level and self._device_policy is not None:
             self._device_policy.at_recovery(None, len(ranks))  # a recovery resets the cap
@@ -355,8 +360,10 @@ class Agent:
                 wait_s=answer["wait_s"],
                 device_used_mb=(req.get("used") or 0) / (1 << 20),
             )
-            if pending is None:
+            if pending is None and req.get("iteration") is None:
                 self._relaunch_shadows(level, live[0].generation)
+            elif pending is None:
+                self._relaunch_after = (req["rank"], req["iteration"], level, live[0].generation)
         else:
             self._memory_event(
                 "oom",
@@ -426,6 +433,15 @@ class Agent:
                 t.last_beat = time.time()
                 t.info = beat
                 t.cpu_mark = None
+            self._maybe_relaunch(beat)
+
+    def _maybe_relaunch(self, beat: dict) -> None:
+        after = self._relaunch_after
+        if after is None or beat.get("rank") != after[0]:
+            return
+        if int(beat.get("iter", -1)) > after[1]:
+            self._relaunch_after = None
+            self._relaunch_shadows(after[2], after[3])
 
     def check_children(self) -> None:
         now = time.time()

@@ -58,13 +58,16 @@ class RetainedState:
         self, layout: FlatLayout, geometry: StateGeometry, device: torch.device
     ) -> tuple[TrainState, bool]:
         """The `allocate` callback of `build_training`: map every region; if they are
-        retained, localize and remap failed pages before anything touches them."""
-        if device.type != "cpu":
-            raise NotImplementedError("retained GPU memory is not built yet; use device = 'cpu'")
+        retained, localize and remap failed pages before anything touches them.
+
+        On a CUDA device every region but the marker is GPU memory owned by the state manager
+        (`unbroken.state.cuda_vmm`): the model state, gradients, both parity tiers and the
+        updater's buffers live on the device, where the codec runs; the marker, written after
+        every operation and read first on recovery, stays in host memory."""
         specs = region_specs(geometry, self.cfg.protection)
         self.regions = {
             s.name: self.client.allocate(
-                s.name, s.nbytes, page_bytes=s.page_bytes, protected=s.protected
+                s.name, s.nbytes, **_placement(s, device, geometry.page_bytes)
             )
             for s in specs
         }
@@ -111,6 +114,16 @@ class RetainedState:
     def tensors(self) -> dict[str, torch.Tensor]:
         assert self.regions is not None
         return {name: r.tensor for name, r in self.regions.items()}
+
+
+def _placement(spec, device: torch.device, page_bytes: int) -> dict[str, Any]:
+    """allocate() keywords for one region: host memory on CPU and for the marker; else GPU
+    memory, whose unprotected buffers take the protected pages' size (a multiple of the
+    allocation granularity, which the manager checks)."""
+    if device.type == "cpu" or spec.name == "marker":
+        return {"page_bytes": spec.page_bytes, "protected": spec.protected}
+    page = spec.page_bytes if spec.protected else page_bytes
+    return {"page_bytes": page, "protected": spec.protected, "device": device.index or 0}
 
 
 def _marker_row(upd: ResumableUpdater, ok: bool) -> list[float]:

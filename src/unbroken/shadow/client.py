@@ -36,12 +36,21 @@ class ReclaimClient:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(_addr(self._reply_name))
 
-    def request(self, reason: str, used: int | None = None, total: int | None = None) -> dict:
+    def request(
+        self,
+        reason: str,
+        used: int | None = None,
+        total: int | None = None,
+        iteration: int | None = None,
+    ) -> dict:
         """Ask for the shadows' memory; returns the agent's answer ({"reclaimed": n shadows,
-        "level_to", "wait_s"}). Raises TimeoutError if the agent does not answer."""
+        "level_to", "wait_s"}). `iteration` is the one being retried: the agent relaunches
+        shadows only once this trainer has got past it. Raises TimeoutError if the agent does
+        not answer."""
         msg = {
             "op": "reclaim",
             "rank": self.rank,
+            "iteration": iteration,
             "generation": self.generation,
             "reply": self._reply_name,
             "reason": reason,

@@ -1,9 +1,11 @@
 """Trainer side of the Resilient Memory Pool: connect, get regions, map them zero-copy.
 
 `RetainedClient` talks to this rank's state manager (`unbroken.state.manager`); each region
-arrives as an fd (SCM_RIGHTS) and is mapped once, `MAP_SHARED`, and wrapped without a copy as a
-`torch.uint8` tensor. The client owns its mappings and fds; closing them never affects the
-retained memory, which the manager owns.
+arrives as an fd (SCM_RIGHTS) and is mapped once and wrapped without a copy as a `torch.uint8`
+tensor: a host region (memfd) with `mmap(MAP_SHARED)`, a GPU region (an exported CUDA
+allocation) through the driver's virtual-memory API (`unbroken.state.cuda_vmm`) as a CUDA
+tensor. The client owns its mappings; closing them never affects the retained memory, which
+the manager owns.
 
 Trainers must write every page of a freshly allocated region (``region.tensor.zero_()``) — an
 unwritten page is a hole and `localize` reports it lost — and must not touch retained pages after
@@ -60,7 +62,10 @@ class RetainedRegion:
         page_bytes: page size; the unit of loss, localization and remap.
         protected: whether parity covers the contents.
         fresh: True when the contents are new (zeros), False when retained from earlier.
-        fd: this process's copy of the region's memfd.
+        device: CUDA device ordinal of a GPU region, None for host memory.
+        serial: the manager's creation number of the region.
+        fd: this process's copy of the region's memfd (host regions; -1 for GPU regions,
+            whose fd is closed once imported).
         tensor: a zero-copy `torch.uint8` tensor over the whole mapping.
     """
 
@@ -70,9 +75,21 @@ class RetainedRegion:
         self.page_bytes: int = info["page_bytes"]
         self.protected: bool = info["protected"]
         self.fresh: bool = info["fresh"]
-        self.fd = fd
-        self._mmap = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.tensor: torch.Tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.device: int | None = info.get("device")
+        self.serial: int = info.get("serial", 0)
+        self._mmap = self._gpu = None
+        if self.device is None:
+            self.fd = fd
+            self._mmap = mmap.mmap(
+                fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+            )
+            self.tensor: torch.Tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        else:
+            from unbroken.state.cuda_vmm import DeviceMapping
+
+            self.fd = -1
+            self._gpu = DeviceMapping(fd, self.nbytes, self.device)  # closes fd
+            self.tensor = self._gpu.tensor
 
     @property
     def n_pages(self) -> int:
@@ -97,6 +114,10 @@ class RetainedRegion:
     def close(self) -> None:
         """Unmap and close the fd. Views of `tensor` must be gone first."""
         self.tensor = None  # type: ignore[assignment]
+        if self._gpu is not None:
+            torch.cuda.synchronize(self.device)
+            self._gpu.close()
+            return
         with contextlib.suppress(BufferError):
             self._mmap.close()
         with contextlib.suppress(OSError):
@@ -133,15 +154,29 @@ class RetainedClient:
         self._sock = _connect(self.socket_path, timeout_s)
 
     def allocate(
-        self, name: str, nbytes: int, *, page_bytes: int, protected: bool
+        self,
+        name: str,
+        nbytes: int,
+        *,
+        page_bytes: int,
+        protected: bool,
+        device: int | None = None,
     ) -> RetainedRegion:
-        """Allocate region `name` (or reuse it, `fresh` False) and map it.
+        """Allocate region `name` (or reuse it, `fresh` False) and map it; `device` (a CUDA
+        ordinal) puts it in GPU memory.
 
         Raises:
-            RetainedStateError: the manager refused (bad size, different existing geometry).
+            RetainedStateError: the manager refused (bad size, different existing geometry,
+                no GPU memory).
         """
+        fields: dict[str, Any] = {"device": device} if device is not None else {}
         info, fds = self._call(
-            "allocate", name=name, nbytes=nbytes, page_bytes=page_bytes, protected=protected
+            "allocate",
+            name=name,
+            nbytes=nbytes,
+            page_bytes=page_bytes,
+            protected=protected,
+            **fields,
         )
         return self._adopt(info, fds)
 
@@ -196,7 +231,7 @@ class RetainedClient:
             raise RetainedStateError(f"expected one fd for {info.get('name')!r}, got {len(fds)}")
         fd = fds[0]
         old = self._regions.get(info["name"])
-        if old is not None and _same_file(old.fd, fd):
+        if old is not None and old.serial == info.get("serial", 0) and _same_file(old, fd):
             os.close(fd)  # map once per region: keep the existing mapping
             old.fresh = info["fresh"]
             return old
@@ -219,8 +254,11 @@ class RetainedClient:
         return reply, fds
 
 
-def _same_file(fd_a: int, fd_b: int) -> bool:
-    a, b = os.fstat(fd_a), os.fstat(fd_b)
+def _same_file(old: RetainedRegion, fd: int) -> bool:
+    """Whether `fd` is the region `old` maps (GPU regions: the serial number decides)."""
+    if old.device is not None:
+        return True
+    a, b = os.fstat(old.fd), os.fstat(fd)
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 

@@ -7,8 +7,8 @@ bind-to-temp + rename, so a path that exists is ready to connect) and keeps a `R
 ==========  ============================================  =========================================
 op          request fields                                reply fields (+ fd via SCM_RIGHTS)
 ==========  ============================================  =========================================
-allocate    name, nbytes, page_bytes, protected           name, nbytes, page_bytes, protected,
-                                                          fresh  + fd
+allocate    name, nbytes, page_bytes, protected,         name, nbytes, page_bytes, protected,
+            device (optional: CUDA ordinal)               device, serial, fresh  + fd
 attach      name                                          same as allocate (fresh False) + fd
 list        —                                             regions: [{name, nbytes, ...}]
 localize    names (optional list)                         lost: {name: [page, ...]}, ms
@@ -16,6 +16,9 @@ remap       name, pages                                   ms
 free        name                                          —
 shutdown    —                                             — (then the manager exits)
 ==========  ============================================  =========================================
+
+GPU regions (``device`` given) are CUDA virtual-memory allocations whose exported fd the pool
+holds (`unbroken.state.cuda_vmm`); the manager only calls `cuInit`, never creates a context.
 
 What it must never do: read or write page contents (it holds fds, truncates, seeks holes,
 punches, fallocates, asks the kernel to populate page tables); crash on a bad request (a
@@ -222,6 +225,7 @@ class StateManager:
                     frame.get("nbytes"),
                     frame.get("page_bytes"),
                     frame.get("protected", True),
+                    frame.get("device"),
                 )
                 return _region_reply(region, fresh), [region.fd]
             if op == "attach":

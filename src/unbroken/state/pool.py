@@ -1,8 +1,13 @@
-"""The Resilient Memory Pool's bookkeeping: named memfd regions, owned for the pool's lifetime.
+"""The Resilient Memory Pool's bookkeeping: named regions, owned for the pool's lifetime.
 
 A `RetainedPool` lives inside the state-manager process (`unbroken.state.manager`), holds one
-memfd per named region and answers allocate / attach / list / localize / remap / free. It owns
-the fds, so region contents survive any trainer's death; they die with the pool's process.
+fd per named region and answers allocate / attach / list / localize / remap / free. A region is
+host memory (a memfd) or, when allocated with a `device`, GPU memory (a CUDA virtual-memory
+allocation exported as a POSIX fd, `unbroken.state.cuda_vmm`). It owns the fds, so region
+contents survive any trainer's death; they die with the pool's process.
+
+GPU regions are one allocation each: localization reports them intact (page-level loss of GPU
+memory is not localized yet) and remap refuses them.
 
 It never reads or writes page contents: it creates, truncates, seeks holes, punches and
 fallocates, and (remap, poison scan) asks the kernel to populate page tables. See
@@ -49,6 +54,9 @@ class Region:
         nbytes: size in bytes, a multiple of `page_bytes`.
         page_bytes: unit of failure localization and remap (a multiple of the OS page size).
         protected: whether the contents are covered by parity (reusable state is not).
+        device: CUDA device ordinal of a GPU region; None for host memory.
+        serial: this pool's creation number, so a client can tell a re-created region from
+            the one it already maps.
     """
 
     name: str
@@ -56,6 +64,8 @@ class Region:
     nbytes: int
     page_bytes: int
     protected: bool
+    device: int | None = None
+    serial: int = 0
 
     def describe(self) -> dict[str, object]:
         """The JSON description sent to clients."""
@@ -64,6 +74,8 @@ class Region:
             "nbytes": self.nbytes,
             "page_bytes": self.page_bytes,
             "protected": self.protected,
+            "device": self.device,
+            "serial": self.serial,
         }
 
 
@@ -79,9 +91,10 @@ class RetainedPool:
         self.label = label
         self.detect_poison = memory_failure_supported() if detect_poison is None else detect_poison
         self._regions: dict[str, Region] = {}
+        self._serial = 0
 
     def allocate(
-        self, name: str, nbytes: int, page_bytes: int, protected: bool
+        self, name: str, nbytes: int, page_bytes: int, protected: bool, device: int | None = None
     ) -> tuple[Region, bool]:
         """Create region `name`, or reuse it when it exists with the same geometry.
 
@@ -90,13 +103,16 @@ class RetainedPool:
             nbytes: requested size; rounded up to a multiple of `page_bytes`.
             page_bytes: page size, a positive multiple of the OS page size.
             protected: whether parity covers the contents.
+            device: a CUDA device ordinal for GPU memory; None (default) for host memory.
 
         Returns:
-            (region, fresh): fresh is True when the contents are new (all holes, read as zero),
-            False when they were retained from an earlier trainer.
+            (region, fresh): fresh is True when the contents are new (host: all holes, read as
+            zero; GPU: undefined until the trainer writes them), False when they were retained
+            from an earlier trainer.
 
         Raises:
-            PoolError: bad arguments, or `name` exists with a different geometry.
+            PoolError: bad arguments, `name` exists with a different geometry, or GPU memory
+                could not be created (no driver, out of memory, page size off the granularity).
         """
         _check_name(name)
         page_bytes = _check_int("page_bytes", page_bytes, mmap.PAGESIZE, MAX_REGION_BYTES)
@@ -105,25 +121,53 @@ class RetainedPool:
         nbytes = _check_int("nbytes", nbytes, 1, MAX_REGION_BYTES)
         if not isinstance(protected, bool):
             raise PoolError(f"protected must be a bool, got {protected!r}")
+        if device is not None:
+            device = _check_int("device", device, 0, 1023)
         size = -(-nbytes // page_bytes) * page_bytes
         old = self._regions.get(name)
         if old is not None:
-            if (old.nbytes, old.page_bytes, old.protected) != (size, page_bytes, protected):
+            have = (old.nbytes, old.page_bytes, old.protected, old.device)
+            if have != (size, page_bytes, protected, device):
                 raise PoolError(
                     f"region {name!r} exists as nbytes={old.nbytes} page_bytes={old.page_bytes} "
-                    f"protected={old.protected}; free it before allocating it as nbytes={size} "
-                    f"page_bytes={page_bytes} protected={protected}"
+                    f"protected={old.protected} device={old.device}; free it before allocating "
+                    f"it as nbytes={size} page_bytes={page_bytes} protected={protected} "
+                    f"device={device}"
                 )
             return old, False
+        fd = (
+            self._create_device(name, size, page_bytes, device)
+            if device is not None
+            else (self._create_host(name, size))
+        )
+        self._serial += 1
+        region = Region(name, fd, size, page_bytes, protected, device, self._serial)
+        self._regions[name] = region
+        return region, True
+
+    def _create_host(self, name: str, size: int) -> int:
         fd = os.memfd_create(f"{self.label}:{name}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
         except OSError:
             os.close(fd)
             raise
-        region = Region(name=name, fd=fd, nbytes=size, page_bytes=page_bytes, protected=protected)
-        self._regions[name] = region
-        return region, True
+        return fd
+
+    @staticmethod
+    def _create_device(name: str, size: int, page_bytes: int, device: int) -> int:
+        from unbroken.state import cuda_vmm
+
+        try:
+            gran = cuda_vmm.granularity(device)
+            if page_bytes % gran:
+                raise PoolError(
+                    f"region {name!r}: page_bytes={page_bytes} is not a multiple of device "
+                    f"{device}'s allocation granularity {gran}"
+                )
+            return cuda_vmm.create_allocation(size, device)
+        except cuda_vmm.CudaVmmError as exc:
+            raise PoolError(f"region {name!r} on cuda:{device}: {exc}") from exc
 
     def get(self, name: object) -> Region:
         """The region called `name`.
@@ -149,6 +193,9 @@ class RetainedPool:
         start = time.perf_counter()
         lost: dict[str, list[int]] = {}
         for region in targets:
+            if region.device is not None:
+                lost[region.name] = []  # GPU: not localized per page (module docstring)
+                continue
             pages = hole_pages(region.fd, region.nbytes, region.page_bytes)
             if self.detect_poison:
                 poisoned = poisoned_pages(region.fd, region.nbytes, region.page_bytes, pages)
@@ -171,6 +218,8 @@ class RetainedPool:
             PoolError: unknown region or a page index out of range.
         """
         region = self.get(name)
+        if region.device is not None:
+            raise PoolError(f"region {name!r} is GPU memory; remap covers host regions only")
         n_pages = region.nbytes // region.page_bytes
         if not isinstance(pages, list) or not all(
             isinstance(p, int) and not isinstance(p, bool) and 0 <= p < n_pages for p in pages
