@@ -115,7 +115,7 @@ class Injector:
         self._stall(now - self._phase_start, iteration)
         self._last = (phase, iteration, step)
         if phase is Phase.FORWARD and step == 0:
-            self._spike = None  # a memory spike lasts one iteration
+            self._release_spike()  # a memory spike lasts one iteration
             self.iteration_start = time.time()
             if self._iter_mark is not None and self._iter_mark[0] == iteration - 1:
                 self._periods.append(now - self._iter_mark[1])
@@ -126,6 +126,14 @@ class Injector:
             ):
                 self._fire(fault, phase, iteration, step)
         self._phase_start = self.clock()
+
+    def _release_spike(self) -> None:
+        spike, self._spike = self._spike, None
+        if spike is not None and getattr(spike, "is_cuda", False):
+            import torch
+
+            del spike
+            torch.cuda.empty_cache()  # back to the device, not the trainer's allocator cache
 
     def _retrying(self, fault: FaultSpec, iteration: int) -> bool:
         f = self._failed_spike
