@@ -425,7 +425,9 @@ def _reclaiming(trainer, client, hb, events, rank: int, device):
                     free, total = torch.cuda.mem_get_info(device)
                     used = total - free
                 t0 = time.time()
-                answer = client.request(f"{type(exc).__name__} in {hb.phase}", used, total)
+                answer = client.request(
+                    f"{type(exc).__name__} in {hb.phase}", used, total, iteration=it
+                )
                 events.emit(
                     "oom_retry",
                     rank=rank,
