@@ -111,6 +111,13 @@ def _shadow_footprint(events: list[dict], samples: list[dict]) -> dict:
     }
 
 
+def _print_log_tails(run_dir: Path, lines: int = 12) -> None:
+    """The end of every trainer's and shadow's log of a variant that failed."""
+    for log in sorted(run_dir.glob("logs/*/*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        print(f"   --- {log.relative_to(run_dir)}", *("   | " + t for t in tail), sep="\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="examples/gpu-inplace.toml")
@@ -171,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         for e in r["memory_events"]:
             print("   ", {k: v for k, v in e.items() if k not in ("run", "t")}, flush=True)
+        if r["state"] != "done" or not r["bit_exact"]:
+            _print_log_tails(out / name)
     sampler.stop.set()
     ckpt = results.get("ckpt_restart", {}).get("median_recovery_s")
     table = []

@@ -16,6 +16,7 @@ from unbroken.checkpoint import find_latest_valid, load_checkpoint, save_checkpo
 from unbroken.checkpoint.dcp import CheckpointInfo
 from unbroken.erasure import UnrecoverableError
 from unbroken.model import init_parameters
+from unbroken.update.rmu import RepairReport
 
 __all__ = ["CheckpointPlan", "restore_state"]
 
@@ -77,47 +78,99 @@ def _reinitialize(cfg, built, retained) -> None:
     )
 
 
+@dataclass(slots=True)
+class _Retained:
+    """What one rank's retained regions hold, found locally before any collective."""
+
+    report: RepairReport | None = None
+    """The repair, when the rank retained state and it could be repaired."""
+    nothing: str = ""
+    """Why the rank retained nothing at all ("" when it retained something)."""
+    progress: bool = False
+    """Whether a completed iteration may be lost without it (also when beyond repair)."""
+
+
+def _repair_locally(updater, retained, rank: int, events) -> _Retained:
+    """Repair this rank's retained state (no collective), or say why it holds nothing."""
+    from unbroken.update.rmu import NothingRetained
+
+    if retained.fresh:
+        return _Retained(nothing="this rank's retained state is gone (its regions are new)")
+    if retained.regions["marker"].fresh:  # its trainer died while allocating the regions
+        return _Retained(nothing="this rank's marker region is new")
+    try:
+        report = updater.repair(retained.lost or {})
+    except NothingRetained as exc:
+        return _Retained(nothing=f"this rank retained nothing: {exc}")
+    except UnrecoverableError as exc:
+        events.emit("inplace_unrecoverable", rank=rank, reason=str(exc))
+        return _Retained(progress=True)
+    return _Retained(report=report, progress=updater.marker.state.done_iter >= 0)
+
+
+def collective_device(group) -> torch.device:
+    """Where a small control tensor must live for `group`'s backend: NCCL only moves CUDA
+    tensors (the current device); gloo moves CPU ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree_on_path(held: _Retained, group) -> str:
+    """The restore path every rank takes (their collectives differ, so they must agree):
+    "resume" in place when every rank retained state; "start_over" (the checkpoint path, in
+    this generation) when some rank retained nothing and no rank completed an iteration —
+    nothing is lost, there is just nothing to resume; else "fallback" (checkpoint-restart)."""
+    flags = torch.tensor([int(bool(held.nothing)), int(held.progress)], dtype=torch.int64)
+    if group is not None:
+        flags = flags.to(collective_device(group))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    nothing, progress = (bool(x) for x in flags.tolist())
+    if not nothing:
+        return "resume"
+    return "fallback" if progress else "start_over"
+
+
 def restore_state(
     *, spec, cfg, rank, built, updater, retained, group, events, hook
 ) -> tuple[int, CheckpointPlan] | None:
     """Returns (first iteration to run, checkpoint plan), or None when the retained state is
     beyond repair on some rank (every rank then exits with FATAL_EXIT)."""
     from unbroken.launch.retained import InconsistentState, agree_and_resume
-    from unbroken.update.rmu import ResumableUpdater
 
     plan = CheckpointPlan(
         Path(cfg.checkpoint.dir or Path(spec.run_dir) / "checkpoints" / spec.run_name),
         keep=cfg.checkpoint.keep,
         shard=f"rank{rank}" if cfg.parallel.planned else "",
     )
-    transactional = isinstance(updater, ResumableUpdater)
-    inplace = spec.recovery == "inplace" and retained is not None and not retained.fresh
-    if spec.recovery == "inplace" and group is not None:
-        # Every rank must take the same path (their collectives differ). A rank whose retained
-        # state is gone (fresh regions) takes the whole job to checkpoint-restart.
-        seen = torch.tensor([int(inplace), int(not inplace)], dtype=torch.int64)
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
-        if int(seen[0]) and int(seen[1]):  # mixed: nobody can resume in place
-            if not inplace:
+    if spec.recovery == "inplace" and retained is not None:
+        t0 = time.perf_counter()
+        held = _repair_locally(updater, retained, rank, events)
+        path = _agree_on_path(held, group)
+        if path == "fallback":
+            if held.nothing:
                 events.emit(
-                    "inplace_fallback",
-                    rank=rank,
-                    reason="this rank's retained state is gone (its regions are new)",
+                    "inplace_fallback", rank=rank, reason=f"{held.nothing}; peers made progress"
                 )
             return None
-    if inplace:
-        t0 = time.perf_counter()
-        report = None
-        try:
-            report = updater.repair(retained.lost or {})
-        except UnrecoverableError as exc:
-            events.emit("inplace_unrecoverable", rank=rank, reason=str(exc))
-        try:
-            start, decision = agree_and_resume(updater, report, group, hook)
-        except InconsistentState as exc:
-            if rank == 0:
-                events.emit("inplace_fallback", reason=str(exc))
-            return None
+        if path == "resume":
+            try:
+                start, decision = agree_and_resume(updater, held.report, group, hook)
+            except InconsistentState as exc:
+                if rank == 0:
+                    events.emit("inplace_fallback", reason=str(exc))
+                return None
+            report = held.report
+            assert report is not None  # agree_and_resume raised for every rank otherwise
+            fixup, action = report.fixup, decision["action"]
+        else:
+            # A trainer died before its state held anything (in its start-up): every rank
+            # begins where the job stands, the initial state or a checkpoint (from a restart
+            # whose trainers died in the same way), without another generation.
+            start, source = _restart(spec, cfg, rank, built, updater, retained, group, events, plan)
+            report = held.report or RepairReport()
+            fixup = held.nothing or report.fixup
+            action = f"no rank retained progress: start at iteration {start} from {source}"
         events.emit(
             "inplace_repair",
             rank=rank,
@@ -126,20 +179,29 @@ def restore_state(
             remap_ms=retained.remap_ms,
             reconstruct_ms=report.reconstruct_ms,
             lost_pages=report.lost_pages,
-            fixup=report.fixup,
-            action=decision["action"],
+            fixup=fixup,
+            action=action,
             total_ms=(time.perf_counter() - t0) * 1e3 + retained.localize_ms + retained.remap_ms,
         )
         return start, plan
+    start, _ = _restart(spec, cfg, rank, built, updater, retained, group, events, plan)
+    return start, plan
+
+
+def _restart(
+    spec, cfg, rank, built, updater, retained, group, events, plan: CheckpointPlan
+) -> tuple[int, str]:
+    """The checkpoint path: the newest complete checkpoint, else the initial state (and, for a
+    job's first generation, the iteration-0 checkpoint). Returns (first iteration, its source)."""
+    from unbroken.update.rmu import ResumableUpdater
+
+    transactional = isinstance(updater, ResumableUpdater)
     if spec.resume and cfg.checkpoint.enabled:
         start = _load_latest(plan, built.state, rank, group, events)
-        if start is None:
-            start = 0
-            if retained is not None and not retained.fresh:
-                _reinitialize(cfg, built, retained)
-        if transactional:
-            updater.initialize(done_iter=start - 1)
-        return start, plan
+        if start is not None:
+            if transactional:
+                updater.initialize(done_iter=start - 1)
+            return start, "the newest checkpoint"
     if spec.resume and retained is not None and not retained.fresh:
         _reinitialize(cfg, built, retained)  # no checkpoints to fall back to: start over
     if transactional:
@@ -148,4 +210,4 @@ def restore_state(
         plan.cost_s = plan.save(built.state, 0, group=group, rank=rank)
         if rank == 0:
             events.emit("checkpoint_saved", iter=0, seconds=plan.cost_s)
-    return 0, plan
+    return 0, "the initial state"

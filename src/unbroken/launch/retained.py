@@ -156,12 +156,15 @@ def agree_and_resume(
     t0 = time.perf_counter()
     row = torch.tensor(_marker_row(upd, report is not None), dtype=torch.float64)
     world = dist.get_world_size(group) if group is not None else 1
-    rows = [torch.zeros_like(row) for _ in range(world)]
     if group is not None:
+        from unbroken.launch.restore import collective_device
+
+        row = row.to(collective_device(group))
+        rows = [torch.zeros_like(row) for _ in range(world)]
         dist.all_gather(rows, row, group=group)
     else:
         rows = [row]
-    table = torch.stack(rows)
+    table = torch.stack(rows).cpu()
     if bool((table[:, 0] == 0).any()):
         bad = [i for i in range(world) if table[i, 0] == 0]
         raise InconsistentState(f"rank(s) {bad} could not repair their retained state")
