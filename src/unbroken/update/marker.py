@@ -98,7 +98,9 @@ class ProgressMarker:
         )
 
     def read(self) -> MarkerState | None:
-        """The last completed write, or None if neither slot is valid."""
+        """The last completed write, or None if neither slot is valid — which a crash cannot
+        cause once a write has completed (the next write goes to the other slot): None means
+        the first write never completed."""
         states = [s for s in map(self._decode, self._slots) if s is not None]
         self._state = max(states, key=lambda s: s.seq) if states else None
         return self._state

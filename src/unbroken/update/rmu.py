@@ -35,13 +35,27 @@ from unbroken.update.kernel import ChunkStep
 from unbroken.update.marker import MARKER_BYTES, MarkerState, ProgressMarker, Stage
 from unbroken.update.regions import MARKER_PAGE
 
-__all__ = ["RepairReport", "ResumableUpdater", "state_from_regions"]
+__all__ = ["NothingRetained", "RepairReport", "ResumableUpdater", "state_from_regions"]
 
 Hook = Callable[[Phase, int, int, int], None]
 
 
 def _noop(phase: Phase, iteration: int, step: int, n: int) -> None:
     return None
+
+
+class NothingRetained(Exception):
+    """The marker records no completed write: the trainer that owned these regions died before
+    `initialize` finished its first marker write (typically during its start-up). Nothing was
+    lost — the regions never held progress, so they are as good as new ones — but there is
+    nothing to resume either: the rank must start from the job's start (or a checkpoint).
+
+    [Note: no valid marker slot] Each write goes to the slot the previous write did not use, so
+    once one write has completed a crash always leaves a valid slot; with the marker page itself
+    lost, its parity (encoded after each write) rebuilds it at most one write behind. A marker
+    without a valid slot after that is therefore one whose first write never completed, not a
+    damaged one.
+    """
 
 
 @dataclass(slots=True)
@@ -248,6 +262,8 @@ class ResumableUpdater:
                 state manager's localization (never from the injector).
 
         Raises:
+            NothingRetained: the marker was never written (see [Note: no valid marker slot]);
+                nothing has been touched.
             UnrecoverableError: more losses than parity can repair, a lost marker beyond its
                 parity, or a lost undo/scratch buffer that the interrupted chunk needs.
         """
@@ -257,7 +273,10 @@ class ResumableUpdater:
             self.marker_group.reconstruct(lost["marker"])
         st = self.marker.read()
         if st is None:
-            raise UnrecoverableError(group="marker", lost=set(lost.get("marker", [])))
+            raise NothingRetained(
+                "the progress marker has no completed write: its trainer died before "
+                "initializing the retained state"
+            )
         undo_lost, scratch_lost = bool(lost.get("undo")), bool(lost.get("scratch"))
         if st.stage is Stage.CHUNK_UPDATING:
             if undo_lost:
