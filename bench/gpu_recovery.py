@@ -163,8 +163,16 @@ def main(argv: list[str] | None = None) -> int:
                     "oom",
                     "shadow_level",
                     "oom_injected",
+                    "shadows_spawned",
+                    "inplace_repair",
                 )
             ],
+            "failures_detected": [
+                {k: e.get(k) for k in ("rank", "iter", "phase", "reason", "how", "kind")}
+                for e in events
+                if e.get("kind") == "failure_detected"
+            ],
+            "recoveries_done": sum(e.get("kind") == "recovery_done" for e in events),
             "footprint": _shadow_footprint(events, sampler.samples[first:]),
             "gpu_used_mb_max": max(
                 (s["used_mb"] or 0 for s in sampler.samples[first:]), default=None
@@ -173,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         r = results[name]
         print(
             f"   state {r['state']}  bit-exact {r['bit_exact']}  recoveries "
-            f"{[round(x or 0, 3) for x in r['recovery_s']]}  footprint {r['footprint']}",
+            f"{[round(x or 0, 3) for x in r['recovery_s']]}  failures detected "
+            f"{r['failures_detected']}  recoveries done {r['recoveries_done']}  "
+            f"device memory max {r['gpu_used_mb_max']} MiB  footprint {r['footprint']}",
             flush=True,
         )
         for e in r["memory_events"]:
