@@ -2,9 +2,11 @@
 recovery (Leto §6: L2 is the device runtime *and its library handles*).
 
 On a GPU the first recovery through an L3 shadow spent ~0.75 s of its 0.93 s finishing the
-interrupted update (bench/results/recovery-h200.md): the erasure codec's GPU kernels and
-cuBLAS are loaded per process on first use. `warm_cuda` runs each once on scratch memory of
-the job's own group shapes (same page size, same D / H1 / H2), then returns the memory to the
+interrupted update, and redoing one iteration in the fresh process took 1.0-1.5 s
+(bench/results/recovery-h200.md): the erasure codec's GPU kernels, cuBLAS and
+the model's kernels are loaded per process on first use. `warm_cuda` runs each once on
+scratch memory of the job's own shapes (a one-layer copy of the model on one micro-batch; the
+codec's groups with the same page size and D / H1 / H2), then returns the memory to the
 device, so what the shadow keeps is the loaded code and the handles, not the scratch pages.
 """
 
@@ -42,16 +44,37 @@ def _warm_codec(page_bytes: int, d: int, h1: int, h2: int, chunk: int, device) -
     group.reconstruct({0, d})  # a data page and a first-tier parity page
 
 
+def _warm_model(cfg: JobConfig, device: torch.device) -> None:
+    """One forward and backward of a one-layer copy of the reference model on a micro-batch
+    of the job's shape, under the job's autocast: cuBLAS / cuBLASLt handles and the kernels of
+    attention, norms and the loss, for the shapes the promoted trainer will run."""
+    import dataclasses
+
+    from unbroken.model import build_model, resolve_args
+
+    args = dataclasses.replace(resolve_args(cfg.model), n_layers=1)
+    model = build_model(args, device=device)
+    n = cfg.data.tokens_per_microbatch
+    tokens = torch.randint(0, args.vocab_size, (n,), device=device)
+    segments = torch.arange(n, device=device) // max(1, n // 4)
+    positions = torch.arange(n, device=device) % max(1, n // 4)
+    bf16 = cfg.train.precision in ("auto", "bf16")
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        loss = model(tokens, tokens, segments, positions)
+    loss.backward()
+    del model, loss
+
+
 def warm_cuda(cfg: JobConfig, device: torch.device) -> float:
-    """Load cuBLAS (a bf16 GEMM, forward and backward) and the codec kernels for the job's
-    model and gradient groups on `device`; returns the seconds taken."""
+    """Load cuBLAS and the model's kernels (`_warm_model`) and the codec kernels for the
+    job's model and gradient groups on `device`; returns the seconds taken."""
     t0 = time.perf_counter()
-    x = torch.randn(64, 64, device=device, requires_grad=True)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        (x @ x).float().sum().backward()
+    if not cfg.model.factory:
+        _warm_model(cfg, device)
     p = cfg.protection
     for d in (3 * p.stripe_pages, p.stripe_pages):  # model groups, gradient groups
         _warm_codec(p.page_bytes, d, p.parity_pages, p.second_tier_pages, p.chunk_bytes, device)
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()  # keep the loaded code and handles, not the scratch pages
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # keep the loaded code and handles, not the scratch pages
     return time.perf_counter() - t0
