@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tests.engine.harness import ENGINE_MODEL, engine_job, one_thread
+from unbroken.config import ParallelConfig
 from unbroken.engine import StageModel, TPGroup, shard_of, split_dim, unshard
-from unbroken.engine.build import build_worker
+from unbroken.engine.build import build_worker, plan_from_config
 from unbroken.engine.dp_sync import holders
 from unbroken.engine.groups import PlanGroups, same_layouts
 from unbroken.engine.transfer import _tag
@@ -101,6 +104,16 @@ def test_different_layouts_need_the_model_to_sync():
 def test_plan_micro_batches_must_match_the_data_config():
     with pytest.raises(UserError, match=r"the plan gives replicas \[3\] micro-batches"):
         build_worker(engine_job(), make_plan(1, 2, 1, 4, 3, "1f1b"), None, device="cpu")
+
+
+def test_the_config_plan_is_what_trainers_and_the_watch_build():
+    # parallel.schedule = "interleaved" is the plan IR's "interleaved_1f1b".
+    cfg = dataclasses.replace(
+        engine_job(),
+        parallel=ParallelConfig(world_size=2, pp=2, schedule="interleaved", virtual_stages=2),
+    )
+    plan = plan_from_config(cfg)
+    assert plan == make_plan(1, 2, 1, 4, 4, "interleaved_1f1b", virtual_stages=2)
 
 
 def test_single_device_bench_runs_both_loops_on_the_cpu():

@@ -56,6 +56,16 @@ def test_one_rank_plan_is_the_trainer(world):
         for it in range(3):
             a, b = ref.run_iteration(it), ours.worker.run_iteration(it)
             assert a.loss == b.loss
+            # The workload (fail-slow detection): the same micro-batches, named by global id.
+            assert b.doc_lengths == a.doc_lengths
+            assert b.microbatches == tuple(range(cfg.data.microbatches))
+            timing = ours.worker.timing
+            assert timing.iteration == it
+            assert [(k, m) for k, _, m, _ in timing.compute] == [
+                (str(x.kind), x.microbatch) for x in plan.actions[0] if x.is_compute
+            ]
+            assert 0 < sum(s for *_, s in timing.compute) < timing.busy_s <= b.seconds
+            assert timing.p2p_s == timing.tp_s == 0.0
     assert made == [ours.state]
     assert seen_ours == seen_ref
     assert {p for p, *_ in seen_ours} >= {"forward", "backward", "protect", "sync", "update"}

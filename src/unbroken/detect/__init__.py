@@ -3,8 +3,11 @@ hands fail-stop and fail-slow detections to recovery and planning.
 
 - `bocpd`: Bayesian online change-point detection on the iteration-time series;
 - `workload`: T_MB = alpha N + beta sum l_i^2 and the schedule model of an iteration;
+- `pipeline`: the model of a hybrid-parallel plan (chunk costs through the plan's dry-run
+  simulator, per-rank busy time for localization);
 - `detector`: `FailSlowDetector` (and its Greyhound-style baseline mode);
-- `timing`: `PhaseTimer`, the trainer hook recording per-rank compute for validation;
+- `timing`: `PhaseTimer`, the trainer hook recording per-rank compute for validation, and
+  `StageTiming`, what a plan's worker records instead;
 - `events`: `DetectionEvent` / `DetectionSink` (+ a JSONL sink for `events.jsonl`);
 - `levels`: weak/medium/severe fail-slow factors;
 - `varlen`, `evaluate`, `_jobs`: what `unbroken bench detect` runs and scores.
@@ -32,7 +35,8 @@ from unbroken.detect.events import (
     ListSink,
 )
 from unbroken.detect.levels import Level, slow_factor_for
-from unbroken.detect.timing import PhaseTimer, RankTiming
+from unbroken.detect.pipeline import PlanFit, PlanSchedule, fit_plan
+from unbroken.detect.timing import PhaseTimer, RankTiming, StageTiming
 from unbroken.detect.workload import (
     DataParallelSchedule,
     MicroBatchModel,
@@ -59,9 +63,13 @@ __all__ = [
     "MicroBatchModel",
     "Observation",
     "PhaseTimer",
+    "PlanFit",
+    "PlanSchedule",
     "RankTiming",
     "ScheduleModel",
+    "StageTiming",
     "Verdict",
     "WorkloadPredictor",
+    "fit_plan",
     "slow_factor_for",
 ]

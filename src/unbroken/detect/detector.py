@@ -28,6 +28,12 @@ every replica's micro-batches and, when available, each rank's `RankTiming`. The
    costs seconds. Found: a `FailSlowReport`
    (also sent to the sink as a `DetectionEvent`). Not found: a false alarm.
 
+A hybrid-parallel plan (`FailSlowDetector(plan=...)`) changes the model, not the steps: the
+prediction is the plan's dry-run simulation with per-micro-batch chunk costs, and validation
+compares the ranks' busy time (`StageTiming`) with their predicted compute; the report names
+the slow rank's physical stage (`unbroken.detect.pipeline`). The communication checks of
+step 4 are data-parallel only (a plan's ranks fire no all-reduce bucket hooks).
+
 `baseline=True` is the same detector without step 3's workload filter (Greyhound): every change
 point goes to validation, and a validation that finds no slow rank is a false alarm. With
 `baseline_slowdowns_only` only change points to a slower level are validated (a change to a
@@ -49,8 +55,10 @@ from dataclasses import dataclass, field
 
 from unbroken.detect.bocpd import Bocpd, BocpdConfig, BocpdState, ChangePoint
 from unbroken.detect.events import DetectionEvent, DetectionKind, DetectionSink
-from unbroken.detect.timing import RankTiming
+from unbroken.detect.pipeline import PlanFit, fit_plan
+from unbroken.detect.timing import RankTiming, StageTiming
 from unbroken.detect.workload import WorkloadPredictor
+from unbroken.parallel import ParallelPlan
 
 __all__ = [
     "Decision",
@@ -78,6 +86,11 @@ class DetectorConfig:
     """A rank's own all-reduce excess (beyond waiting for slower peers) must be at least this
     share of the iteration's excess over predicted that compute does not explain, for a comm
     fail-slow."""
+    plan_explains: float = 0.5
+    """A plan's slow rank: its busy-time excess (seconds beyond its peers' pace) must be at
+    least this share of the iteration's excess over predicted. A slow stage stretches a
+    pipeline by at most (M + pp - 1) / M <= 2 times its own excess; a machine that slows every
+    rank (other load on the host) gives a large iteration excess that no one rank explains."""
     noise_floor: float = 0.02
     """Smallest relative standard deviation assumed for a run of the series (prior)."""
     history: int = 8
@@ -98,8 +111,8 @@ class DetectorConfig:
             raise ValueError("detector.noise_floor must be in (0, 1)")
         if self.history < 1:
             raise ValueError("detector.history must be >= 1")
-        if not 0.0 < self.comm_explains <= 1.0:
-            raise ValueError("detector.comm_explains must be in (0, 1]")
+        if not 0.0 < self.comm_explains <= 1.0 or not 0.0 <= self.plan_explains <= 1.0:
+            raise ValueError("detector.comm_explains must be in (0, 1], plan_explains in [0, 1]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,12 +125,14 @@ class Observation:
         doc_lengths: `[replica][micro-batch] -> segment lengths`; in a data-parallel plan rank
             r runs replica r.
         ranks: per-rank timings of this iteration (`PhaseTimer`), or None if not collected.
+        stages: a plan's per-rank timings (`StageTiming`, from the engine's workers).
     """
 
     iteration: int
     seconds: float
     doc_lengths: Sequence[Sequence[Sequence[int]]]
     ranks: Mapping[int, RankTiming] | None = None
+    stages: Mapping[int, StageTiming] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,13 +185,26 @@ class _Point:
 
 
 class FailSlowDetector:
-    """Feed `observe` once per iteration, in order."""
+    """Feed `observe` once per iteration, in order.
+
+    Args:
+        cfg: thresholds.
+        sink: receives each report as a `DetectionEvent`.
+        plan: the hybrid-parallel plan the job runs; observations then carry `stages`. None:
+            data-parallel training, observations carry `ranks`.
+    """
 
     def __init__(
-        self, cfg: DetectorConfig | None = None, *, sink: DetectionSink | None = None
+        self,
+        cfg: DetectorConfig | None = None,
+        *,
+        sink: DetectionSink | None = None,
+        plan: ParallelPlan | None = None,
     ) -> None:
         self.cfg = cfg or DetectorConfig()
         self.sink = sink
+        self.plan = plan
+        self._plan_fit: PlanFit | None = None
         self.predictor: WorkloadPredictor | None = None
         self.bocpd: Bocpd | None = None
         self.scale = 1.0
@@ -194,6 +222,26 @@ class FailSlowDetector:
     # -- warm-up ---------------------------------------------------------------------------
 
     def _finish_warmup(self) -> None:
+        if self.plan is not None:
+            self._plan_fit = fit_plan(
+                self.plan, [(o.doc_lengths, o.seconds, o.stages or {}) for o in self._warm]
+            )
+            self.predictor = self._plan_fit.predictor
+        else:
+            self._fit_data_parallel()
+        self.scale = statistics.median(o.seconds for o in self._warm)
+        xs = [o.seconds / self.scale for o in self._warm]
+        var = max(statistics.pvariance(xs), self.cfg.noise_floor**2)
+        prior = dataclasses.replace(self.cfg.bocpd, mu0=1.0, beta0=self.cfg.bocpd.alpha0 * var)
+        self.bocpd = Bocpd(prior)
+        for obs in self._warm:
+            before = self.bocpd.snapshot()
+            x = obs.seconds / self.scale
+            self.bocpd.update(x)
+            self._points.append(_Point(obs=obs, x=x, before=before))
+        self.bocpd.last_index = self.bocpd.t - 1
+
+    def _fit_data_parallel(self) -> None:
         mb_samples = []
         for obs in self._warm:
             for rank, t in (obs.ranks or {}).items():
@@ -211,17 +259,6 @@ class FailSlowDetector:
             for rank, t in (obs.ranks or {}).items():
                 comm.setdefault(rank, []).append(t.comm_s)
         self._comm_healthy = {r: statistics.median(v) for r, v in comm.items()}
-        self.scale = statistics.median(o.seconds for o in self._warm)
-        xs = [o.seconds / self.scale for o in self._warm]
-        var = max(statistics.pvariance(xs), self.cfg.noise_floor**2)
-        prior = dataclasses.replace(self.cfg.bocpd, mu0=1.0, beta0=self.cfg.bocpd.alpha0 * var)
-        self.bocpd = Bocpd(prior)
-        for obs in self._warm:
-            before = self.bocpd.snapshot()
-            x = obs.seconds / self.scale
-            self.bocpd.update(x)
-            self._points.append(_Point(obs=obs, x=x, before=before))
-        self.bocpd.last_index = self.bocpd.t - 1
 
     # -- online ----------------------------------------------------------------------------
 
@@ -273,7 +310,10 @@ class FailSlowDetector:
                 self._points.pop()
             return Decision(verdict=Verdict.BENIGN, **common)
         v0 = time.perf_counter()
-        found = self._localize([p.obs for p in window], observed, predicted)
+        if self._plan_fit is not None:
+            found = self._localize_plan([p.obs for p in window], observed - predicted)
+        else:
+            found = self._localize([p.obs for p in window], observed, predicted)
         spent = time.perf_counter() - v0
         self.validations.append(spent)
         if found is None:
@@ -281,9 +321,10 @@ class FailSlowDetector:
         rank, factor, what = found
         if (rank, what) in self.reported:
             return Decision(verdict=Verdict.KNOWN, validation_s=spent, **common)
+        stage = 0 if self.plan is None or rank is None else self.plan.locate(rank)[1]
         report = FailSlowReport(
             rank=rank,
-            stage=0,
+            stage=stage,
             factor=factor,
             iteration=window[0].obs.iteration,
             detected_at=obs.iteration,
@@ -292,12 +333,14 @@ class FailSlowDetector:
         self.reported[(rank, what)] = report
         if self.sink is not None:
             who = "every rank's" if rank is None else f"rank {rank}'s"
+            if self.plan is not None and rank is not None:
+                who = f"stage {stage}: {who}"
             part = "compute" if what == "compute" else "gradient all-reduce"
             self.sink.emit(
                 DetectionEvent(
                     kind=DetectionKind.FAIL_SLOW,
                     rank=rank,
-                    stage=0,
+                    stage=stage,
                     factor=factor,
                     iteration=report.iteration,
                     detected_at=report.detected_at,
@@ -310,6 +353,27 @@ class FailSlowDetector:
                 )
             )
         return Decision(verdict=Verdict.FAIL_SLOW, report=report, validation_s=spent, **common)
+
+    def _localize_plan(
+        self, window: Sequence[Observation], excess_s: float
+    ) -> tuple[int, float, str] | None:
+        """(slow rank, factor, "compute") of a plan from its ranks' busy time, or None: the
+        rank whose busy time over the window is the largest multiple of its predicted one, by
+        at least `localize_ratio` over the other ranks' median, and whose excess explains
+        `plan_explains` of the iteration's `excess_s` (`unbroken.detect.pipeline`)."""
+        assert self._plan_fit is not None
+        busy = self._plan_fit.busy([(o.doc_lengths, o.stages or {}) for o in window])
+        ratios = {r: o / p for r, (o, p) in busy.items()}
+        if len(ratios) < 2:
+            return None
+        slow = max(ratios, key=lambda r: ratios[r])
+        peers = statistics.median(v for r, v in ratios.items() if r != slow)
+        factor = ratios[slow] / peers
+        observed, predicted = busy[slow]
+        own_excess = observed - peers * predicted  # beyond what slows every rank alike
+        if factor >= self.cfg.localize_ratio and own_excess >= self.cfg.plan_explains * excess_s:
+            return slow, factor, "compute"
+        return None
 
     def _localize(
         self, window: Sequence[Observation], observed_s: float, predicted_s: float

@@ -30,6 +30,14 @@ hook call for the phase step that just ended, so the timer's stamp then falls af
 and each interval holds its own stall. The timer never sleeps, allocates per iteration only a
 small record, and takes no locks; it must never talk to other ranks (gathering is the caller's
 choice).
+
+`StageTiming` is the same input for a rank of a hybrid-parallel plan. Phase hooks cannot see
+where a plan's rank waits (point-to-point batches, TP collectives inside a layer), so the
+engine's worker (`unbroken.engine.PlanWorker`) measures it itself and fills one per iteration:
+the duration of every compute action and the split of the iteration into time blocked in
+communication with peers and the rest, the rank's own `busy_s`. What a slowdown looks like
+there: a slowed rank's busy time grows (its compute, or an injected stall, is its own); its
+pipeline neighbours and TP peers wait for it, which lands in their blocked time.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from dataclasses import dataclass, field
 
 from unbroken.train.phases import Phase
 
-__all__ = ["PhaseTimer", "RankTiming"]
+__all__ = ["PhaseTimer", "RankTiming", "StageTiming"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +88,67 @@ class RankTiming:
             reduce_s=float(d["reduce_s"]),
             comm_s=float(d.get("comm_s", 0.0)),
             mb_cpu_s=tuple(d.get("mb_cpu_s", ())),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StageTiming:
+    """One plan rank's timings of one iteration (seconds), measured by its `PlanWorker`.
+
+    busy_s + p2p_s + tp_s + reduce_s + sync_s is the rank's iteration (`run_iteration`).
+    """
+
+    rank: int
+    iteration: int
+    compute: tuple[tuple[str, int, int, float], ...]
+    """(kind "F"/"B"/"W", virtual stage, micro-batch, seconds) of every compute action, in
+    order: the action itself (TP collectives inside it included), not the phase hooks before
+    it."""
+    busy_s: float
+    """Time not blocked in communication with peers: compute without its TP collectives,
+    phase hooks, the optimizer step's local work."""
+    p2p_s: float = 0.0
+    """In point-to-point batches (sending, and waiting for what the schedule receives)."""
+    p2p_min_s: float = 0.0
+    """The shortest point-to-point batch: one that did not wait, about one message's link
+    time (0 without batches)."""
+    tp_s: float = 0.0
+    """In the TP group's collectives inside compute actions (waiting for the slowest member
+    included)."""
+    reduce_s: float = 0.0
+    """REDUCE_GRAD: the gradient reduction across replicas."""
+    sync_s: float = 0.0
+    """The loss and gradient-norm all-reduce over the world."""
+    step_s: float = 0.0
+    """OPT_STEP without `sync_s`: protect, update, boundary (local work)."""
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "rank": self.rank,
+            "iter": self.iteration,
+            "compute": [list(c) for c in self.compute],
+            "busy_s": self.busy_s,
+            "p2p_s": self.p2p_s,
+            "p2p_min_s": self.p2p_min_s,
+            "tp_s": self.tp_s,
+            "reduce_s": self.reduce_s,
+            "sync_s": self.sync_s,
+            "step_s": self.step_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StageTiming:
+        return cls(
+            rank=int(d["rank"]),
+            iteration=int(d["iter"]),
+            compute=tuple((str(k), int(s), int(m), float(t)) for k, s, m, t in d["compute"]),
+            busy_s=float(d["busy_s"]),
+            p2p_s=float(d.get("p2p_s", 0.0)),
+            p2p_min_s=float(d.get("p2p_min_s", 0.0)),
+            tp_s=float(d.get("tp_s", 0.0)),
+            reduce_s=float(d.get("reduce_s", 0.0)),
+            sync_s=float(d.get("sync_s", 0.0)),
+            step_s=float(d.get("step_s", 0.0)),
         )
 
 

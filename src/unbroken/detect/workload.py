@@ -7,10 +7,10 @@ the micro-batches timed during warm-up, by least absolute relative deviation (`f
 
 Iteration: the healthy iteration time is the critical path of the plan's schedule with every
 compute chunk priced by the micro-batch model. The schedule timing is behind a small interface,
-`ScheduleModel`, so the pipeline DAG simulator (`unbroken.parallel.simulate`, another package)
-can be plugged in; the data-parallel plan's model is here: each replica runs its micro-batches
-one after another, all replicas meet at the gradient all-reduce, so
-T_iter = max over replicas of (sum of its T_MB) + c, with c (all-reduce, sync, update,
+`ScheduleModel`: a hybrid-parallel plan's is `unbroken.detect.pipeline.PlanSchedule` (the plan's
+dry-run simulator, `unbroken.parallel.simulate`); the data-parallel plan's model is here: each
+replica runs its micro-batches one after another, all replicas meet at the gradient all-reduce,
+so T_iter = max over replicas of (sum of its T_MB) + c, with c (all-reduce, sync, update,
 boundary) a constant fitted on warm-up. This module never reads clocks: it only models.
 """
 
@@ -74,7 +74,9 @@ class MicroBatchModel:
         q = np.array([float(sum_sq(d)) for d, _ in samples])
         y = np.array([s for _, s in samples], dtype=float)
         if np.ptp(q / n**2) < 1e-9:
-            return cls(alpha=float(np.median(y / n)), beta=0.0)
+            # statistics, not np.median: that imports numpy.ma on first use (15 ms), which on a
+            # busy 2-core machine the coordinator takes from the trainers it is timing.
+            return cls(alpha=float(statistics.median((y / n).tolist())), beta=0.0)
         # Scale columns for conditioning, solve, scale back.
         sn, sq = n.mean(), q.mean()
         x = np.c_[n / sn, q / sq]

@@ -23,12 +23,12 @@ from unbroken.engine.stage import StageModel
 from unbroken.errors import UserError
 from unbroken.model import FlatLayout, build_model, init_parameters, materialize, resolve_args
 from unbroken.model.flat import bind_grads
-from unbroken.parallel import ParallelPlan
+from unbroken.parallel import ParallelPlan, make_plan
 from unbroken.train import AdamW, BatchSource, TrainState
 from unbroken.train.build import state_geometry
 from unbroken.update import ChunkStep, PlainUpdater, StateGeometry
 
-__all__ = ["EngineRank", "build_worker", "full_initial_params", "make_source"]
+__all__ = ["EngineRank", "build_worker", "full_initial_params", "make_source", "plan_from_config"]
 
 
 @dataclass(slots=True)
@@ -41,6 +41,25 @@ class EngineRank:
     groups: PlanGroups
     geometry: StateGeometry
     """Pages, groups and chunks of this rank's flat state (its own layout's size)."""
+
+
+_SCHEDULE_NAMES = {"interleaved": "interleaved_1f1b"}
+"""Config schedule names that differ from the plan IR's (`unbroken.parallel.SCHEDULES`)."""
+
+
+def plan_from_config(cfg: JobConfig) -> ParallelPlan:
+    """The job's plan from `parallel.*` (uniform degrees): what every trainer rank runs and
+    what the coordinator's fail-slow watch simulates. A pure function of the config."""
+    p = cfg.parallel
+    return make_plan(
+        dp=p.dp,
+        pp=p.pp,
+        tp=p.tp,
+        num_layers=resolve_args(cfg.model).n_layers,
+        microbatches=cfg.data.microbatches,
+        schedule=_SCHEDULE_NAMES.get(p.schedule, p.schedule),
+        virtual_stages=p.virtual_stages,
+    )
 
 
 def make_source(cfg: JobConfig, replicas: int) -> Sampler:

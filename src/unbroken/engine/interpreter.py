@@ -25,6 +25,13 @@ gradient all-reduce over replicas is divided by the replica count as there.
 
 Gradients land in the caller's flat gradient buffer (`bind_grads`); parameters are only
 updated by the updater — [Note: flat-storage] holds for every plan.
+
+Fail-slow inputs: each iteration the worker reports the workload it computed (the segment
+lengths of every micro-batch it touched, with their global ids, in the `IterationResult`) and
+its own timings (`timing`, a `unbroken.detect.timing.StageTiming`): every compute action's
+duration, and the iteration split into time blocked on peers (p2p batches, TP collectives,
+gradient reduction, the sync all-reduce) and busy time. Measuring costs a few clock reads per
+action; nothing is synchronized for it.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.config import TrainConfig
+from unbroken.detect.timing import StageTiming
 from unbroken.engine.groups import PlanGroups
 from unbroken.engine.sharding import replicated
 from unbroken.engine.stage import MicroBatchInputs, StageModel
@@ -101,6 +109,8 @@ class PlanWorker:
             a.kind is _K.F and a.stage == self.last_stage for a in self.actions
         )
         self._counted = self._norm_slices()
+        self.timing: StageTiming | None = None
+        """This rank's timings of the last iteration run (fail-slow detection)."""
         self.profile: dict[str, list[float]] | None = None
         """Set to a dict to collect seconds per step: ``F0``/``B1``/``W0`` (kind and virtual
         stage), ``BATCH`` (one p2p batch, waiting included), ``REDUCE_GRAD``, ``OPT_STEP``
@@ -218,7 +228,9 @@ class PlanWorker:
             t[1] += grads[lo:hi].to(f64).square().sum()
         t[0] += self._loss
         t[2] += self._tokens
+        t_sync = time.perf_counter()
         dist.all_reduce(t, group=self.groups.world)
+        self._blocked["sync"] += time.perf_counter() - t_sync
         loss, norm = float(t[0]) / self.plan.dp, float(t[1]) ** 0.5
         self._tokens = int(t[2])
         clip = self.cfg.grad_clip
@@ -237,6 +249,9 @@ class PlanWorker:
         self._pending_w: dict[tuple[int, int], list] = {}
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self._tokens = 0
+        self._blocked = dict.fromkeys(("p2p", "tp", "reduce", "sync"), 0.0)
+        self._p2p_min = float("inf")
+        self._compute_s: list[tuple[str, int, int, float]] = []
 
     def _batch(self, batch: list[Action]) -> None:
         t = time.perf_counter()
@@ -253,6 +268,9 @@ class PlanWorker:
                 device=self.device,
             )
         )
+        took = time.perf_counter() - t
+        self._blocked["p2p"] += took
+        self._p2p_min = min(self._p2p_min, took)
         self._record("BATCH", t)
         for a in batch:  # a sent input gradient is not needed any more (all of this rank's
             if a.kind is _K.SEND_B:  # chunks of one message are in the same batch)
@@ -262,16 +280,36 @@ class PlanWorker:
         n_mb = self.plan.total_microbatches
         if a.kind is _K.F:
             self._hook(Phase.FORWARD, iteration, a.microbatch, n_mb)
-            self._forward(iteration, a.stage, a.microbatch)
         elif a.kind is _K.B:
             self._hook(Phase.BACKWARD, iteration, a.microbatch, n_mb)
+        t, tp0 = time.perf_counter(), self.groups.tp.clock.seconds
+        if a.kind is _K.F:
+            self._forward(iteration, a.stage, a.microbatch)
+        elif a.kind is _K.B:
             self._backward(a.stage, a.microbatch)
         else:
             self._weight(a.stage, a.microbatch)
+        self._compute_s.append((a.kind.value, a.stage, a.microbatch, time.perf_counter() - t))
+        self._blocked["tp"] += self.groups.tp.clock.seconds - tp0
 
     def _record(self, key: str, since: float) -> None:
         if self.profile is not None:
             self.profile.setdefault(key, []).append(time.perf_counter() - since)
+
+    def _finish_timing(self, iteration: int, since: float, step_s: float) -> None:
+        b = self._blocked
+        self.timing = StageTiming(
+            rank=self.rank,
+            iteration=iteration,
+            compute=tuple(self._compute_s),
+            busy_s=time.perf_counter() - since - sum(b.values()),
+            p2p_s=b["p2p"],
+            p2p_min_s=0.0 if self._p2p_min == float("inf") else self._p2p_min,
+            tp_s=b["tp"],
+            reduce_s=b["reduce"],
+            sync_s=b["sync"],
+            step_s=step_s,
+        )
 
     def run_iteration(self, iteration: int) -> IterationResult:
         """Run this rank's action list once: compute, reduce, sync, update.
@@ -284,6 +322,7 @@ class PlanWorker:
         self._reset(iteration)
         if not self.actions:  # a standby: it only takes part in the world-wide sync
             loss, norm, _ = self._sync(iteration)
+            self._finish_timing(iteration, t_iter, step_s=0.0)
             return IterationResult(iteration, loss, norm, 0.0, self._tokens, (), t0, time.time())
         self.state.grads.zero_()
         tail = [a.kind for a in self.actions[-2:]]
@@ -304,6 +343,7 @@ class PlanWorker:
             self._batch(batch)
         t = time.perf_counter()
         self._reduce_grads()
+        self._blocked["reduce"] = time.perf_counter() - t
         self._record("REDUCE_GRAD", t)
         t = time.perf_counter()
         self._hook(Phase.PROTECT, iteration)
@@ -315,18 +355,25 @@ class PlanWorker:
             self.updater.update(iteration, lr=lr, grad_scale=scale, hook=self._hook)
         self._hook(Phase.BOUNDARY, iteration)
         self.updater.boundary(iteration)
+        step_s = time.perf_counter() - t - self._blocked["sync"]
         self._record("OPT_STEP", t)
         self._record("ITERATION", t_iter)
+        self._finish_timing(iteration, t_iter, step_s)
         if self._outputs or self._pending_w or self._input_grads or self._received:
             left = sorted(self._outputs) + sorted(self._pending_w) + sorted(self._input_grads)
             raise RuntimeError(f"rank {self.rank}: work left over at the end: {left}")
+        ids = tuple(sorted(self._mb_inputs))
         return IterationResult(
             iteration=iteration,
             loss=loss,
             grad_norm=norm,
             lr=lr,
             tokens=self._tokens,
-            doc_lengths=(),
+            doc_lengths=tuple(
+                tuple(int(x) for x in getattr(self._microbatch(iteration, mb), "doc_lengths", ()))
+                for mb in ids
+            ),
             t_start=t0,
             t_end=time.time(),
+            microbatches=ids,
         )

@@ -17,11 +17,14 @@ reference model uses (no masking, no extra arithmetic), so a TP=1 stage computes
 as `unbroken.model.llama`.
 
 Never holds a process group beyond the `TPGroup` value it is given; nothing module-global.
+`TPGroup.clock` adds up the seconds its collectives took, so the worker can count them as time
+blocked on peers (fail-slow localization inside a TP group, `unbroken.detect.timing`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,12 +33,24 @@ import torch.nn.functional as F
 from unbroken.data.packing import IGNORE_INDEX
 
 __all__ = [
+    "CollectiveClock",
     "TPGroup",
     "copy_to_tp",
     "reduce_from_tp",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
 ]
+
+
+@dataclass(slots=True)
+class CollectiveClock:
+    """Seconds spent in a group's collectives, added up by the caller that reads it.
+
+    Host wall time around each call: with gloo (blocking) that is the collective, waiting for
+    the last member included; with NCCL (asynchronous) it is only the time to enqueue it.
+    """
+
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +66,8 @@ class TPGroup:
     """Position of this rank in the group (TP order of the plan's `StageGroup.ranks`)."""
     group: dist.ProcessGroup | None = None
     """The process group of the stage's ranks."""
+    clock: CollectiveClock = field(default_factory=CollectiveClock, compare=False, repr=False)
+    """Seconds in `all_reduce` so far (the worker reads the difference per action)."""
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -69,7 +86,9 @@ class TPGroup:
 
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         if self.size > 1:
+            t0 = time.perf_counter()
             dist.all_reduce(t, op=op, group=self.group)
+            self.clock.seconds += time.perf_counter() - t0
 
 
 class _CopyToTP(torch.autograd.Function):

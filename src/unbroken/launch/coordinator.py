@@ -106,7 +106,14 @@ class Coordinator:
         self._rows: list[dict[str, Any]] = []
         self._metrics_tail = JsonlTail(self.run_dir / "metrics.jsonl")
         self._timings_tail = JsonlTail(self.run_dir / "timings.jsonl")
-        self.slow_watch = SlowWatch(cfg.parallel.world_size, self.events, self.progress.say)
+        plan = None
+        if cfg.parallel.planned:
+            from unbroken.engine.build import plan_from_config
+
+            plan = plan_from_config(cfg)
+        self.slow_watch = SlowWatch(
+            cfg.parallel.world_size, self.events, self.progress.say, plan=plan
+        )
         self.slow_watch.detector.sink = self
         self._pending_recoveries: list[dict[str, Any]] = []
         self._done_reason = ""

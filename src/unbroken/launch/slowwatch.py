@@ -5,6 +5,10 @@ and turns its decisions into events. Redone iterations (after a recovery) are no
 and the first `GRACE_ITERS` iterations of a new trainer generation are not fed at all: right
 after a recovery the new shadows start up and caches are cold — a transient of the recovery,
 not of a device.
+
+With a hybrid-parallel plan each rank's record is its worker's `StageTiming` plus the
+micro-batches it computed (global ids and segment lengths); the watch puts the replicas'
+workloads together from all ranks' records and the detector simulates the plan.
 """
 
 from __future__ import annotations
@@ -12,19 +16,35 @@ from __future__ import annotations
 from typing import Any
 
 from unbroken.detect import DetectorConfig, FailSlowDetector, Observation, RankTiming, Verdict
+from unbroken.detect.timing import StageTiming
 from unbroken.metrics.log import JsonlLog
+from unbroken.parallel import ParallelPlan
 
 __all__ = ["GRACE_ITERS", "SlowWatch"]
 
 GRACE_ITERS = 3
 
 
+_NO_LENGTHS = "the data source reports no document lengths (T_MB = aN + b sum l^2)"
+
+
 class SlowWatch:
-    def __init__(self, world_size: int, events: JsonlLog, say, cfg: DetectorConfig | None = None):
+    """Args: world_size (ranks that write timings), events (the run's event log), say
+    (progress lines), cfg (detector thresholds), plan (the plan the job runs, if any)."""
+
+    def __init__(
+        self,
+        world_size: int,
+        events: JsonlLog,
+        say,
+        cfg: DetectorConfig | None = None,
+        plan: ParallelPlan | None = None,
+    ):
         self.world_size = world_size
         self.events = events
         self.say = say
-        self.detector = FailSlowDetector(cfg)
+        self.plan = plan
+        self.detector = FailSlowDetector(cfg, plan=plan)
         self._timings: dict[int, dict[int, dict[str, Any]]] = {}
         self._metrics: dict[int, dict[str, Any]] = {}
         self._last_fed = -1
@@ -77,16 +97,42 @@ class SlowWatch:
             self._last_fed = it
             if it <= self._grace_until:
                 continue
-            if not all(any(mb) for r in ranks.values() for mb in r["doc_lengths"] or [[]]):
-                self._disable("the data source reports no document lengths (T_MB = aN + b sum l^2)")
+            seconds = m["iter_s"] - m.get("ckpt_s", 0.0)
+            if self.plan is not None:
+                obs = self._plan_observation(it, seconds, ranks)
+            elif all(any(mb) for r in ranks.values() for mb in r["doc_lengths"] or [[]]):
+                obs = Observation(
+                    iteration=it,
+                    seconds=seconds,
+                    doc_lengths=[ranks[r]["doc_lengths"] for r in sorted(ranks)],
+                    ranks={r: RankTiming.from_dict(ranks[r]) for r in ranks},
+                )
+            else:
+                obs = None
+            if obs is None:
+                self._disable(_NO_LENGTHS)
                 return
-            obs = Observation(
-                iteration=it,
-                seconds=m["iter_s"] - m.get("ckpt_s", 0.0),
-                doc_lengths=[ranks[r]["doc_lengths"] for r in sorted(ranks)],
-                ranks={r: RankTiming.from_dict(ranks[r]) for r in ranks},
-            )
             self._decide(self.detector.observe(obs))
+
+    def _plan_observation(
+        self, it: int, seconds: float, ranks: dict[int, dict[str, Any]]
+    ) -> Observation | None:
+        """A plan's iteration: every replica's workload from the micro-batches the ranks
+        computed (each one is reported by every rank that ran a stage of it), or None when
+        some micro-batch has no segment lengths."""
+        plan = self.plan
+        assert plan is not None
+        lengths: dict[int, list[int]] = {}
+        for rec in ranks.values():
+            lengths.update(zip(rec.get("microbatches", ()), rec["doc_lengths"], strict=True))
+        if not all(lengths.get(mb) for mb in range(plan.total_microbatches)):
+            return None
+        return Observation(
+            iteration=it,
+            seconds=seconds,
+            doc_lengths=[[lengths[mb] for mb in plan.microbatch_ids(d)] for d in range(plan.dp)],
+            stages={r: StageTiming.from_dict(rec) for r, rec in ranks.items()},
+        )
 
     def _drop(self, it: int) -> None:
         self._metrics.pop(it, None)
@@ -115,9 +161,10 @@ class SlowWatch:
                 detected_at=r.detected_at,
                 **fields,
             )
+            where = f" (stage {r.stage})" if self.plan is not None and r.rank is not None else ""
             self.say(
                 (
-                    f"fail-slow detected: rank {r.rank}"
+                    f"fail-slow detected: rank {r.rank}{where}"
                     if r.rank is not None
                     else "fail-slow detected: the sync stage (every rank's all-reduce)"
                 )

@@ -239,7 +239,8 @@ def run(
 
     timer = PhaseTimer(rank)  # after the injector: a `slow` stall lands in its own interval
     # The heartbeat first: it records the phase a failure (an injected one too) happened in.
-    hooks = ([hb] if hb else []) + [injector, timer]
+    # A plan's worker times itself (its waits are not at phase hooks): no PhaseTimer there.
+    hooks = ([hb] if hb else []) + [injector] + ([] if cfg.parallel.planned else [timer])
     autocast = None
     if device.type == "cuda" and cfg.train.precision in ("auto", "bf16"):
         autocast = torch.bfloat16
@@ -348,21 +349,11 @@ class _EngineBuilt:
 def _build_engine(cfg, group, device, retained, hooks, autocast):
     """This rank of the job's plan (`unbroken.engine`) on the retained buffers, as
     (built, updater, worker); the worker has the `Trainer` interface the loop uses."""
-    from unbroken.engine.build import build_worker, full_initial_params
+    from unbroken.engine.build import build_worker, full_initial_params, plan_from_config
     from unbroken.engine.sharding import load_from_full
-    from unbroken.parallel import make_plan
     from unbroken.update import PlainUpdater
 
-    p = cfg.parallel
-    plan = make_plan(
-        dp=p.dp,
-        pp=p.pp,
-        tp=p.tp,
-        num_layers=_n_layers(cfg),
-        microbatches=cfg.data.microbatches,
-        schedule=p.schedule,
-        virtual_stages=p.virtual_stages,
-    )
+    plan = plan_from_config(cfg)
 
     def make_updater(state, geometry, step):
         if retained is None:
@@ -402,12 +393,6 @@ def job_state_hash(cfg, state, group) -> str:
     hashes: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hashes, state.state_hash(), group=group)
     return hashlib.sha256("".join(map(str, hashes)).encode()).hexdigest()[:16]
-
-
-def _n_layers(cfg) -> int:
-    from unbroken.model import resolve_args
-
-    return resolve_args(cfg.model).n_layers
 
 
 def _reclaiming(trainer, client, hb, events, rank: int, device):
@@ -485,7 +470,18 @@ def _train_loop(
     for it in range(start_iter, total):
         result = iterate(it)
         healthy.append(result.seconds)
-        if timer.records and timer.records[-1].iteration == it:
+        plan_timing = getattr(trainer, "timing", None)
+        if plan_timing is not None and plan_timing.iteration == it:
+            # A plan rank: its worker's timings and the micro-batches it computed, by global id.
+            timings.write(
+                {
+                    **plan_timing.to_dict(),
+                    "generation": spec.generation,
+                    "microbatches": list(result.microbatches),
+                    "doc_lengths": [list(x) for x in result.doc_lengths],
+                }
+            )
+        elif timer.records and timer.records[-1].iteration == it:
             # Per-rank compute timings and workload, for fail-slow validation (unbroken.detect).
             timings.write(
                 {

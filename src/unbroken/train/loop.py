@@ -60,8 +60,12 @@ class IterationResult:
     lr: float
     tokens: int
     doc_lengths: tuple[tuple[int, ...], ...]
+    """Segment lengths of each micro-batch this rank computed (its workload)."""
     t_start: float
     t_end: float
+    microbatches: tuple[int, ...] = ()
+    """A plan's global ids of the micro-batches in `doc_lengths` (`unbroken.engine`); empty for
+    the data-parallel trainer, whose `doc_lengths` are its shard's micro-batches in order."""
 
     @property
     def seconds(self) -> float:
