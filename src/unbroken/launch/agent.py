@@ -127,6 +127,8 @@ class Agent:
     def _spawn(self, msg: dict, rank: int, generation: int, spec: str, shadow_level: int):
         cmd = [sys.executable, "-m", "unbroken.launch.trainer", "--spec", spec]
         cmd += ["--rank", str(rank), "--heartbeat", self.hb_addr]
+        if rank in msg.get("ranks", ()):  # one GPU per local rank on a multi-GPU node
+            cmd += ["--local-rank", str(sorted(msg["ranks"]).index(rank))]
         if shadow_level:
             cmd += ["--shadow", str(shadow_level), "--attempt", str(self._shadow_attempt)]
         stdin = subprocess.PIPE if shadow_level else subprocess.DEVNULL

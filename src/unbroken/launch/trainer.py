@@ -548,7 +548,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--attempt", type=int, default=0, help="shadows: which set for this generation"
     )
+    parser.add_argument(
+        "--local-rank",
+        type=int,
+        default=None,
+        help="this rank's index on its node: its GPU is cuda:(local-rank %% device count)",
+    )
     args = parser.parse_args(argv)
+    if args.local_rank is not None:
+        os.environ["LOCAL_RANK"] = str(args.local_rank)
     spec = GenerationSpec.from_json(Path(args.spec).read_text())
     try:
         code = run(spec, args.rank, args.heartbeat, shadow=args.shadow, attempt=args.attempt)
