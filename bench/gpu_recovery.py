@@ -1,6 +1,6 @@
 """Recovery on one GPU (NCCL), identical failure schedules: checkpoint-restart, in-place
 without a shadow, and in-place through L1 / L2 / L3 shadows; the shadows' GPU memory; and a
-forced out-of-memory run with and without reclamation.
+forced out-of-memory run with and without reclamation; and a crash that also destroys GPU pages.
 
 Run on the GPU machine from the repository root:
 
@@ -32,6 +32,7 @@ from unbroken.metrics.log import read_jsonl
 
 KILLS = ["kill:rank=0,iter=7,phase=update", "kill:rank=0,iter=14,phase=backward"]
 SPIKE = "memspike:rank=0,iter=6,phase=forward,over=256"
+PAGELOSS = "pageloss:rank=0,iter=7,phase=writeback,pages=3,parity=1"
 
 
 def variants(cfg: JobConfig) -> dict[str, JobConfig]:
@@ -45,6 +46,7 @@ def variants(cfg: JobConfig) -> dict[str, JobConfig]:
         "L1": with_("inplace", 1, KILLS),
         "L2": with_("inplace", 2, KILLS),
         "L3": with_("inplace", 3, KILLS),
+        "pageloss_L3": with_("inplace", 3, [PAGELOSS]),
         "oom_reclaim_L3": with_("inplace", 3, [SPIKE]),
         "oom_no_shadow": with_("inplace", 0, [SPIKE]),
     }

@@ -22,7 +22,7 @@ from typing import Any
 
 from unbroken.config import JobConfig, load_config, to_dict
 from unbroken.errors import UserError
-from unbroken.inject import FaultKind, parse_fault
+from unbroken.inject import parse_fault
 from unbroken.launch.coordinator import Coordinator, RunOutcome
 from unbroken.metrics.plot import plot_runs
 from unbroken.metrics.summary import build_summary
@@ -79,18 +79,13 @@ def run_job(
             require_budget_support()
         except BudgetUnavailable as exc:
             raise UserError(f"recovery.memory_budget_mb is set but {exc}") from None
-    gpu_retained = _check_gpu_retained(cfg)
+    _check_gpu_retained(cfg)
     for spec in cfg.inject:
         fault = parse_fault(spec)
         if fault.rank >= cfg.parallel.world_size:
             raise UserError(
                 f"fault {spec!r}: rank {fault.rank} does not exist (world_size "
                 f"{cfg.parallel.world_size})"
-            )
-        if gpu_retained and fault.kind is FaultKind.PAGELOSS:
-            raise UserError(
-                f"fault {spec!r}: page loss is injected into host memory; retained GPU memory "
-                "is not localized per page yet (docs/architecture.md)"
             )
     _check_user_objects(cfg, search)
     out = Path(out)

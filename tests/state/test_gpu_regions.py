@@ -1,6 +1,7 @@
-"""Retained GPU memory (CUDA virtual-memory allocations owned by the state manager): data
-outlive a trainer killed with SIGKILL and come back in a new process, bit for bit; without a
-GPU the manager refuses the request with a clear error and keeps serving."""
+"""Retained GPU memory (CUDA virtual-memory allocations, one per page, owned by the state
+manager): data outlive a trainer killed with SIGKILL and come back in a new process, bit for
+bit; a lost page is found and given new memory alone; without a GPU the manager refuses the
+request with a clear error and keeps serving."""
 
 from __future__ import annotations
 
@@ -56,13 +57,33 @@ def test_gpu_region_survives_sigkill_of_the_writer(manager):
         assert not region.fresh and region.device == 0
         assert torch.equal(region.tensor, expected)
         assert client.localize().lost == {"model": []}
-        with pytest.raises(RetainedStateError, match="GPU memory"):
-            client.remap("model", [0])
         region.tensor.zero_()  # a write through the new mapping reaches the same memory
         torch.cuda.synchronize()
     with RetainedClient(manager[1]) as client:
         region = client.attach("model")
         assert int(region.tensor.count_nonzero()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_lost_gpu_page_is_localized_and_remapped_alone(manager):
+    pattern = torch.arange(4 * MIB2, device="cuda", dtype=torch.int64).to(torch.uint8)
+    with RetainedClient(manager[1]) as client:
+        region = client.allocate("model", 4 * MIB2, page_bytes=MIB2, protected=True, device=0)
+        region.tensor.copy_(pattern)
+        client.discard("model", [1])  # the manager's reference ...
+        region.unmap_pages([1])  # ... and ours: the driver frees the page
+    with RetainedClient(manager[1]) as client:
+        assert client.list()[0]["missing"] == [1]
+        region = client.attach("model")  # maps pages 0, 2, 3 only; nothing touched yet
+        assert client.localize().lost == {"model": [1]}
+        client.remap("model", [1])
+        assert client.localize().lost == {"model": []}
+        keep = torch.ones(4 * MIB2, dtype=torch.bool, device="cuda")
+        keep[MIB2 : 2 * MIB2] = False
+        assert torch.equal(region.tensor[keep], pattern[keep])  # the other pages intact
+        region.page(1).fill_(7)  # the new page is real, writable memory
+        assert int((region.page(1) == 7).sum()) == MIB2
 
 
 @pytest.mark.gpu

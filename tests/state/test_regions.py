@@ -75,3 +75,10 @@ def test_attach_unknown_region_is_an_error(client):
 def test_socket_is_private(manager):
     mode = os.stat(manager[1]).st_mode
     assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+
+
+def test_discard_is_for_gpu_regions_only(client):
+    client.allocate("grads", 2 * PAGE, page_bytes=PAGE, protected=False).tensor.fill_(1)
+    with pytest.raises(RetainedStateError, match="discard covers GPU regions only"):
+        client.discard("grads", [0])
+    assert client.localize().lost == {"grads": []}  # refused without side effects

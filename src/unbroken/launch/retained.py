@@ -86,7 +86,8 @@ class RetainedState:
 
     def page_loss_target(self, geometry: StateGeometry):
         """The page-loss injector's target: destroys pages of one protection group for real
-        (holes punched in the memfd). Recovery never sees what it chose."""
+        (host: holes punched in the memfd; GPU: the pages' allocations released by the manager
+        and by this trainer, so the driver frees them). Recovery never sees what it chose."""
         prot = self.cfg.protection
         width = prot.parity_pages + prot.second_tier_pages
 
@@ -106,7 +107,12 @@ class RetainedState:
                 pages["model_parity"] += rng.sample(first_tier, min(fault.parity, len(first_tier)))
             pages = {k: sorted(v) for k, v in pages.items() if v}
             for name, idx in pages.items():
-                punch_pages(self.regions[name], idx)
+                region = self.regions[name]
+                if region.device is None:
+                    punch_pages(region, idx)
+                else:  # both references dropped: the driver frees the pages' memory
+                    self.client.discard(name, idx)
+                    region.unmap_pages(idx)
             return pages
 
         return punch

@@ -2,9 +2,11 @@
 
 Frame: 4-byte big-endian length L, then L bytes of a UTF-8 JSON object. Requests carry
 ``{"op": str, ...}``; replies carry ``{"ok": true, ...}`` or ``{"ok": false, "error": str}``. A
-reply that hands over a region is sent with its fd as `SCM_RIGHTS` ancillary data in the same
-`sendmsg` as the frame, so the fds that arrive while a reply frame is read belong to that reply
-(the client has one request in flight at a time).
+reply that hands over a region is sent with its fds as `SCM_RIGHTS` ancillary data on the
+frame's own bytes, so the fds that arrive while a reply frame is read belong to that reply (the
+client has one request in flight at a time). The kernel passes at most 253 fds per message
+(SCM_MAX_FD), and a GPU region has one fd per page: a reply with more fds is sent as several
+pieces of its frame, each carrying up to `FDS_PER_MESSAGE` of them, in order.
 
 No authentication tag (unlike `unbroken.launch.protocol`): the socket is 0600 in a private run
 directory and the manager checks `SO_PEERCRED` on every connection.
@@ -19,11 +21,19 @@ import socket
 import struct
 from typing import Any
 
-__all__ = ["MAX_FRAME", "FrameError", "FrameReader", "encode", "recv_reply", "send_frame"]
+__all__ = [
+    "FDS_PER_MESSAGE",
+    "MAX_FRAME",
+    "FrameError",
+    "FrameReader",
+    "encode",
+    "recv_reply",
+    "send_frame",
+]
 
 MAX_FRAME = 1 << 20
 _HEADER = struct.Struct(">I")
-_MAX_FDS = 8
+FDS_PER_MESSAGE = 250
 
 
 class FrameError(Exception):
@@ -39,14 +49,20 @@ def encode(message: dict[str, Any]) -> bytes:
 
 
 def send_frame(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
-    """Send one frame, with `fds` attached (SCM_RIGHTS) to its first byte."""
+    """Send one frame with `fds` attached (SCM_RIGHTS): up to `FDS_PER_MESSAGE` on each of
+    the frame's first bytes, one byte per message, then the rest of the frame."""
     frame = encode(message)
-    if fds:
-        sent = socket.send_fds(sock, [frame], fds)
-        if sent < len(frame):
-            sock.sendall(frame[sent:])
-    else:
-        sock.sendall(frame)
+    fds = list(fds or ())
+    batches = [fds[i : i + FDS_PER_MESSAGE] for i in range(0, len(fds), FDS_PER_MESSAGE)]
+    if len(batches) > len(frame):
+        raise FrameError(f"{len(fds)} fds do not fit on a frame of {len(frame)} bytes")
+    pos = 0
+    for batch in batches:
+        # A byte that carries fds goes alone: the receiver's read stops at it.
+        last = pos + 1 if len(batches) > 1 else len(frame)
+        sent = socket.send_fds(sock, [frame[pos:last]], batch)
+        pos += sent
+    sock.sendall(frame[pos:])
 
 
 class FrameReader:
@@ -105,7 +121,10 @@ def recv_reply(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     fds: list[int] = []
     try:
         while True:
-            data, got, _flags, _addr = socket.recv_fds(sock, 65536, _MAX_FDS)
+            data, got, flags, _addr = socket.recv_fds(sock, 65536, FDS_PER_MESSAGE + 3)
+            if flags & socket.MSG_CTRUNC:
+                fds.extend(got)
+                raise FrameError("file descriptors were truncated (over the receive limit)")
             fds.extend(got)
             for fd in got:  # SCM_RIGHTS fds arrive inheritable; keep them out of exec'd children
                 os.set_inheritable(fd, False)

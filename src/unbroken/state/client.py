@@ -69,7 +69,7 @@ class RetainedRegion:
         tensor: a zero-copy `torch.uint8` tensor over the whole mapping.
     """
 
-    def __init__(self, info: dict[str, Any], fd: int) -> None:
+    def __init__(self, info: dict[str, Any], fds: list[int]) -> None:
         self.name: str = info["name"]
         self.nbytes: int = info["nbytes"]
         self.page_bytes: int = info["page_bytes"]
@@ -79,6 +79,7 @@ class RetainedRegion:
         self.serial: int = info.get("serial", 0)
         self._mmap = self._gpu = None
         if self.device is None:
+            (fd,) = fds
             self.fd = fd
             self._mmap = mmap.mmap(
                 fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
@@ -88,7 +89,9 @@ class RetainedRegion:
             from unbroken.state.cuda_vmm import DeviceMapping
 
             self.fd = -1
-            self._gpu = DeviceMapping(fd, self.nbytes, self.device)  # closes fd
+            self._gpu = DeviceMapping(
+                fds, self.nbytes, self.page_bytes, self.device, info.get("missing", ())
+            )  # closes the fds
             self.tensor = self._gpu.tensor
 
     @property
@@ -110,6 +113,18 @@ class RetainedRegion:
             raise IndexError(f"page {index} outside region {self.name!r} of {self.n_pages} pages")
         start = index * self.page_bytes
         return self.tensor[start : start + self.page_bytes]
+
+    def map_pages(self, pages: list[int], fds: list[int]) -> None:
+        """GPU regions: map new allocations (`fds`, closed here) as `pages` (after a remap)."""
+        assert self._gpu is not None, "host regions are remapped in place by the manager"
+        self._gpu.map_pages(pages, fds)
+
+    def unmap_pages(self, pages: list[int]) -> None:
+        """GPU regions: drop this process's mapping of `pages` (page-loss injection: with the
+        manager's allocation discarded too, the memory is gone; an access faults)."""
+        assert self._gpu is not None, "host pages are lost by punching holes (pageloss.py)"
+        torch.cuda.synchronize(self.device)
+        self._gpu.unmap_pages(pages)
 
     def close(self) -> None:
         """Unmap and close the fd. Views of `tensor` must be gone first."""
@@ -200,8 +215,22 @@ class RetainedClient:
         return LocalizationReport(lost=reply["lost"], ms=reply["ms"])
 
     def remap(self, name: str, pages: list[int]) -> float:
-        """Give `pages` of `name` healthy zeroed memory again; returns the manager's ms."""
-        return self._call("remap", name=name, pages=[int(p) for p in pages])[0]["ms"]
+        """Give `pages` of `name` healthy memory again (host: zeroed; GPU: new allocations,
+        mapped here); returns the manager's ms."""
+        pages = sorted({int(p) for p in pages})
+        reply, fds = self._call("remap", name=name, pages=pages)
+        if fds:
+            region = self._regions.get(name)
+            if region is None or region.device is None or len(fds) != len(pages):
+                for fd in fds:
+                    os.close(fd)
+                raise RetainedStateError(f"remap of {name!r}: {len(fds)} fds for {pages}")
+            region.map_pages(pages, fds)
+        return reply["ms"]
+
+    def discard(self, name: str, pages: list[int]) -> None:
+        """GPU regions: the manager drops its allocations of `pages` (page-loss injection)."""
+        self._call("discard", name=name, pages=[int(p) for p in pages])
 
     def free(self, name: str) -> None:
         """Drop region `name` in the manager (this process's mapping stays valid until closed)."""
@@ -225,19 +254,24 @@ class RetainedClient:
         self.close()
 
     def _adopt(self, info: dict[str, Any], fds: list[int]) -> RetainedRegion:
-        if len(fds) != 1:
+        want = 1
+        if info.get("device") is not None:
+            want = info["nbytes"] // info["page_bytes"] - len(info.get("missing", ()))
+        if len(fds) != want:
             for fd in fds:
                 os.close(fd)
-            raise RetainedStateError(f"expected one fd for {info.get('name')!r}, got {len(fds)}")
-        fd = fds[0]
+            raise RetainedStateError(
+                f"expected {want} fd(s) for {info.get('name')!r}, got {len(fds)}"
+            )
         old = self._regions.get(info["name"])
-        if old is not None and old.serial == info.get("serial", 0) and _same_file(old, fd):
-            os.close(fd)  # map once per region: keep the existing mapping
+        if old is not None and old.serial == info.get("serial", 0) and _same_file(old, fds):
+            for fd in fds:
+                os.close(fd)  # map once per region: keep the existing mapping
             old.fresh = info["fresh"]
             return old
         if old is not None:
             old.close()  # the manager freed and re-created it: the old mapping is stale
-        region = RetainedRegion(info, fd)
+        region = RetainedRegion(info, fds)
         self._regions[region.name] = region
         return region
 
@@ -254,11 +288,11 @@ class RetainedClient:
         return reply, fds
 
 
-def _same_file(old: RetainedRegion, fd: int) -> bool:
-    """Whether `fd` is the region `old` maps (GPU regions: the serial number decides)."""
+def _same_file(old: RetainedRegion, fds: list[int]) -> bool:
+    """Whether `fds` are the region `old` maps (GPU regions: the serial number decides)."""
     if old.device is not None:
         return True
-    a, b = os.fstat(old.fd), os.fstat(fd)
+    a, b = os.fstat(old.fd), os.fstat(fds[0])
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 

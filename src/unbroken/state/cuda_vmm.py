@@ -17,8 +17,10 @@ mapping, or an exported fd — is open. So:
   the manager's fd; the next trainer maps it again and finds the bytes intact (measured on the
   H200: a 4-page allocation re-imported and mapped in 0.08 s after SIGKILL of its creator).
 
-One allocation per region: the unit of loss on GPU is the region, and page-level localization
-of GPU memory (mappings that are gone, per 2 MiB page) is not built — see docs/architecture.md.
+Each page of a region is its own allocation (2 MiB, the granularity), so a page can be lost
+alone: the manager and the trainer drop their references and the driver frees it; the next
+trainer finds the hole (the manager holds no allocation for it), maps a new one there and the
+updater rebuilds its contents from parity.
 """
 
 from __future__ import annotations
@@ -127,49 +129,48 @@ class _ArrayInterface:
 
 
 class DeviceMapping:
-    """One exported allocation mapped into this process and wrapped as a uint8 CUDA tensor.
+    """A GPU region mapped into this process: one exported allocation per page, mapped side by
+    side into one reserved virtual range and wrapped as one uint8 CUDA tensor.
 
     Args:
-        fd: the exported POSIX fd (this process's copy; closed after import).
-        nbytes: the allocation's size.
+        fds: the present pages' exported fds, in page order (this process's copies; each is
+            closed once imported).
+        nbytes: the region's size, `page_bytes` x pages.
+        page_bytes: size of each page's allocation.
         device: CUDA device ordinal the memory lives on (in this process's numbering, which
             the agent keeps equal to the manager's).
+        missing: pages without an allocation (lost): their range stays reserved but unmapped
+            (an access faults) until `map_pages` gives them new memory.
 
     Raises:
         CudaVmmError: import, reservation or mapping failed.
     """
 
-    def __init__(self, fd: int, nbytes: int, device: int) -> None:
-        import os
-
+    def __init__(
+        self,
+        fds: list[int],
+        nbytes: int,
+        page_bytes: int,
+        device: int,
+        missing: list[int] | tuple[int, ...] = (),
+    ) -> None:
         import torch
 
         drv = _driver()
         torch.cuda.set_device(device)
         torch.cuda.synchronize(device)  # the primary context exists and is current
-        self.nbytes = nbytes
+        self.nbytes, self.page_bytes, self.device = nbytes, page_bytes, device
         self._drv = drv
-        self._ptr = None
-        self._handle = _check(
-            drv,
-            "cuMemImportFromShareableHandle",
-            drv.cuMemImportFromShareableHandle(
-                fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-            ),
+        self._handles: dict[int, Any] = {}
+        self._ptr = _check(
+            drv, "cuMemAddressReserve", drv.cuMemAddressReserve(nbytes, granularity(device), 0, 0)
         )
-        os.close(fd)
+        present = [p for p in range(nbytes // page_bytes) if p not in set(missing)]
+        if len(present) != len(fds):
+            self.close()
+            raise CudaVmmError(f"{len(fds)} allocations for {len(present)} present pages")
         try:
-            self._ptr = _check(
-                drv,
-                "cuMemAddressReserve",
-                drv.cuMemAddressReserve(nbytes, granularity(device), 0, 0),
-            )
-            _check(drv, "cuMemMap", drv.cuMemMap(self._ptr, nbytes, 0, self._handle, 0))
-            access = drv.CUmemAccessDesc()
-            access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            access.location.id = device
-            access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            _check(drv, "cuMemSetAccess", drv.cuMemSetAccess(self._ptr, nbytes, [access], 1))
+            self.map_pages(present, fds)
         except CudaVmmError:
             self.close()
             raise
@@ -177,15 +178,50 @@ class DeviceMapping:
             _ArrayInterface(int(self._ptr), nbytes), device=torch.device("cuda", device)
         )
 
-    def close(self) -> None:
-        """Unmap and drop this process's reference (the manager's fd keeps the memory).
-        Views of `tensor` must be gone and the device idle for these bytes first."""
+    def map_pages(self, pages: list[int], fds: list[int]) -> None:
+        """Import each fd and map it as page `pages[i]` (closing the fds)."""
+        import os
+
         drv = self._drv
+        access = drv.CUmemAccessDesc()
+        access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device
+        access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        posix = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        for page, fd in zip(pages, fds, strict=True):
+            try:
+                handle = _check(
+                    drv,
+                    "cuMemImportFromShareableHandle",
+                    drv.cuMemImportFromShareableHandle(fd, posix),
+                )
+            finally:
+                os.close(fd)
+            at = int(self._ptr) + page * self.page_bytes
+            try:
+                _check(drv, "cuMemMap", drv.cuMemMap(at, self.page_bytes, 0, handle, 0))
+            except CudaVmmError:
+                drv.cuMemRelease(handle)
+                raise
+            self._handles[page] = handle
+            _check(drv, "cuMemSetAccess", drv.cuMemSetAccess(at, self.page_bytes, [access], 1))
+
+    def unmap_pages(self, pages: list[int]) -> None:
+        """Unmap `pages` and drop this process's reference to their memory (with the
+        manager's dropped too, the driver frees it: a lost page; an access then faults)."""
+        drv = self._drv
+        for page in pages:
+            handle = self._handles.pop(page, None)
+            if handle is not None:
+                at = int(self._ptr) + page * self.page_bytes
+                _check(drv, "cuMemUnmap", drv.cuMemUnmap(at, self.page_bytes))
+                drv.cuMemRelease(handle)
+
+    def close(self) -> None:
+        """Unmap everything and free the range (the manager's fds keep the memory). Views of
+        `tensor` must be gone and the device idle for these bytes first."""
         self.tensor = None
+        self.unmap_pages(list(self._handles))
         if self._ptr is not None:
-            drv.cuMemUnmap(self._ptr, self.nbytes)
-            drv.cuMemAddressFree(self._ptr, self.nbytes)
+            self._drv.cuMemAddressFree(self._ptr, self.nbytes)
             self._ptr = None
-        if self._handle is not None:
-            drv.cuMemRelease(self._handle)
-            self._handle = None

@@ -8,17 +8,20 @@ bind-to-temp + rename, so a path that exists is ready to connect) and keeps a `R
 op          request fields                                reply fields (+ fd via SCM_RIGHTS)
 ==========  ============================================  =========================================
 allocate    name, nbytes, page_bytes, protected,         name, nbytes, page_bytes, protected,
-            device (optional: CUDA ordinal)               device, serial, fresh  + fd
-attach      name                                          same as allocate (fresh False) + fd
+            device (optional: CUDA ordinal)               device, serial, fresh, missing (GPU)
+                                                          + fd (GPU: one per present page)
+attach      name                                          same as allocate (fresh False) + fds
 list        —                                             regions: [{name, nbytes, ...}]
 localize    names (optional list)                         lost: {name: [page, ...]}, ms
-remap       name, pages                                   ms
+remap       name, pages                                   ms (+ GPU: the new pages' fds)
+discard     name, pages (GPU regions)                     — (the pool's allocations dropped)
 free        name                                          —
 shutdown    —                                             — (then the manager exits)
 ==========  ============================================  =========================================
 
-GPU regions (``device`` given) are CUDA virtual-memory allocations whose exported fd the pool
-holds (`unbroken.state.cuda_vmm`); the manager only calls `cuInit`, never creates a context.
+GPU regions (``device`` given) are CUDA virtual-memory allocations, one per page, whose
+exported fds the pool holds (`unbroken.state.cuda_vmm`); the manager only calls `cuInit`, never
+creates a context.
 
 What it must never do: read or write page contents (it holds fds, truncates, seeks holes,
 punches, fallocates, asks the kernel to populate page tables); crash on a bad request (a
@@ -227,10 +230,10 @@ class StateManager:
                     frame.get("protected", True),
                     frame.get("device"),
                 )
-                return _region_reply(region, fresh), [region.fd]
+                return _region_reply(region, fresh), region.fds()
             if op == "attach":
                 region = self.pool.get(frame.get("name"))
-                return _region_reply(region, False), [region.fd]
+                return _region_reply(region, False), region.fds()
             if op == "list":
                 return {"ok": True, "regions": [r.describe() for r in self.pool.regions()]}, []
             if op == "localize":
@@ -250,9 +253,23 @@ class StateManager:
                     )
                 return {"ok": True, "lost": lost, "ms": ms}, []
             if op == "remap":
-                ms = self.pool.remap(frame.get("name"), frame.get("pages"))
-                log.info("rank %d: remapped %s in %.1f ms", self.rank, frame.get("name"), ms)
-                return {"ok": True, "ms": ms}, []
+                region = self.pool.get(frame.get("name"))
+                fds: list[int] = []
+                if region.device is None:
+                    ms = self.pool.remap(region.name, frame.get("pages"))
+                else:
+                    ms, fds = self.pool.remap_device(region.name, frame.get("pages"))
+                log.info("rank %d: remapped %s in %.1f ms", self.rank, region.name, ms)
+                return {"ok": True, "ms": ms}, fds
+            if op == "discard":
+                self.pool.discard(frame.get("name"), frame.get("pages"))
+                log.warning(
+                    "rank %d: discarded pages %s of %s",
+                    self.rank,
+                    frame.get("pages"),
+                    frame.get("name"),
+                )
+                return {"ok": True}, []
             if op == "free":
                 self.pool.free(frame.get("name"))
                 return {"ok": True}, []

@@ -1,13 +1,16 @@
 """The Resilient Memory Pool's bookkeeping: named regions, owned for the pool's lifetime.
 
-A `RetainedPool` lives inside the state-manager process (`unbroken.state.manager`), holds one
-fd per named region and answers allocate / attach / list / localize / remap / free. A region is
-host memory (a memfd) or, when allocated with a `device`, GPU memory (a CUDA virtual-memory
-allocation exported as a POSIX fd, `unbroken.state.cuda_vmm`). It owns the fds, so region
-contents survive any trainer's death; they die with the pool's process.
+A `RetainedPool` lives inside the state-manager process (`unbroken.state.manager`), holds the
+fds of named regions and answers allocate / attach / list / localize / remap / discard / free.
+A region is host memory (one memfd) or, when allocated with a `device`, GPU memory: one CUDA
+virtual-memory allocation per page, each exported as a POSIX fd (`unbroken.state.cuda_vmm`),
+which trainers map side by side into one virtual range. It owns the fds, so region contents
+survive any trainer's death; they die with the pool's process.
 
-GPU regions are one allocation each: localization reports them intact (page-level loss of GPU
-memory is not localized yet) and remap refuses them.
+A lost GPU page is a page whose physical allocation is gone — the pool holds no allocation for
+it (`discard` is how a failure of the page is injected: the pool drops its reference, the
+trainer its own, and the driver frees the memory). Localization reports those pages, as the
+memfd's holes for host regions; remap creates new allocations for them and hands their fds over.
 
 It never reads or writes page contents: it creates, truncates, seeks holes, punches and
 fallocates, and (remap, poison scan) asks the kernel to populate page tables. See
@@ -50,13 +53,14 @@ class Region:
 
     Attributes:
         name: stable name trainers use to find it again ("model", "grad_parity", ...).
-        fd: the memfd, owned by the pool.
+        fd: the memfd, owned by the pool (host regions; -1 for GPU regions).
         nbytes: size in bytes, a multiple of `page_bytes`.
         page_bytes: unit of failure localization and remap (a multiple of the OS page size).
         protected: whether the contents are covered by parity (reusable state is not).
         device: CUDA device ordinal of a GPU region; None for host memory.
         serial: this pool's creation number, so a client can tell a re-created region from
             the one it already maps.
+        page_fds: GPU regions: the exported allocation of each page, None where it was lost.
     """
 
     name: str
@@ -66,10 +70,11 @@ class Region:
     protected: bool
     device: int | None = None
     serial: int = 0
+    page_fds: list[int | None] | None = None
 
     def describe(self) -> dict[str, object]:
-        """The JSON description sent to clients."""
-        return {
+        """The JSON description sent to clients (GPU regions: with the pages they lack)."""
+        info: dict[str, object] = {
             "name": self.name,
             "nbytes": self.nbytes,
             "page_bytes": self.page_bytes,
@@ -77,6 +82,21 @@ class Region:
             "device": self.device,
             "serial": self.serial,
         }
+        if self.page_fds is not None:
+            info["missing"] = self.missing_pages()
+        return info
+
+    def fds(self) -> list[int]:
+        """The fds a client maps: the memfd, or the present pages' allocations in page order."""
+        if self.page_fds is None:
+            return [self.fd]
+        return [fd for fd in self.page_fds if fd is not None]
+
+    def missing_pages(self) -> list[int]:
+        """GPU regions: pages without an allocation (lost); host regions: []."""
+        if self.page_fds is None:
+            return []
+        return [p for p, fd in enumerate(self.page_fds) if fd is None]
 
 
 class RetainedPool:
@@ -135,13 +155,12 @@ class RetainedPool:
                     f"device={device}"
                 )
             return old, False
-        fd = (
-            self._create_device(name, size, page_bytes, device)
-            if device is not None
-            else (self._create_host(name, size))
-        )
+        page_fds = None
+        if device is not None:
+            page_fds = self._create_device(name, size // page_bytes, page_bytes, device)
+        fd = self._create_host(name, size) if device is None else -1
         self._serial += 1
-        region = Region(name, fd, size, page_bytes, protected, device, self._serial)
+        region = Region(name, fd, size, page_bytes, protected, device, self._serial, page_fds)
         self._regions[name] = region
         return region, True
 
@@ -155,9 +174,10 @@ class RetainedPool:
         return fd
 
     @staticmethod
-    def _create_device(name: str, size: int, page_bytes: int, device: int) -> int:
+    def _create_device(name: str, n_pages: int, page_bytes: int, device: int) -> list[int | None]:
         from unbroken.state import cuda_vmm
 
+        fds: list[int | None] = []
         try:
             gran = cuda_vmm.granularity(device)
             if page_bytes % gran:
@@ -165,8 +185,14 @@ class RetainedPool:
                     f"region {name!r}: page_bytes={page_bytes} is not a multiple of device "
                     f"{device}'s allocation granularity {gran}"
                 )
-            return cuda_vmm.create_allocation(size, device)
-        except cuda_vmm.CudaVmmError as exc:
+            for _ in range(n_pages):
+                fds.append(cuda_vmm.create_allocation(page_bytes, device))
+            return fds
+        except (cuda_vmm.CudaVmmError, PoolError) as exc:
+            for fd in fds:
+                os.close(fd)  # type: ignore[arg-type]
+            if isinstance(exc, PoolError):
+                raise
             raise PoolError(f"region {name!r} on cuda:{device}: {exc}") from exc
 
     def get(self, name: object) -> Region:
@@ -193,8 +219,8 @@ class RetainedPool:
         start = time.perf_counter()
         lost: dict[str, list[int]] = {}
         for region in targets:
-            if region.device is not None:
-                lost[region.name] = []  # GPU: not localized per page (module docstring)
+            if region.page_fds is not None:
+                lost[region.name] = region.missing_pages()
                 continue
             pages = hole_pages(region.fd, region.nbytes, region.page_bytes)
             if self.detect_poison:
@@ -202,6 +228,45 @@ class RetainedPool:
                 pages = sorted(set(pages) | set(poisoned))
             lost[region.name] = pages
         return lost, (time.perf_counter() - start) * 1e3
+
+    def discard(self, name: str, pages: list[int]) -> None:
+        """GPU regions: drop the pool's allocation of `pages` — the memory is gone once no
+        trainer maps it (how a page failure is injected on GPU; see the module docstring).
+
+        Raises:
+            PoolError: unknown region, a host region, or a page index out of range.
+        """
+        region = self.get(name)
+        if region.page_fds is None:
+            raise PoolError(f"region {name!r} is host memory; discard covers GPU regions only")
+        for p in self._check_pages(region, pages):
+            fd, region.page_fds[p] = region.page_fds[p], None
+            if fd is not None:
+                os.close(fd)
+
+    def remap_device(self, name: str, pages: list[int]) -> tuple[float, list[int]]:
+        """GPU regions: new allocations for lost `pages` (contents undefined; the trainer
+        rebuilds them from parity). Returns (ms, their fds in ascending page order)."""
+        region = self.get(name)
+        start = time.perf_counter()
+        assert region.page_fds is not None and region.device is not None
+        missing = [p for p in sorted(set(self._check_pages(region, pages)))]
+        for p in missing:
+            if region.page_fds[p] is None:
+                region.page_fds[p] = self._create_device(name, 1, region.page_bytes, region.device)[
+                    0
+                ]
+        fds = [region.page_fds[p] for p in missing]
+        return (time.perf_counter() - start) * 1e3, fds  # type: ignore[return-value]
+
+    @staticmethod
+    def _check_pages(region: Region, pages: object) -> list[int]:
+        n_pages = region.nbytes // region.page_bytes
+        if not isinstance(pages, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 <= p < n_pages for p in pages
+        ):
+            raise PoolError(f"pages of {region.name!r} must be a list of ints in [0, {n_pages})")
+        return pages
 
     def remap(self, name: str, pages: list[int]) -> float:
         """Back `pages` of region `name` with healthy, zeroed, present memory.
@@ -219,12 +284,8 @@ class RetainedPool:
         """
         region = self.get(name)
         if region.device is not None:
-            raise PoolError(f"region {name!r} is GPU memory; remap covers host regions only")
-        n_pages = region.nbytes // region.page_bytes
-        if not isinstance(pages, list) or not all(
-            isinstance(p, int) and not isinstance(p, bool) and 0 <= p < n_pages for p in pages
-        ):
-            raise PoolError(f"pages of {name!r} must be a list of ints in [0, {n_pages})")
+            raise PoolError(f"region {name!r} is GPU memory: use remap_device")
+        self._check_pages(region, pages)
         start = time.perf_counter()
         for first, count in _runs(sorted(set(pages))):
             offset, length = first * region.page_bytes, count * region.page_bytes
@@ -237,7 +298,8 @@ class RetainedPool:
         """Forget region `name` and close its fd (memory goes once clients unmap it)."""
         region = self.get(name)
         del self._regions[name]
-        os.close(region.fd)
+        for fd in region.fds():
+            os.close(fd)
 
     def close(self) -> None:
         """Free every region."""
