@@ -1,6 +1,13 @@
 """How a trainer obtains its state at start: fresh, retained and repaired in place, or loaded
 from the newest complete checkpoint (the baseline, and the fallback when retained state is
-beyond repair or gone)."""
+beyond repair or gone).
+
+In place, each rank first repairs what it retained (no collective), then all ranks agree on one
+path: resume in place when every rank retained state; when some rank retained nothing (new
+regions, or a marker never written: its trainer died in its start-up, see [Note: no valid marker
+slot] in `unbroken.update.rmu`) and no rank completed an iteration, start where the job stands in
+this generation — nothing is lost; otherwise checkpoint-restart (every rank exits `FATAL_EXIT`).
+"""
 
 from __future__ import annotations
 
