@@ -57,14 +57,15 @@ def test_size_rounds_up_and_reallocate_reuses(client):
     assert fresh.fresh and fresh is not region
 
 
-def test_zero_fill_allocates_every_page(client):
+def test_a_fresh_region_is_backed_before_anyone_writes_it(client):
+    """A trainer killed between allocating a region and writing it must leave a region that
+    reads as never written (zeros), not one whose pages localization reports lost."""
     region = client.allocate("scratch", 8 * PAGE, page_bytes=PAGE, protected=False)
-    assert hole_pages(region.fd, region.nbytes, PAGE) == list(range(8))  # unwritten = holes
-    assert client.localize(["scratch"]).lost == {"scratch": list(range(8))}
-    region.tensor.zero_()
-    assert os.lseek(region.fd, 0, os.SEEK_DATA) == 0
+    assert region.fresh
+    assert hole_pages(region.fd, region.nbytes, PAGE) == []
     assert os.lseek(region.fd, 0, os.SEEK_HOLE) == region.nbytes
-    assert client.localize().lost == {"scratch": []}
+    assert client.localize(["scratch"]).lost == {"scratch": []}
+    assert int(region.tensor.count_nonzero()) == 0
 
 
 def test_attach_unknown_region_is_an_error(client):

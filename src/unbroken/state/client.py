@@ -7,9 +7,9 @@ allocation) through the driver's virtual-memory API (`unbroken.state.cuda_vmm`) 
 tensor. The client owns its mappings; closing them never affects the retained memory, which
 the manager owns.
 
-Trainers must write every page of a freshly allocated region (``region.tensor.zero_()``) — an
-unwritten page is a hole and `localize` reports it lost — and must not touch retained pages after
-a failure before `localize` has run ([Note: localize before touching] in
+A fresh host region is backed by zeros from its creation (no holes); a fresh GPU region's
+contents are undefined, so trainers write every fresh region (``region.tensor.zero_()``). They
+must not touch retained pages after a failure before `localize` has run ([Note: localize before touching] in
 `unbroken.state.localize`).
 """
 

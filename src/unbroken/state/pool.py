@@ -126,9 +126,9 @@ class RetainedPool:
             device: a CUDA device ordinal for GPU memory; None (default) for host memory.
 
         Returns:
-            (region, fresh): fresh is True when the contents are new (host: all holes, read as
-            zero; GPU: undefined until the trainer writes them), False when they were retained
-            from an earlier trainer.
+            (region, fresh): fresh is True when the contents are new (host: zeros, every page
+            backed; GPU: undefined until the trainer writes them), False when they were
+            retained from an earlier trainer.
 
         Raises:
             PoolError: bad arguments, `name` exists with a different geometry, or GPU memory
@@ -168,6 +168,10 @@ class RetainedPool:
         fd = os.memfd_create(f"{self.label}:{name}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
+            # Back every page now (zeros): a fresh region has no holes, so a trainer killed
+            # between allocating a region and writing it leaves a region that reads as never
+            # written, not one whose pages localization would report lost.
+            _populate_for_write(fd, 0, size)
         except OSError:
             os.close(fd)
             raise
