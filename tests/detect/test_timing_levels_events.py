@@ -39,6 +39,57 @@ def test_phase_timer_splits_micro_batches_and_reduce():
     assert timer.records == [rec]
 
 
+class FakeGpu:
+    """A stream whose work lags the host: an event's time is when the GPU reaches it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.synced = 0
+
+    def event_class(self):
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                self.t = None
+
+            def record(self) -> None:
+                self.t = gpu.now
+
+            def synchronize(self) -> None:
+                gpu.synced += 1
+
+            def elapsed_time(self, end) -> float:
+                return (end.t - self.t) * 1e3  # milliseconds, as CUDA reports
+
+        return Event
+
+
+def test_on_a_gpu_the_timer_times_the_stream_not_the_host(monkeypatch):
+    import torch
+
+    gpu, host = FakeGpu(), FakeClock()
+    monkeypatch.setattr(torch.cuda, "Event", gpu.event_class())
+    got = []
+    timer = PhaseTimer(rank=1, on_record=got.append, clock=host, device=torch.device("cuda", 0))
+    for m in range(2):  # the host enqueues instantly; the GPU takes 1 s forward, 3 s backward
+        timer(Phase.FORWARD, 4, m, 2)
+        gpu.now += 1.0
+        timer(Phase.BACKWARD, 4, m, 2)
+        gpu.now += 3.0
+    timer(Phase.PROTECT, 4, 0, 1)
+    assert got == [] and gpu.synced == 0  # nothing read (nor waited for) inside the iteration
+    timer.flush()
+    (rec,) = got
+    assert host.now == 0.0  # the host clock saw nothing of the work
+    assert rec.mb_s == (4.0,) and rec.forward_s == (1.0, 1.0)
+    assert rec.compute_s == 5.0 and rec.reduce_s == 3.0
+    assert gpu.synced == 1
+    timer.flush()  # idempotent
+    assert len(got) == 1
+
+
 def test_localization_picks_the_slowed_rank_among_four():
     obs = series(world=4, slow_rank=2, slow_iter=25, factor=1.8, seed=5)
     det = FailSlowDetector(DetectorConfig())

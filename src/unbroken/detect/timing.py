@@ -25,6 +25,14 @@ A comm-slowed rank (`slow ... what=comm`, [Note: slow-fault] in `unbroken.inject
 normal `mb_s` and a `comm_s` that holds its stall; its peers' `comm_s` stays healthy and they
 wait for it in the next collective (the sync phase's loss all-reduce), outside `comm_s`.
 
+On a GPU the hooks run on the host while kernels run later, so host clock stamps would time the
+enqueueing, not the work. With `device` a CUDA device the timer records a CUDA event at each
+stamp instead (no synchronization) and turns the events into durations once the iteration's
+work is done — at `flush()` (the trainer calls it after each iteration, whose loss all-reduce
+has synchronized) or at the next iteration's first hook; an interval then holds the GPU's time
+between the two points of the stream, idle gaps included (a host stall that starves the GPU
+shows, one hidden behind queued work does not slow anything and does not show).
+
 Put it after the fault injector in the hook list: a `slow` fault stalls inside the injector's
 hook call for the phase step that just ended, so the timer's stamp then falls after the stall
 and each interval holds its own stall. The timer never sleeps, allocates per iteration only a
@@ -50,6 +58,15 @@ from dataclasses import dataclass, field
 from unbroken.train.phases import Phase
 
 __all__ = ["PhaseTimer", "RankTiming", "StageTiming"]
+
+
+def _minus(a: float, b: float) -> float:
+    return b - a
+
+
+def _elapsed(a, b) -> float:
+    """Seconds between two recorded CUDA events."""
+    return a.elapsed_time(b) / 1e3
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +180,8 @@ class PhaseTimer:
         keep: how many records to keep.
         clock: monotonic clock (tests pass a fake one).
         cpu_clock: this process's CPU time (for `mb_cpu_s`).
+        device: the trainer's device; a CUDA device makes the stamps CUDA events (module
+            docstring), and a record appears at `flush()`.
     """
 
     rank: int
@@ -178,9 +197,31 @@ class PhaseTimer:
     _cpu: list[float] = field(default_factory=list)
     """CPU-time stamps of every FORWARD and the first ALLREDUCE."""
     _iteration: int = -1
+    device: object = None
+    _pending: tuple | None = None
+    """CUDA: (stamps, iteration) of a finished iteration whose events are not read yet."""
+
+    def _stamp(self):
+        if getattr(self.device, "type", None) != "cuda":
+            return self.clock()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def flush(self) -> None:
+        """Turn a finished iteration's CUDA events into its record (waits for its last event,
+        which the iteration's own synchronization has normally passed already)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[-1].synchronize()
+            self._record(*pending)
 
     def __call__(self, phase: Phase, iteration: int, step: int, n_steps: int) -> None:
-        now = self.clock()
+        if phase is Phase.FORWARD and step == 0:
+            self.flush()
+        now = self._stamp()
         if phase is Phase.FORWARD:
             if step == 0:
                 self._fwd, self._bwd, self._comm, self._cpu = [], [], [], []
@@ -197,22 +238,29 @@ class PhaseTimer:
         elif phase is Phase.PROTECT and iteration == self._iteration and self._bwd:
             self._finish(now)
 
-    def _finish(self, now: float) -> None:
-        f, b, c = self._fwd, self._bwd, self._comm
+    def _finish(self, now) -> None:
+        stamps = (self._fwd, self._bwd, self._comm, self._cpu, self._iteration, now)
+        self._iteration = -1
+        if getattr(self.device, "type", None) == "cuda":
+            self._pending = stamps  # read once the GPU has done the work (flush)
+        else:
+            self._record(*stamps)
+
+    def _record(self, f: list, b: list, c: list, cpu: list, iteration: int, now) -> None:
+        dt = _elapsed if getattr(self.device, "type", None) == "cuda" else _minus
         n = min(len(f), len(b))
         ends = [*f[1:n], c[0]] if c else f[1:n]
-        cpu = self._cpu[: len(ends) + 1]  # FORWARD stamps, then the first ALLREDUCE's
+        cpu = cpu[: len(ends) + 1]  # FORWARD stamps, then the first ALLREDUCE's
         rec = RankTiming(
             rank=self.rank,
-            iteration=self._iteration,
-            mb_s=tuple(e - s for s, e in zip(f, ends, strict=False)),
-            forward_s=tuple(b[m] - f[m] for m in range(n)),
-            compute_s=b[n - 1] - f[0],
-            reduce_s=now - b[n - 1],
-            comm_s=c[-1] - c[0] if c else 0.0,
+            iteration=iteration,
+            mb_s=tuple(dt(s, e) for s, e in zip(f, ends, strict=False)),
+            forward_s=tuple(dt(f[m], b[m]) for m in range(n)),
+            compute_s=dt(f[0], b[n - 1]),
+            reduce_s=dt(b[n - 1], now),
+            comm_s=dt(c[0], c[-1]) if c else 0.0,
             mb_cpu_s=tuple(b - a for a, b in itertools.pairwise(cpu)),
         )
-        self._iteration = -1
         self.records.append(rec)
         del self.records[: -self.keep]
         if self.on_record is not None:

@@ -237,7 +237,9 @@ def run(
     injector.device = device
     from unbroken.detect.timing import PhaseTimer
 
-    timer = PhaseTimer(rank)  # after the injector: a `slow` stall lands in its own interval
+    # After the injector: a `slow` stall lands in its own interval. On a GPU it times the work
+    # with CUDA events, not the host's enqueueing.
+    timer = PhaseTimer(rank, device=device)
     # The heartbeat first: it records the phase a failure (an injected one too) happened in.
     # A plan's worker times itself (its waits are not at phase hooks): no PhaseTimer there.
     hooks = ([hb] if hb else []) + [injector] + ([] if cfg.parallel.planned else [timer])
@@ -469,6 +471,7 @@ def _train_loop(
     total = cfg.train.iterations
     for it in range(start_iter, total):
         result = iterate(it)
+        timer.flush()
         healthy.append(result.seconds)
         plan_timing = getattr(trainer, "timing", None)
         if plan_timing is not None and plan_timing.iteration == it:
