@@ -98,6 +98,20 @@ def test_localization_picks_the_slowed_rank_among_four():
     assert reports[0].factor == pytest.approx(1.8, rel=0.1)
 
 
+def test_a_single_rank_slowed_is_reported_against_its_own_healthy_pace():
+    """Seen on one H200: with one rank there are no peers, and validation called a 2.9x
+    slowdown a false alarm. The workload model fitted on its warm-up is its reference."""
+    obs = series(world=1, slow_rank=0, slow_iter=25, factor=1.8, seed=5)
+    det = FailSlowDetector(DetectorConfig())
+    reports = [d.report for o in obs if (d := det.observe(o)).report]
+    assert [r.rank for r in reports] == [0]
+    assert reports[0].factor == pytest.approx(1.8, rel=0.15)
+    healthy = series(world=1, slow_rank=0, slow_iter=10_000, factor=1.8, seed=5)
+    det = FailSlowDetector(DetectorConfig())
+    healthy_reports = [d.report for o in healthy if (d := det.observe(o)).report]
+    assert healthy_reports == []
+
+
 @pytest.mark.parametrize(("level", "loss"), [("weak", 0.35), ("medium", 0.55), ("severe", 0.70)])
 def test_levels_cost_their_throughput_share(level, loss):
     for share in (1.0, 0.6):

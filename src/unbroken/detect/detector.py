@@ -394,6 +394,11 @@ class FailSlowDetector:
                 )
                 comm[rank] = comm.get(rank, 0.0) + t.comm_s
         ratios = {r: observed[r] / predicted[r] for r in observed if predicted[r] > 0}
+        if len(ratios) == 1:
+            # One rank, no peers to compare with: its own healthy pace — the workload model
+            # fitted on its warm-up — is the reference, so its ratio is its slowdown.
+            ((slow, factor),) = ratios.items()
+            return (slow, factor, "compute") if factor >= self.cfg.localize_ratio else None
         if len(ratios) < 2:
             return None
         slow = max(ratios, key=lambda r: ratios[r])
