@@ -10,13 +10,14 @@ completed (see `Stage`).
 from __future__ import annotations
 
 import enum
+import struct
 import zlib
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-__all__ = ["MARKER_BYTES", "MarkerState", "ProgressMarker", "Stage"]
+__all__ = ["MARKER_BYTES", "MarkerReplicas", "MarkerState", "ProgressMarker", "Stage"]
 
 SLOT_BYTES = 128
 MARKER_BYTES = 2 * SLOT_BYTES
@@ -37,6 +38,9 @@ _DTYPE = np.dtype(
     ]
 )
 _CRC_SPAN = _DTYPE.itemsize - 8
+_BODY = struct.Struct("<qqqqqqdddd")  # the fields of _DTYPE before the crc, same layout
+_CRC = struct.Struct("<Q")
+assert _BODY.size == _CRC_SPAN
 
 
 class Stage(enum.IntEnum):
@@ -111,18 +115,76 @@ class ProgressMarker:
             raise RuntimeError("marker not initialized")
         return self._state
 
+    @property
+    def last_slot(self) -> tuple[int, int]:
+        """(offset, length) of the slot the last write went to (its protection copies it)."""
+        seq = self._state.seq if self._state is not None else 0
+        return (seq % 2) * SLOT_BYTES, SLOT_BYTES
+
     def write(self, **changes) -> MarkerState:
-        """Record a new state (fields not given keep their values)."""
+        """Record a new state (fields not given keep their values): the body, then its CRC."""
         base = self._state or MarkerState()
         new = replace(base, seq=base.seq + 1, **changes)
         slot = self._slots[new.seq % 2]
-        rec = np.zeros(1, dtype=_DTYPE)
-        for name in _DTYPE.names[:-1]:
-            rec[name] = getattr(new, name)
-        body = rec.view(np.uint8)
-        slot[:_CRC_SPAN] = body[:_CRC_SPAN]
-        slot[_CRC_SPAN : _DTYPE.itemsize] = np.frombuffer(
-            np.uint64(zlib.crc32(body[:_CRC_SPAN].tobytes())).tobytes(), np.uint8
+        body = _BODY.pack(
+            new.seq,
+            new.iteration,
+            int(new.stage),
+            new.group,
+            new.chunk,
+            new.done_iter,
+            new.loss,
+            new.grad_norm,
+            new.grad_scale,
+            new.lr,
         )
+        slot[:_CRC_SPAN] = np.frombuffer(body, np.uint8)
+        slot[_CRC_SPAN : _DTYPE.itemsize] = np.frombuffer(_CRC.pack(zlib.crc32(body)), np.uint8)
         self._state = new
         return new
+
+
+class MarkerReplicas:
+    """The marker page's two-tier protection: pages 1 and 2 of the marker region are copies.
+
+    For one data page an MDS code is a repetition code (any [n, 1] MDS code is, up to a factor
+    per parity page), so the marker's 1 + 1 + 1 group — a first-tier page over the marker, a
+    second-tier page over that — is two replicas, and any two of the three pages may be lost,
+    as with the general codec. Each marker write copies only the slot it changed (about a
+    microsecond, against ~70 us for the codec's call path, paid on each of the three marker
+    writes per chunk transaction).
+
+    Args:
+        pages: uint8 CPU tensor [3, page]: the marker page, then its two protection pages.
+    """
+
+    def __init__(self, pages: torch.Tensor) -> None:
+        if pages.dim() != 2 or pages.shape[0] != 3 or pages.dtype != torch.uint8:
+            raise ValueError("marker protection needs a uint8 tensor of 3 pages")
+        self._pages = pages.numpy()
+
+    def encode(self) -> None:
+        """Copy the whole marker page to both protection pages."""
+        self._pages[1:] = self._pages[0]
+
+    def copy_range(self, offset: int, length: int) -> None:
+        """Copy bytes [offset, offset + length) of the marker page (the slot just written)."""
+        end = offset + length
+        self._pages[1, offset:end] = self._pages[0, offset:end]
+        self._pages[2, offset:end] = self._pages[0, offset:end]
+
+    def reconstruct(self, lost) -> None:
+        """Rebuild the `lost` pages (of 0, 1, 2) from a surviving one (the marker page first,
+        then the first-tier copy: at most one write behind if a copy was torn by the crash).
+
+        Raises:
+            UnrecoverableError: all three pages are lost.
+        """
+        from unbroken.erasure import UnrecoverableError
+
+        lost = {int(p) for p in lost}
+        survivors = [p for p in range(3) if p not in lost]
+        if not survivors:
+            raise UnrecoverableError(group="marker", lost=lost)
+        for p in lost:
+            self._pages[p] = self._pages[survivors[0]]

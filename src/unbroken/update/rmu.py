@@ -32,7 +32,13 @@ from unbroken.train.phases import Phase
 from unbroken.train.state import TrainState
 from unbroken.update.geometry import StateGeometry
 from unbroken.update.kernel import ChunkStep
-from unbroken.update.marker import MARKER_BYTES, MarkerState, ProgressMarker, Stage
+from unbroken.update.marker import (
+    MARKER_BYTES,
+    MarkerReplicas,
+    MarkerState,
+    ProgressMarker,
+    Stage,
+)
 from unbroken.update.regions import MARKER_PAGE
 
 __all__ = ["NothingRetained", "RepairReport", "ResumableUpdater", "state_from_regions"]
@@ -133,16 +139,7 @@ class ResumableUpdater:
                 )
             )
         mk = regions["marker"][: 3 * MARKER_PAGE].view(3, MARKER_PAGE)
-        self.marker_group = ProtectionGroup(
-            ErasureGeometry(
-                page_bytes=MARKER_PAGE, data_pages=1, parity_pages=1, second_tier_pages=1
-            ),
-            [mk[0]],
-            [mk[1]],
-            [mk[2]],
-            name="marker",
-            backend=backend,
-        )
+        self.marker_group = MarkerReplicas(mk)
         self.marker = ProgressMarker(mk[0][:MARKER_BYTES])
         c = g.chunk_bytes
         self.undo = regions["undo"][: 3 * d * c].view(3, d, c)
@@ -157,7 +154,7 @@ class ResumableUpdater:
     def _mark(self, **changes) -> MarkerState:
         new = self.marker.write(**changes)
         self.hook(Phase.MARKER, new.iteration, int(new.stage), len(Stage))
-        self.marker_group.encode()
+        self.marker_group.copy_range(*self.marker.last_slot)
         return new
 
     # -- steady state ---------------------------------------------------------------------
@@ -167,6 +164,7 @@ class ResumableUpdater:
             group.encode()
         self.marker.read()
         self._mark(stage=Stage.IDLE, iteration=done_iter + 1, done_iter=done_iter, group=0, chunk=0)
+        self.marker_group.encode()  # both slots into the copies (each write copies its own)
 
     def protect(self, iteration: int) -> None:
         for group in self.grad_groups:
