@@ -32,6 +32,31 @@ its own timings (`timing`, a `unbroken.detect.timing.StageTiming`): every comput
 duration, and the iteration split into time blocked on peers (p2p batches, TP collectives,
 gradient reduction, the sync all-reduce) and busy time. Measuring costs a few clock reads per
 action; nothing is synchronized for it.
+
+[Note: plan hooks] The phase hooks are called as `unbroken.train.Trainer` calls them, with the
+rank's own view of the plan, so that a hook's (phase, step) means the same on every rank:
+
+- FORWARD / BACKWARD before each F / B action: step = the rank's k-th F (B) action of the
+  iteration, n_steps = how many it runs (its micro-batches, times the virtual stages it holds
+  when interleaved). Each (phase, step) fires once per iteration, step 0 first. Not the global
+  micro-batch id: the ranks of replica 0 never see ids past their own, so a fault's default
+  step (n // 2) of the global count was never reached there. W actions have no hook (their
+  time counts in the step before).
+- with replicas, ALLREDUCE b before each gradient-reduction bucket (one for `FineShardSync`)
+  and REDUCED after the last, inside REDUCE_GRAD; then PROTECT, SYNC, UPDATE per chunk,
+  BOUNDARY.
+
+What phase hooks cannot see on a plan's rank is its time blocked on peers (a pipeline
+neighbour's compute inside a p2p batch, TP collectives). A hook may define two optional
+methods for it, which the fault injector's `slow` faults use ([Note: slow-fault] in
+`unbroken.inject.injector`):
+
+- ``use_busy_clock(clock)``: called once, here, with `PlanWorker.busy_clock` — seconds of the
+  rank's own work (wall time minus the time blocked in p2p batches, TP collectives, the
+  gradient reduction and the sync all-reduce; `StageTiming.busy_s` per iteration);
+- ``after_transfer(iteration, seconds, sent)``: after each p2p batch, with its duration and
+  whether it sent anything. It runs inside the batch's blocked time: a stall there is the
+  rank's transfer taking longer.
 """
 
 from __future__ import annotations
@@ -57,6 +82,20 @@ __all__ = ["PlanWorker"]
 
 _REDUCE_BUCKET = 1 << 25
 _K = ActionKind
+
+
+def _hook_steps(actions: Sequence[Action]) -> dict[tuple[ActionKind, int, int], tuple[int, int]]:
+    """(kind, virtual stage, micro-batch) of each F and B action -> (step, n_steps) of its
+    phase hook: its place among the rank's actions of that kind ([Note: plan hooks])."""
+    kinds = (_K.F, _K.B)
+    n = {k: sum(a.kind is k for a in actions) for k in kinds}
+    seen = dict.fromkeys(kinds, 0)
+    steps = {}
+    for a in actions:
+        if a.kind in kinds:
+            steps[(a.kind, a.stage, a.microbatch)] = (seen[a.kind], n[a.kind])
+            seen[a.kind] += 1
+    return steps
 
 
 class PlanWorker:
@@ -109,6 +148,15 @@ class PlanWorker:
             a.kind is _K.F and a.stage == self.last_stage for a in self.actions
         )
         self._counted = self._norm_slices()
+        self._steps = _hook_steps(self.actions)
+        self._blocked = dict.fromkeys(("p2p", "tp", "reduce", "sync"), 0.0)
+        self._blocked_before = 0.0
+        """Blocked seconds of the iterations before this one (`busy_clock`)."""
+        self._blocked_since: float | None = None
+        """Start of the blocked interval that hooks are being called inside (`busy_clock`)."""
+        for hook in self.hooks:  # [Note: plan hooks]
+            if (use := getattr(hook, "use_busy_clock", None)) is not None:
+                use(self.busy_clock)
         self.timing: StageTiming | None = None
         """This rank's timings of the last iteration run (fail-slow detection)."""
         self.profile: dict[str, list[float]] | None = None
@@ -120,6 +168,17 @@ class PlanWorker:
     def _hook(self, phase: Phase, iteration: int, step: int = 0, n_steps: int = 1) -> None:
         for hook in self.hooks:
             hook(phase, iteration, step, n_steps)
+
+    def busy_clock(self) -> float:
+        """Seconds of this rank's own work so far: wall time minus the time blocked on peers
+        ([Note: plan hooks]); it stands still while the rank waits."""
+        now = time.perf_counter() if self._blocked_since is None else self._blocked_since
+        return now - self._blocked_before - sum(self._blocked.values())
+
+    def _transferred(self, iteration: int, seconds: float, sent: bool) -> None:
+        for hook in self.hooks:  # [Note: plan hooks]
+            if (after := getattr(hook, "after_transfer", None)) is not None:
+                after(iteration, seconds, sent)
 
     def _norm_slices(self) -> list[tuple[int, int]]:
         """Flat ranges this rank adds to the global gradient norm: its replica-0 shards, with
@@ -208,17 +267,30 @@ class PlanWorker:
         WeightGradSink.run(self._pending_w.pop((k, mb)))
 
     # -- reductions ------------------------------------------------------------------------
-    def _reduce_grads(self) -> None:
-        g = self.groups
-        if g.fine is not None:
-            g.fine.reduce(self.state.layout.views(self.state.grads))
+    def _reduce_grads(self, iteration: int) -> None:
+        """REDUCE_GRAD, timed as blocked, with ALLREDUCE / REDUCED hooks around its buckets
+        ([Note: plan hooks]). The first ALLREDUCE hook is outside the blocked time (a hook
+        there acts for the step before); the later ones and REDUCED are inside it (a hook there
+        acts for the bucket before: a stall is the reduction taking longer)."""
+        g, grads = self.groups, self.state.grads
+        if g.fine is None and (g.dp is None or g.dp_size == 1):
             return
-        if g.dp is None or g.dp_size == 1:
-            return
-        grads = self.state.grads
-        for a in range(0, grads.numel(), _REDUCE_BUCKET):
-            dist.all_reduce(grads[a : a + _REDUCE_BUCKET], group=g.dp)
-        grads.div_(g.dp_size)
+        starts = range(0, grads.numel(), _REDUCE_BUCKET) if g.fine is None else range(1)
+        self._hook(Phase.ALLREDUCE, iteration, 0, len(starts))
+        t = self._blocked_since = time.perf_counter()
+        try:
+            if g.fine is not None:
+                g.fine.reduce(self.state.layout.views(grads))
+            else:
+                for b, a in enumerate(starts):
+                    if b:
+                        self._hook(Phase.ALLREDUCE, iteration, b, len(starts))
+                    dist.all_reduce(grads[a : a + _REDUCE_BUCKET], group=g.dp)
+                grads.div_(g.dp_size)
+            self._hook(Phase.REDUCED, iteration)
+        finally:
+            self._blocked["reduce"] += time.perf_counter() - t
+            self._blocked_since = None
 
     def _sync(self, iteration: int) -> tuple[float, float, float]:
         self._hook(Phase.SYNC, iteration)
@@ -239,6 +311,7 @@ class PlanWorker:
 
     # -- the iteration ---------------------------------------------------------------------
     def _reset(self, iteration: int) -> None:
+        self._blocked_before += sum(self._blocked.values())
         self._iteration = iteration
         self._batches: dict[int, Any] = {}
         self._mb_inputs: dict[int, MicroBatchInputs] = {}
@@ -254,21 +327,26 @@ class PlanWorker:
         self._compute_s: list[tuple[str, int, int, float]] = []
 
     def _batch(self, batch: list[Action]) -> None:
-        t = time.perf_counter()
-        self._received.update(
-            run_batch(
-                batch,
-                world=self.groups.world,
-                tp=self.groups.tp,
-                payload=self._payload,
-                numel=self._numel,
-                num_stages=self.plan.num_stages,
-                num_microbatches=self.plan.total_microbatches,
-                dtype=self.state.params.dtype,
-                device=self.device,
+        t = self._blocked_since = time.perf_counter()
+        try:
+            self._received.update(
+                run_batch(
+                    batch,
+                    world=self.groups.world,
+                    tp=self.groups.tp,
+                    payload=self._payload,
+                    numel=self._numel,
+                    num_stages=self.plan.num_stages,
+                    num_microbatches=self.plan.total_microbatches,
+                    dtype=self.state.params.dtype,
+                    device=self.device,
+                )
             )
-        )
-        took = time.perf_counter() - t
+            sent = any(a.kind in (_K.SEND_F, _K.SEND_B) for a in batch)
+            self._transferred(self._iteration, time.perf_counter() - t, sent)
+            took = time.perf_counter() - t
+        finally:
+            self._blocked_since = None
         self._blocked["p2p"] += took
         self._p2p_min = min(self._p2p_min, took)
         self._record("BATCH", t)
@@ -277,11 +355,9 @@ class PlanWorker:
                 self._input_grads.pop((a.stage, a.microbatch), None)
 
     def _compute(self, iteration: int, a: Action) -> None:
-        n_mb = self.plan.total_microbatches
-        if a.kind is _K.F:
-            self._hook(Phase.FORWARD, iteration, a.microbatch, n_mb)
-        elif a.kind is _K.B:
-            self._hook(Phase.BACKWARD, iteration, a.microbatch, n_mb)
+        if a.kind is not _K.W:  # [Note: plan hooks]
+            phase = Phase.FORWARD if a.kind is _K.F else Phase.BACKWARD
+            self._hook(phase, iteration, *self._steps[(a.kind, a.stage, a.microbatch)])
         t, tp0 = time.perf_counter(), self.groups.tp.clock.seconds
         if a.kind is _K.F:
             self._forward(iteration, a.stage, a.microbatch)
@@ -342,8 +418,7 @@ class PlanWorker:
         if batch:
             self._batch(batch)
         t = time.perf_counter()
-        self._reduce_grads()
-        self._blocked["reduce"] = time.perf_counter() - t
+        self._reduce_grads(iteration)
         self._record("REDUCE_GRAD", t)
         t = time.perf_counter()
         self._hook(Phase.PROTECT, iteration)

@@ -5,7 +5,8 @@ Spec syntax (config `inject = [...]`, CLI `--inject`, tests):
     KIND:rank=R,iter=I[,phase=P][,step=S]     e.g. kill:rank=1,iter=12,phase=update
     KIND:rank=R,at=SECONDS                    e.g. hang:rank=0,at=4.5
     slow:rank=R,iter=I,factor=F[,what=compute|comm]
-                                              compute (default) or the gradient all-reduce
+                                              compute (default) or communication (the
+                                              gradient all-reduce; a plan rank's p2p sends)
                                               slowed F× from iteration I on
     slow:rank=R,iter=I,level=weak|medium|severe[,what=...]
                                               the factor that costs ~35/55/70% throughput

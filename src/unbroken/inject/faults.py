@@ -37,9 +37,10 @@ class SlowTarget(enum.StrEnum):
 
     COMPUTE = "compute"
     """Every phase step but the gradient all-reduce (forward, backward, protect, sync, update
-    chunks, boundary): the device computes slower."""
+    chunks, boundary), by the rank's own work in it: the device computes slower."""
     COMM = "comm"
-    """Only the gradient all-reduce buckets: the rank's link is slower."""
+    """Only the gradient all-reduce buckets and, on a plan's rank, its sending p2p batches:
+    the rank's link is slower."""
 
 
 class InjectedFault(RuntimeError):

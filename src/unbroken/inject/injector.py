@@ -11,21 +11,31 @@ no training state is touched, so a slowed run stays bit-identical). The injector
 the start of every phase step and stalls for the step that just ended:
 
 - `what=compute` (default): after every step that is not a gradient all-reduce bucket, sleep
-  (F - 1) x that step's duration, so each compute step takes F x as long as it did.
+  (F - 1) x the rank's own work in that step, so its compute takes F x as long as it did. On a
+  `Trainer` rank that is the step's duration. On a plan's rank a step also holds waits for
+  peers (a p2p batch waiting for a neighbour's compute, TP collectives, the reductions), which
+  a slower device does not stretch: the worker gives the injector a clock of its own work
+  (`use_busy_clock`, [Note: plan hooks] in `unbroken.engine.interpreter`), and the step's
+  duration on that clock is what is stretched.
 - `what=comm`: after each all-reduce bucket b (at the next ALLREDUCE or the REDUCED hook), sleep
   (F - 1) x d_b, where d_b is bucket b's healthy duration on this rank: the shortest of its
   last `HISTORY` iterations before the fault (the shortest, because a rank that reached the
-  all-reduce first also waited there for its peers). The stall is frozen when the fault
-  becomes active: a slow link adds the same time to every transfer. The rank's collective
-  returns late; its peers go on and wait for it in the next collective (the next bucket, or
-  the loss all-reduce of the sync phase).
+  all-reduce first also waited there for its peers). On a plan's rank, also after each p2p
+  batch that sends (`after_transfer`, inside the batch's time), sleep (F - 1) x the rank's
+  link time: its shortest p2p batch of the same history (one that did not wait for a peer;
+  a batch that receives mostly waits for the sender's compute, which is not the link). The
+  stall is frozen when the fault becomes active: a slow link adds the same time to every
+  transfer. The rank's transfers return late; its peers go on and wait for it in the next
+  collective (the next bucket, or the loss all-reduce of the sync phase) or the next p2p
+  batch with it.
 - `level=weak|medium|severe` instead of `factor=`: compute uses `slow_factor_for(level)`
-  (s = 1); comm uses `comm_factor_for(level, s)` with s = sum of d_b over this rank's median
-  iteration period (FORWARD 0 to FORWARD 0) of the same history, so the stall per iteration is
-  L / (1 - L) x the healthy iteration, whatever the communication share. A comm fault fired
-  before one full healthy iteration was seen becomes active once it has been (without
-  replicas there is no all-reduce and it never does). Activation is logged as `slow_active`
-  with the factor and the stall.
+  (s = 1); comm uses `comm_factor_for(level, s)` with s = (sum of d_b + the link time x the
+  sending batches of an iteration) over this rank's median iteration period (FORWARD 0 to
+  FORWARD 0) of the same history, so the stall per iteration is L / (1 - L) x the healthy
+  iteration, whatever the communication share. A comm fault fired before one full healthy
+  iteration was seen becomes active once it has been (a rank with neither replicas nor
+  pipeline neighbours has no communication, and it never does). Activation is logged as
+  `slow_active` with the factor and the stall.
 """
 
 from __future__ import annotations
@@ -60,7 +70,10 @@ class Injector:
         emit: appends an event to the job's event log.
         job_t0: wall time the job's first iteration started (for `at=` triggers).
         sleep: how a `slow` fault stalls (tests pass a recorder; the stall must be real).
-        clock: monotonic clock timing the phase steps (tests pass a fake one).
+        clock: monotonic clock timing the phase steps (tests pass a fake one). A plan's
+            worker also hands it a clock of the rank's own work (`use_busy_clock`) and reports
+            its p2p batches (`after_transfer`): [Note: plan hooks] in
+            `unbroken.engine.interpreter`.
     """
 
     def __init__(
@@ -84,12 +97,22 @@ class Injector:
         """`pageloss` target: fault -> {region: pages destroyed} (set by in-place trainers)."""
         self.sleep = sleep
         self.clock = clock
+        self.busy_clock = clock
+        """The rank's own work, for compute stalls (a plan's worker sets it)."""
         self.comm_stall_s: dict[int, float] | None = None
         """Active comm slow-down: bucket -> seconds stalled after it."""
+        self.p2p_stall_s: float | None = None
+        """Active comm slow-down on a plan: seconds stalled after each sending p2p batch."""
         self._comm_fault: FaultSpec | None = None
-        self._phase_start = clock()
+        self._phase_start = self._busy_start = clock()
         self._last: tuple[Phase, int, int] | None = None
         self._bucket_s: dict[int, deque[float]] = {}
+        self._links: deque[float] = deque(maxlen=HISTORY)
+        """Per healthy iteration, the shortest p2p batch (plans)."""
+        self._sends = 0
+        """Sending p2p batches of the last complete iteration."""
+        self._p2p_now: list | None = None
+        """[iteration, shortest batch, sending batches] of the iteration in progress (plans)."""
         self._periods: deque[float] = deque(maxlen=HISTORY)
         self._iter_mark: tuple[int, float] | None = None
         self._spike = None
@@ -110,9 +133,37 @@ class Injector:
         want_step = fault.step if fault.step is not None else n // 2
         return fault.iteration == it and fault.phase == phase and step == min(want_step, n - 1)
 
+    def use_busy_clock(self, clock: Callable[[], float]) -> None:
+        """Stretch compute by `clock`, the rank's own work, instead of wall time ([Note:
+        slow-fault]); a plan's worker calls it ([Note: plan hooks] in
+        `unbroken.engine.interpreter`)."""
+        self.busy_clock = clock
+        self._busy_start = clock()
+
+    def after_transfer(self, iteration: int, seconds: float, sent: bool) -> None:
+        """Called by a plan's worker after each p2p batch, inside the batch's time: stalls
+        after a sending batch while a comm fault is active, else learns the link time."""
+        if self.p2p_stall_s is None:
+            self._roll_p2p(iteration)
+            if self._p2p_now is None:
+                self._p2p_now = [iteration, seconds, 0]
+            self._p2p_now[1] = min(self._p2p_now[1], seconds)
+            self._p2p_now[2] += sent
+            self._activate_comm(iteration)
+        if self.p2p_stall_s is not None and sent:
+            self.sleep(self.p2p_stall_s)
+
+    def _roll_p2p(self, iteration: int) -> None:
+        """Close the p2p record of an earlier iteration into the healthy history."""
+        done = self._p2p_now
+        if done is not None and done[0] != iteration:
+            self._links.append(done[1])
+            self._sends = done[2]
+            self._p2p_now = None
+
     def __call__(self, phase: Phase, iteration: int, step: int, n_steps: int) -> None:
         now = self.clock()
-        self._stall(now - self._phase_start, iteration)
+        self._stall(now - self._phase_start, self.busy_clock() - self._busy_start, iteration)
         self._last = (phase, iteration, step)
         if phase is Phase.FORWARD and step == 0:
             self._release_spike()  # a memory spike lasts one iteration
@@ -125,7 +176,7 @@ class Injector:
                 not self._fired(fault) or self._retrying(fault, iteration)
             ):
                 self._fire(fault, phase, iteration, step)
-        self._phase_start = self.clock()
+        self._phase_start, self._busy_start = self.clock(), self.busy_clock()
 
     def _release_spike(self) -> None:
         spike, self._spike = self._spike, None
@@ -181,8 +232,9 @@ class Injector:
             spec=fault.text(),
         )
 
-    def _stall(self, step_s: float, iteration: int) -> None:
-        """Stall for the phase step that just ended ([Note: slow-fault])."""
+    def _stall(self, step_s: float, own_s: float, iteration: int) -> None:
+        """Stall for the phase step that just ended, `step_s` long, `own_s` of it the rank's
+        own work ([Note: slow-fault])."""
         if self._last is None:
             return
         phase, _, step = self._last
@@ -193,15 +245,22 @@ class Injector:
             if self.comm_stall_s is not None:
                 self.sleep(self.comm_stall_s.get(step, 0.0))
         elif self.slow_factor > 1.0:
-            self.sleep((self.slow_factor - 1.0) * step_s)
+            self.sleep((self.slow_factor - 1.0) * own_s)
 
     def _activate_comm(self, iteration: int) -> None:
         """Freeze the comm stall from the healthy history, if there is enough of it."""
         fault = self._comm_fault
-        if fault is None or not self._periods or not self._bucket_s:
+        if fault is None or not self._periods:
+            return
+        self._roll_p2p(iteration)
+        if self._p2p_now is not None and not self._links:
+            return  # a plan's rank: its link time needs one complete iteration
+        if not self._bucket_s and not self._links:
             return
         healthy = {b: min(d) for b, d in self._bucket_s.items()}
-        comm_s = sum(healthy.values())
+        link_s = min(self._links, default=0.0)
+        sends = self._sends if self._links else 0
+        comm_s = sum(healthy.values()) + sends * link_s
         period = statistics.median(self._periods)
         share = min(1.0, comm_s / period) if period > 0 else 1.0
         if fault.level is not None:
@@ -209,6 +268,7 @@ class Injector:
         else:
             factor = fault.factor
         self.comm_stall_s = {b: (factor - 1.0) * d for b, d in healthy.items()}
+        self.p2p_stall_s = (factor - 1.0) * link_s if sends else None
         self._comm_fault = None
         self.emit(
             "slow_active",
@@ -216,9 +276,11 @@ class Injector:
             iter=iteration,
             what=SlowTarget.COMM.value,
             factor=factor,
-            stall_s=sum(self.comm_stall_s.values()),
+            stall_s=sum(self.comm_stall_s.values()) + sends * (self.p2p_stall_s or 0.0),
             comm_s=comm_s,
             comm_share=share,
+            link_s=link_s,
+            sends=sends,
             spec=fault.text(),
         )
 
