@@ -8,12 +8,20 @@ rendezvous). For every plan in the spec, in one process group:
    `StageModel` with the same layer split, the same initial values, the same micro-batches, the
    same loss scaling, then the same DP all-reduce, the same loss/norm all-reduce and the same
    chunked AdamW (`PlainUpdater`) on the same kind of flat buffers;
-3. calibration for the simulator: one-way link time of one activation (ping-pong between the
-   ranks of adjacent stages) and the DP gradient all-reduce on its own.
+3. calibration for the simulator: our untimed lead-in iteration of every block, with its p2p
+   batches timestamped (`_StampedProfile`; the ranks are processes on one host, and
+   `time.perf_counter` is CLOCK_MONOTONIC there, one clock for all of them), so the parent can
+   tell how long a batch took once every transfer in it could start ([Note: p2p delivery] in
+   `unbroken.engine.bench`), and its REDUCE_GRAD spans; for the ping-pong model it replaces,
+   the one-way time of one activation by ping-pong between the ranks of adjacent stages and
+   the DP gradient all-reduce on its own.
 
 Ours and the baseline alternate in blocks of iterations (and which goes first) so machine-load
-drift hits both alike.
-Rank 0 writes the per-iteration times, every rank's profile and the calibration to RESULT.
+drift hits both alike. Every timed iteration also records the rank's CPU seconds
+(`time.process_time`, gloo's threads included): on a machine with fewer cores than ranks, wall
+time depends on which process the scheduler runs, CPU time on the work done.
+Rank 0 writes the per-iteration times, every rank's profile and CPU times, the lead-in spans
+and the other calibration to RESULT.
 """
 
 from __future__ import annotations
@@ -151,6 +159,36 @@ def _no_hook(*_args) -> None:
     pass
 
 
+class _StampedList(list):
+    """Seconds of one kind of step, as `PlanWorker.profile` appends them, plus when each ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ends: list[float] = []
+
+    def append(self, seconds: float) -> None:
+        self.ends.append(time.perf_counter())  # the worker appends right as the step ends
+        super().append(seconds)
+
+    def spans(self) -> list[tuple[float, float]]:
+        """(start, end) of every step, in order."""
+        return [(end - s, end) for s, end in zip(self, self.ends, strict=True)]
+
+
+class _StampedProfile(dict):
+    """A `PlanWorker.profile` whose lists also keep each step's end time (`_StampedList`).
+
+    The worker records with ``profile.setdefault(key, []).append(seconds)``; a new key gets a
+    `_StampedList` instead of the default. `tests/engine/test_bench.py` checks the spans against
+    a real worker, so a change in how it records shows there.
+    """
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = _StampedList()
+        return self[key]
+
+
 def _link_seconds(plan: ParallelPlan, rank: int, numel: int, reps: int) -> float:
     """One-way time of one activation between the ranks of stages 0 and 1 of replica 0."""
     if plan.pp < 2:
@@ -200,13 +238,15 @@ def job_config(spec: dict) -> JobConfig:
     )
 
 
-def _time_block(fn, first: int, n: int) -> list[float]:
-    out = []
+def _time_block(fn, first: int, n: int) -> tuple[list[float], list[float]]:
+    """Wall and CPU seconds of iterations first .. first + n - 1."""
+    wall, cpu = [], []
     for i in range(first, first + n):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn(i)
-        out.append(time.perf_counter() - t0)
-    return out
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return wall, cpu
 
 
 def _run_plan(spec: dict, plan: ParallelPlan, rank: int) -> dict:
@@ -218,22 +258,46 @@ def _run_plan(spec: dict, plan: ParallelPlan, rank: int) -> dict:
     for i in range(warm):
         ours.worker.run_iteration(i)
         base.run_iteration(i)
-    ours.worker.profile = {}
+    # Every block opens with one untimed lead-in iteration (for both engines, so switching
+    # engines costs neither). Ours has its p2p batches and REDUCE_GRAD timestamped there: the
+    # simulator's calibration, spread over the run like the timed iterations but never one of
+    # them ([Note: p2p delivery] in unbroken.engine.bench).
+    stamped, timed = _StampedProfile(), {}
     times: dict[str, list[float]] = {"ours": [], "baseline": []}
+    cpu: dict[str, list[float]] = {"ours": [], "baseline": []}
     it = warm
     engines = [("ours", ours.worker.run_iteration), ("baseline", base.run_iteration)]
     for r in range(rounds):  # alternate which engine goes first: load drift hits both alike
         for name, step in engines if r % 2 == 0 else engines[::-1]:
             dist.barrier(group=world)
-            times[name] += _time_block(step, it, block)
-        it += block
+            if name == "ours":
+                ours.worker.profile = stamped
+            step(it)
+            ours.worker.profile = timed
+            wall, cpu_s = _time_block(step, it + 1, block)
+            times[name] += wall
+            cpu[name] += cpu_s
+        it += block + 1
+    spans = {k: stamped[k].spans() if k in stamped else [] for k in ("BATCH", "REDUCE_GRAD")}
     numel = spec["tokens"] * resolve_args(cfg.model).dim
     link = _link_seconds(plan, rank, numel, reps=20)
     reduce = _reduce_seconds(ours.groups, ours.state.grads, reps=10)
-    profile = {k: statistics.fmean(v) for k, v in ours.worker.profile.items()}
-    profiles: list = [None] * dist.get_world_size()
-    dist.all_gather_object(profiles, profile, group=world)
-    return {"times": times, "profiles": profiles, "link": link, "reduce_grad": reduce}
+    profile = {k: statistics.fmean(v) for k, v in timed.items()}
+    mine = {"profile": profile, "cpu": cpu, "spans": spans}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine, group=world)
+    return {
+        "times": times,
+        "profiles": [e["profile"] for e in every],
+        "cpu": [e["cpu"] for e in every],
+        "calibration": {
+            "iterations": rounds,
+            "batches": [e["spans"]["BATCH"] for e in every],
+            "reduce_grad": [e["spans"]["REDUCE_GRAD"] for e in every],
+        },
+        "link": link,
+        "reduce_grad_alone": reduce,
+    }
 
 
 def _main(argv: list[str]) -> None:

@@ -5,12 +5,32 @@ PP=4, PP=2 on 2 of the ranks (the other two stand by, so on a 2-core machine eac
 has a core), and interleaved 1F1B with PP=2, v=2 on 2 ranks — run with our worker interpreter
 and with `torch.distributed.pipelining` (`PipelineStage` + `Schedule1F1B`, or
 `ScheduleInterleaved1F1B` for the interleaved plan) on the same stage split, initial values,
-micro-batches, loss scaling, DP reduction and optimizer, alternating in blocks within one run. It prints tokens/s
-of both and their ratio, and the dry-run simulator's predicted iteration time (fed with the
-per-action means our run measured, the one-way link time of one activation and the DP
-all-reduce measured alone) against the measured median, with the error in percent. Progress
-goes to stderr. On a 2-core machine 4 ranks share 2 cores, so both engines are CPU-bound and
-timing noise is large; the figures hold for the machine and load they were measured on.
+micro-batches, loss scaling, DP reduction and optimizer, alternating in blocks within one run.
+It prints tokens/s of both and their ratio (and the ratio of CPU seconds per iteration, summed
+over the ranks), and the dry-run simulator's predicted iteration time against the mean of our
+timed iterations, with the error in percent. Progress goes to stderr. On a 2-core machine 4
+ranks share 2 cores, so both engines are CPU-bound and timing noise is large; the figures hold
+for the machine and load they were measured on.
+
+[Note: p2p delivery] What the simulator is given: the per-action means of our timed iterations
+(F and B per stage, OPT_STEP), and two quantities measured on the untimed lead-in iteration that
+opens each of our blocks (spread over the run like the timed iterations, so load drift reaches
+both, but never one of the iterations predicted): the *delivery time* of a p2p batch and
+REDUCE_GRAD as the schedule meets it. gloo's send and receive are a rendezvous — a send completes
+only once its receive is posted (an `isend(...).wait()` whose receive is posted 10 ms later
+takes ~11 ms) — so the replay runs with ``sends="rendezvous"``: a transfer starts when both ends
+have posted it and lasts the delivery time. The delivery time of a batch is its end minus the
+moment its last transfer could start (the later of its own post and its peers' posts of the
+matching actions; all ranks are processes on one host, one monotonic clock); the simulator gets
+the mean. It is not the ping-pong time: a ping-pong between two ranks that wait for nothing else
+measures ~0.2 ms, while in the schedule a batch takes 1–7 ms on average after it could start
+(gloo's ready notice travels to the sender first, and on a machine with fewer cores than busy
+processes every p2p call is where a process waits for a core). REDUCE_GRAD is the time of the
+DP group's last-arriving rank (the collective starts when it arrives). Since the costs are
+means, the prediction is compared with the mean iteration (tokens/s use medians). The previous
+model — eager sends, the ping-pong time as the link, the all-reduce timed alone — is still
+reported as ``pingpong_predicted_iter_s``; it under-predicts, by 9–21% in the runs recorded in
+bench/results/engine-cpu.md.
 """
 
 from __future__ import annotations
@@ -22,11 +42,15 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from unbroken.errors import UserError
 from unbroken.launch.ranks import run_ranks
 
-__all__ = ["add_arguments", "run"]
+if TYPE_CHECKING:
+    from unbroken.parallel import ParallelPlan
+
+__all__ = ["add_arguments", "delivery_seconds", "reduce_seconds", "run"]
 
 WORLD_SIZE = 4
 
@@ -85,7 +109,98 @@ def _launch(spec: dict, tmp: Path) -> dict:
     return json.loads(Path(spec["result"]).read_text())
 
 
-def _predict(plan, measured: dict) -> float:
+def _comm_runs(actions) -> list[tuple[int, int]]:
+    """[lo, hi) of every maximal run of SEND/RECV actions: the p2p batches the worker posts."""
+    runs, i = [], 0
+    while i < len(actions):
+        if not actions[i].is_comm:
+            i += 1
+            continue
+        j = i
+        while j < len(actions) and actions[j].is_comm:
+            j += 1
+        runs.append((i, j))
+        i = j
+    return runs
+
+
+def delivery_seconds(
+    plan: ParallelPlan, batches: list[list[tuple[float, float]]], iterations: int
+) -> float:
+    """Mean delivery time of a p2p batch ([Note: p2p delivery]).
+
+    Args:
+        plan: the plan that ran.
+        batches: per rank, (start, end) of each of its p2p batches in order, over `iterations`
+            consecutive iterations, on one clock for all ranks.
+        iterations: how many iterations `batches` covers.
+
+    Returns:
+        Mean over all batches of end minus the latest of its start and its peers' starts of
+        the batches holding the matching actions; 0.0 for a plan without p2p.
+
+    Raises:
+        RuntimeError: a rank recorded another number of batches than its list holds.
+    """
+    from unbroken.parallel import match_transfers
+
+    partner, _ = match_transfers(plan.actions)
+    runs = {rank: _comm_runs(acts) for rank, acts in plan.actions.items()}
+    run_of = {
+        (r, i): k for r, rs in runs.items() for k, (lo, hi) in enumerate(rs) for i in range(lo, hi)
+    }
+    for rank, rs in runs.items():
+        got = len(batches[rank]) if rank < len(batches) else 0
+        if got != iterations * len(rs):
+            raise RuntimeError(
+                f"rank {rank} recorded {got} p2p batches over {iterations} iterations, "
+                f"its list has {len(rs)} per iteration"
+            )
+    samples = []
+    for it in range(iterations):
+        span = {
+            (rank, k): batches[rank][it * len(rs) + k]
+            for rank, rs in runs.items()
+            for k in range(len(rs))
+        }
+        for rank, rs in runs.items():
+            for k, (lo, hi) in enumerate(rs):
+                start, end = span[(rank, k)]
+                peers = [
+                    span[(p, run_of[(p, j)])][0]
+                    for p, j in (partner[(rank, i)] for i in range(lo, hi))
+                ]
+                samples.append(end - max(start, *peers))
+    return statistics.fmean(samples) if samples else 0.0
+
+
+def reduce_seconds(
+    plan: ParallelPlan, spans: list[list[tuple[float, float]]], iterations: int
+) -> dict[int, float]:
+    """REDUCE_GRAD per physical stage as the schedule met it ([Note: p2p delivery]).
+
+    Args:
+        plan: the plan that ran.
+        spans: per rank, (start, end) of its REDUCE_GRAD in each of `iterations` iterations.
+        iterations: how many iterations `spans` covers.
+
+    Returns:
+        Stage -> mean over iterations of the shortest REDUCE_GRAD among the stage's ranks in
+        every replica: the collective starts when the last of them arrives, and that one waits
+        least.
+    """
+    out = {}
+    for s in range(plan.pp):
+        members = [r for rep in plan.replicas for r in rep.stages[s].ranks]
+        out[s] = statistics.fmean(
+            min(spans[r][it][1] - spans[r][it][0] for r in members) for it in range(iterations)
+        )
+    return out
+
+
+def _predict(
+    plan, measured: dict, link: float, reduce_grad: float | dict[int, float], sends: str
+) -> float:
     from unbroken.parallel import Costs, simulate
 
     profiles = measured["profiles"]
@@ -96,16 +211,21 @@ def _predict(plan, measured: dict) -> float:
 
     costs = Costs(
         compute=compute,
-        link=measured["link"],
-        reduce_grad=measured["reduce_grad"],
+        link=link,
+        reduce_grad=reduce_grad,
         # OPT_STEP as timed includes waiting for the slowest rank in the loss/norm all-reduce;
         # the rank that arrives last waits least, so its time is the closest to the local cost.
         opt_step=min(p["OPT_STEP"] for p in profiles if "OPT_STEP" in p),
     )
-    timeline = simulate(plan, costs)
+    timeline = simulate(plan, costs, sends=sends)
     if not timeline.ok:
         raise RuntimeError(f"simulator: {timeline.deadlocks[0]}")
     return timeline.iteration_time
+
+
+def _cpu_per_iteration(cpu: list[dict], engine: str) -> float:
+    """Median over iterations of the CPU seconds all ranks spent on one iteration."""
+    return statistics.median(map(sum, zip(*(c[engine] for c in cpu), strict=True)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,20 +255,39 @@ def run(args: argparse.Namespace) -> int:
         m = measured[name]
         ours = statistics.median(m["times"]["ours"])
         base = statistics.median(m["times"]["baseline"])
+        # The costs are per-action means, so the consistent comparison is with the mean
+        # iteration (a median of sums is not a sum of medians); tokens/s use medians.
+        mean = statistics.fmean(m["times"]["ours"])
         tokens = args.tokens * plan.total_microbatches
-        predicted = _predict(plan, m)
+        cal = m["calibration"]
+        delivery = delivery_seconds(plan, cal["batches"], cal["iterations"])
+        reduce = reduce_seconds(plan, cal["reduce_grad"], cal["iterations"])
+        predicted = _predict(plan, m, delivery, reduce, "rendezvous")
+        pingpong = _predict(plan, m, m["link"], m["reduce_grad_alone"], "eager")
+        cpu, base_cpu = (
+            _cpu_per_iteration(m["cpu"], "ours"),
+            _cpu_per_iteration(m["cpu"], "baseline"),
+        )
         results.append(
             {
                 "plan": name,
                 "tokens_per_s": tokens / ours,
                 "baseline_tokens_per_s": tokens / base,
                 "ratio": base / ours,
+                "cpu_ratio": base_cpu / cpu,
                 "predicted_iter_s": predicted,
                 "measured_iter_s": ours,
+                "measured_mean_iter_s": mean,
                 "baseline_iter_s": base,
-                "prediction_error_pct": 100.0 * (predicted - ours) / ours,
+                "prediction_error_pct": 100.0 * (predicted - mean) / mean,
+                "cpu_s": cpu,
+                "baseline_cpu_s": base_cpu,
+                "delivery_s": delivery,
                 "link_s": m["link"],
-                "reduce_grad_s": m["reduce_grad"],
+                "pingpong_predicted_iter_s": pingpong,
+                "pingpong_prediction_error_pct": 100.0 * (pingpong - mean) / mean,
+                "reduce_grad_s": max(reduce.values()),
+                "reduce_grad_alone_s": m["reduce_grad_alone"],
             }
         )
     setup = {
@@ -169,15 +308,18 @@ def run(args: argparse.Namespace) -> int:
         f"{setup['load_average_1m']:.1f}), median of {args.block * args.rounds} iterations each"
     )
     head = (
-        f"{'plan':<26} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>6} "
-        f"{'measured s':>11} {'predicted s':>12} {'error':>7}"
+        f"{'plan':<26} {'ours tok/s':>10} {'torch tok/s':>11} {'ratio':>5} {'cpu ratio':>9} "
+        f"{'median s':>8} {'mean s':>6} {'predicted s':>11} {'error':>6} {'delivery ms':>11} "
+        f"{'ping-pong model':>15}"
     )
     print(head)
     for r in results:
         print(
-            f"{r['plan']:<26} {r['tokens_per_s']:>11.0f} {r['baseline_tokens_per_s']:>12.0f} "
-            f"{r['ratio']:>6.2f} {r['measured_iter_s']:>11.3f} {r['predicted_iter_s']:>12.3f} "
-            f"{r['prediction_error_pct']:>+6.1f}%"
+            f"{r['plan']:<26} {r['tokens_per_s']:>10.0f} {r['baseline_tokens_per_s']:>11.0f} "
+            f"{r['ratio']:>5.2f} {r['cpu_ratio']:>9.2f} {r['measured_iter_s']:>8.3f} "
+            f"{r['measured_mean_iter_s']:>6.3f} {r['predicted_iter_s']:>11.3f} "
+            f"{r['prediction_error_pct']:>+5.1f}% {r['delivery_s'] * 1e3:>11.2f} "
+            f"{r['pingpong_prediction_error_pct']:>+14.1f}%"
         )
     return 0
 
