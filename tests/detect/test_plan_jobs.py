@@ -66,7 +66,7 @@ def _watched(out) -> None:
 def test_a_slow_rank_of_a_plan_is_named_with_its_stage(tmp_path, tp, pp, rank, stage):
     # In TP2 x PP2, rank 1 is TP position 1 of stage 0: its TP peer (rank 0) waits for it in
     # every layer's collective, and must not be named.
-    cfg = _plan_job(tp, pp, [f"slow:rank={rank},iter={FAULT_ITER},factor=4"])
+    cfg = _plan_job(tp, pp, [f"slow:rank={rank},iter={FAULT_ITER},factor=8"])
     s = run_job(cfg, tmp_path, quiet=True)
     assert s["state"] == "done"
     _watched(tmp_path)
