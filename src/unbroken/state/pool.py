@@ -250,17 +250,23 @@ class RetainedPool:
 
     def remap_device(self, name: str, pages: list[int]) -> tuple[float, list[int]]:
         """GPU regions: new allocations for lost `pages` (contents undefined; the trainer
-        rebuilds them from parity). Returns (ms, their fds in ascending page order)."""
+        rebuilds them from parity). Returns (ms, their fds in ascending page order).
+
+        Raises:
+            PoolError: a host region, a page out of range, or a page that is not lost (its
+                allocation is mapped by trainers; replacing it under them is not supported).
+        """
         region = self.get(name)
+        if region.page_fds is None or region.device is None:
+            raise PoolError(f"region {name!r} is host memory: use remap")
         start = time.perf_counter()
-        assert region.page_fds is not None and region.device is not None
-        missing = [p for p in sorted(set(self._check_pages(region, pages)))]
-        for p in missing:
-            if region.page_fds[p] is None:
-                region.page_fds[p] = self._create_device(name, 1, region.page_bytes, region.device)[
-                    0
-                ]
-        fds = [region.page_fds[p] for p in missing]
+        wanted = sorted(set(self._check_pages(region, pages)))
+        present = [p for p in wanted if region.page_fds[p] is not None]
+        if present:
+            raise PoolError(f"pages {present} of {name!r} are not lost; only lost pages remap")
+        for p in wanted:
+            (region.page_fds[p],) = self._create_device(name, 1, region.page_bytes, region.device)
+        fds = [region.page_fds[p] for p in wanted]
         return (time.perf_counter() - start) * 1e3, fds  # type: ignore[return-value]
 
     @staticmethod
