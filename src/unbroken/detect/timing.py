@@ -201,8 +201,13 @@ class PhaseTimer:
     _pending: tuple | None = None
     """CUDA: (stamps, iteration) of a finished iteration whose events are not read yet."""
 
+    @property
+    def _cuda(self) -> bool:
+        """Whether stamps are CUDA events (the trainer's device is a GPU)."""
+        return getattr(self.device, "type", None) == "cuda"
+
     def _stamp(self):
-        if getattr(self.device, "type", None) != "cuda":
+        if not self._cuda:
             return self.clock()
         import torch
 
@@ -241,13 +246,13 @@ class PhaseTimer:
     def _finish(self, now) -> None:
         stamps = (self._fwd, self._bwd, self._comm, self._cpu, self._iteration, now)
         self._iteration = -1
-        if getattr(self.device, "type", None) == "cuda":
+        if self._cuda:
             self._pending = stamps  # read once the GPU has done the work (flush)
         else:
             self._record(*stamps)
 
     def _record(self, f: list, b: list, c: list, cpu: list, iteration: int, now) -> None:
-        dt = _elapsed if getattr(self.device, "type", None) == "cuda" else _minus
+        dt = _elapsed if self._cuda else _minus
         n = min(len(f), len(b))
         ends = [*f[1:n], c[0]] if c else f[1:n]
         cpu = cpu[: len(ends) + 1]  # FORWARD stamps, then the first ALLREDUCE's

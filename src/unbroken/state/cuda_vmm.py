@@ -165,7 +165,8 @@ class DeviceMapping:
         self._ptr = _check(
             drv, "cuMemAddressReserve", drv.cuMemAddressReserve(nbytes, granularity(device), 0, 0)
         )
-        present = [p for p in range(nbytes // page_bytes) if p not in set(missing)]
+        lost = set(missing)
+        present = [p for p in range(nbytes // page_bytes) if p not in lost]
         if len(present) != len(fds):
             self.close()
             raise CudaVmmError(f"{len(fds)} allocations for {len(present)} present pages")
