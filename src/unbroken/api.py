@@ -87,6 +87,11 @@ def run_job(
                 f"fault {spec!r}: rank {fault.rank} does not exist (world_size "
                 f"{cfg.parallel.world_size})"
             )
+        if fault.over and not _on_cuda(cfg):
+            raise UserError(
+                f"fault {spec!r}: over=N sizes a spike by the GPU's free memory; this job "
+                "trains on the CPU (use mb=N)"
+            )
     _check_user_objects(cfg, search)
     out = Path(out)
     if fresh and out.exists():
@@ -131,19 +136,23 @@ def run_job(
 GPU_PAGE_BYTES = 2 << 20
 
 
+def _on_cuda(cfg: JobConfig) -> bool:
+    """Whether the job's trainers will compute on a GPU (`train.device`, auto resolved here)."""
+    if cfg.train.device != "auto":
+        return cfg.train.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _check_gpu_retained(cfg: JobConfig) -> bool:
     """Whether trainers will retain state in GPU memory; if so, check the page size fits.
 
     Raises:
         UserError: protection.page_bytes is not a multiple of the 2 MiB GPU page.
     """
-    if cfg.recovery.mode != "inplace" or cfg.train.device == "cpu":
+    if cfg.recovery.mode != "inplace" or not _on_cuda(cfg):
         return False
-    if cfg.train.device == "auto":
-        import torch
-
-        if not torch.cuda.is_available():
-            return False
     if cfg.protection.page_bytes % GPU_PAGE_BYTES:
         raise UserError(
             f"protection.page_bytes = {cfg.protection.page_bytes}: in-place recovery on cuda "
