@@ -2,7 +2,8 @@
 
 Runs `--jobs` short real data-parallel training jobs (tiny reference model, stdlib corpus packed
 into micro-batches of `--tokens` tokens with per-document attention, `--world-size` gloo ranks on
-the CPU). In about half of them (seeded) one rank gets a persistent `slow` fault (weak, medium or
+the CPU; `--device cuda`: NCCL, one GPU per rank, bf16, FlashAttention varlen kernels and
+CUDA-event timings, e.g. `--preset 125m --tokens 8192`). In about half of them (seeded) one rank gets a persistent `slow` fault (weak, medium or
 severe: the factor that costs ~35/55/70% throughput, `unbroken.detect.levels`) at a random
 iteration after warm-up and before the last part of the run. Then both detectors — ours (BOCPD
 + workload filter + validation) and the baseline (the same without the filter) — replay the
@@ -41,6 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch (N)")
     parser.add_argument("--microbatches", type=int, default=3, help="micro-batches per rank")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where ranks train (default cpu)"
+    )
+    parser.add_argument("--preset", default="tiny", help="reference model preset (default tiny)")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="layers (default: 1 for tiny, else the preset's)"
+    )
+    parser.add_argument(
+        "--heads", type=int, default=None, help="heads (default: 1 for tiny, else the preset's)"
+    )
     parser.add_argument(
         "--what",
         choices=("compute", "comm", "mixed"),
@@ -180,6 +191,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--jobs must be >= 1")
     cfg = DetectorConfig()
     first = cfg.skip_iters + cfg.warmup_iters + 3
+    from unbroken.model import PRESETS
+
+    if args.preset not in PRESETS:
+        raise UserError(f"--preset {args.preset!r} is unknown; choose one of {sorted(PRESETS)}")
+    tiny = args.preset == "tiny"
     try:
         setup = BenchSetup(
             world_size=args.world_size,
@@ -187,6 +203,10 @@ def run(args: argparse.Namespace) -> int:
             microbatches=args.microbatches,
             iterations=args.iterations,
             pin_cpus=args.pin_cpus,
+            preset=args.preset,
+            n_layers=args.layers if args.layers is not None else (1 if tiny else None),
+            n_heads=args.heads if args.heads is not None else (1 if tiny else None),
+            device=args.device,
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -204,11 +224,15 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"bench detect: {args.jobs} jobs x {args.iterations} iterations, "
             f"{args.world_size} ranks, N={args.tokens}, {args.microbatches} micro-batches/rank, "
+            f"model {setup.describe()}, "
             f"{sum(bool(j.faults) for j in jobs)} with a fail-slow; logs in {out}",
             file=sys.stderr,
             flush=True,
         )
-        run_jobs(setup, jobs, out)
+        try:
+            run_jobs(setup, jobs, out)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
         dirs = [out]
     series = [job for d in dirs for job in load_jobs(d, args.world_size)]
     print(f"scoring {len(series)} jobs (ours, baseline)...", file=sys.stderr, flush=True)
@@ -228,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
             "iterations": args.iterations,
             "tokens_per_microbatch": args.tokens,
             "microbatches_per_rank": args.microbatches,
-            "model": "tiny, 1 layer, 1 head, varlen attention",
+            "model": setup.describe(),
             "multi_doc_share": multi,
             "sum_sq_over_n2_p5": q5,
         },

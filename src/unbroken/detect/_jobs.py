@@ -1,7 +1,7 @@
 """Real short data-parallel training jobs for `unbroken bench detect`, timed per rank.
 
 `run_jobs` starts `world_size` worker processes once (gloo over a TCPStore, one CPU thread
-each) and runs the jobs one after another in them: each job builds a fresh model, state and
+each; with `device="cuda"` NCCL, rank r on GPU r, bf16 autocast, CUDA-event timings) and runs the jobs one after another in them: each job builds a fresh model, state and
 sampler (`build_training`) from its own seeds, trains for real on the stdlib corpus with
 variable-length packing (`varlen_loss`), and fires its faults through the project's own
 `unbroken.inject.Injector` (a `slow` fault really sleeps). A `PhaseTimer` after the injector
@@ -42,10 +42,15 @@ class BenchSetup:
     """Micro-batches per rank per iteration (all but the last are timed cleanly)."""
     iterations: int = 40
     """Iterations per job."""
-    n_layers: int = 1
-    """Layers of the tiny reference model."""
-    n_heads: int = 1
-    """Attention heads (one head of 64: the cheapest attention per token pair on CPU)."""
+    preset: str = "tiny"
+    """Reference model preset (`unbroken.model.PRESETS`)."""
+    n_layers: int | None = 1
+    """Layers (None: the preset's; 1 by default, the cheapest model on CPU)."""
+    n_heads: int | None = 1
+    """Attention heads, also the KV heads (None: the preset's; one head of 64 by default: the
+    cheapest attention per token pair on CPU)."""
+    device: str = "cpu"
+    """cpu (gloo) or cuda (NCCL, one GPU per rank)."""
     threads: int = 1
     """Torch threads per rank."""
     pin_cpus: int = -1
@@ -58,6 +63,15 @@ class BenchSetup:
             raise ValueError("bench: microbatches must be >= 2 (the last one is not timed)")
         if self.iterations < 20:
             raise ValueError("bench: iterations must be >= 20")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"bench: device must be cpu or cuda, not {self.device!r}")
+
+    def describe(self) -> str:
+        """The model, as the report names it."""
+        layers = "preset layers" if self.n_layers is None else f"{self.n_layers} layer(s)"
+        heads = "preset heads" if self.n_heads is None else f"{self.n_heads} head(s)"
+        kernel = "FlashAttention varlen, bf16" if self.device == "cuda" else "per-document SDPA"
+        return f"{self.preset}, {layers}, {heads}, {kernel}, {self.device}"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,7 +101,10 @@ def _job_config(setup: BenchSetup, job: BenchJob):
 
     return JobConfig(
         model=ModelConfig(
-            preset="tiny", n_layers=setup.n_layers, n_heads=setup.n_heads, n_kv_heads=setup.n_heads
+            preset=setup.preset,
+            n_layers=setup.n_layers,
+            n_heads=setup.n_heads,
+            n_kv_heads=setup.n_heads,
         ),
         data=DataConfig(
             tokens_per_microbatch=setup.tokens_per_microbatch,
@@ -124,14 +141,18 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
     store = dist.TCPStore(
         "127.0.0.1", port, s.world_size, is_master=rank == 0, timeout=timedelta(seconds=120)
     )
+    cuda = s.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        "gloo",
+        "nccl" if cuda else "gloo",
         store=dist.PrefixStore("group", store),
         rank=rank,
         world_size=s.world_size,
         timeout=timedelta(seconds=300),
+        **({"device_id": device} if cuda else {}),
     )
-    device = torch.device("cpu")
     for spec in jobs:
         job = BenchJob(**spec)
         cfg = _job_config(s, job)
@@ -145,7 +166,8 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
             events.emit,
             time.time(),
         )
-        timer = PhaseTimer(rank=rank)
+        injector.device = device
+        timer = PhaseTimer(rank=rank, device=device)
         trainer = Trainer(
             model=built.model,
             state=built.state,
@@ -154,6 +176,7 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
             cfg=cfg.train,
             group=dist.group.WORLD,
             device=device,
+            autocast_dtype=torch.bfloat16 if cuda else None,
             hooks=[injector, timer],
             updater=PlainUpdater(built.state, built.geometry, built.step),
             loss_fn=varlen_loss,
@@ -161,6 +184,7 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
         t0 = time.time()
         for it in range(s.iterations):
             res = trainer.run_iteration(it)
+            timer.flush()  # CUDA: the iteration's events become its record
             rec = timer.records[-1]
             log.write(
                 {
@@ -194,7 +218,17 @@ def run_jobs(setup: BenchSetup, jobs: list[BenchJob], out: Path) -> None:
 
     Raises:
         RuntimeError: a worker process failed.
+        ValueError: `setup.device` is cuda and there are fewer GPUs than ranks.
     """
+    if setup.device == "cuda":
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < setup.world_size:
+            raise ValueError(
+                f"bench: {setup.world_size} ranks need {setup.world_size} GPUs (one per rank; "
+                f"NCCL refuses two ranks on one GPU); this machine has {have}"
+            )
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("job*-rank*.jsonl"), out / "events.jsonl"]:
         old.unlink(missing_ok=True)

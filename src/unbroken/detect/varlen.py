@@ -6,12 +6,17 @@ depend on sum l_i^2 (measured: constant within noise at N = 2048). GPU training 
 micro-batches with varlen attention kernels (FlashAttention's `cu_seqlens`), whose cost is
 sum l_i^2 — the regime ResiHP's workload model and this detector are about. `varlen_loss` runs
 the *same* parameters and math (identical loss up to float summation order) one document at a
-time with causal SDPA, so its cost follows alpha * N + beta * sum l_i^2 on CPU too. It is a
-`LossFn` for `Trainer(loss_fn=...)`; it never changes the model or its state.
+time with causal SDPA, so its cost follows alpha * N + beta * sum l_i^2 on CPU too. On a CUDA
+device one call of torch's FlashAttention varlen kernel (`torch.nn.attention.varlen`) runs all
+documents of the micro-batch at once, as GPU training does: one launch per layer, not one per
+document, so the cost has no per-document launch term. It is a `LossFn` for
+`Trainer(loss_fn=...)`; it never changes the model or its state.
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
 from typing import Any
 
 import torch
@@ -24,17 +29,49 @@ from unbroken.model.llama import rope
 __all__ = ["varlen_loss"]
 
 
-def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _qkv(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor):
+    """Queries, keys, values [T, H, D] of x [T, dim], RoPE applied, KV heads repeated."""
     a, t = attn.a, x.shape[0]
     q = rope(attn.wq(x).view(t, a.n_heads, a.head_dim), positions, a.rope_theta)
     k = rope(attn.wk(x).view(t, a.n_kv_heads, a.head_dim), positions, a.rope_theta)
     v = attn.wv(x).view(t, a.n_kv_heads, a.head_dim)
     rep = a.n_heads // a.n_kv_heads
-    k = k.repeat_interleave(rep, dim=1)
-    v = v.repeat_interleave(rep, dim=1)
-    q, k, v = (y.transpose(0, 1).float() for y in (q, k, v))
+    return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    t = x.shape[0]
+    q, k, v = (y.transpose(0, 1).float() for y in _qkv(attn, x, positions))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return out.transpose(0, 1).reshape(t, -1).type_as(x)
+
+
+def _causal_kwargs(fn) -> dict[str, Any]:
+    """How this torch's `varlen_attn` asks for causal attention (`window_size=(-1, 0)`; the
+    first releases of the API had `is_causal`)."""
+    params = inspect.signature(fn).parameters
+    if "window_size" in params:
+        return {"window_size": (-1, 0)}
+    if "is_causal" in params:
+        return {"is_causal": True}
+    raise RuntimeError("torch.nn.attention.varlen.varlen_attn takes no causal flag")
+
+
+def _varlen_attention(
+    attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, lengths: list[int]
+) -> torch.Tensor:
+    """All documents of x [T, dim] in one FlashAttention varlen call (CUDA, bf16/fp16)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as exc:  # torch < 2.9
+        raise RuntimeError("varlen_loss on a GPU needs torch >= 2.9 (varlen_attn)") from exc
+    dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    q, k, v = (y.to(dtype) for y in _qkv(attn, x, positions))
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    cu = cu.to(x.device, non_blocking=True)
+    longest = max(lengths)
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, **_causal_kwargs(varlen_attn))
+    return out.reshape(x.shape[0], -1).type_as(x)
 
 
 def varlen_loss(model: nn.Module, mb: Any, device: torch.device) -> torch.Tensor:
@@ -52,11 +89,16 @@ def varlen_loss(model: nn.Module, mb: Any, device: torch.device) -> torch.Tensor
     x = model.embed(tokens)
     for layer in model.layers:
         h = layer.attn_norm(x)
-        parts = [
-            _attention(layer.attn, hs, ps)
-            for hs, ps in zip(h.split(lengths), positions.split(lengths), strict=True)
-        ]
-        x = x + layer.attn.wo(torch.cat(parts))
+        if x.is_cuda:
+            attended = _varlen_attention(layer.attn, h, positions, lengths)
+        else:
+            attended = torch.cat(
+                [
+                    _attention(layer.attn, hs, ps)
+                    for hs, ps in zip(h.split(lengths), positions.split(lengths), strict=True)
+                ]
+            )
+        x = x + layer.attn.wo(attended)
         x = x + layer.ffn(layer.ffn_norm(x))
     logits = model.head(model.norm(x)).float()
     loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")

@@ -16,7 +16,9 @@ the start of every phase step and stalls for the step that just ended:
   peers (a p2p batch waiting for a neighbour's compute, TP collectives, the reductions), which
   a slower device does not stretch: the worker gives the injector a clock of its own work
   (`use_busy_clock`, [Note: plan hooks] in `unbroken.engine.interpreter`), and the step's
-  duration on that clock is what is stretched.
+  duration on that clock is what is stretched. On a CUDA device the hooks run ahead of the
+  kernels, so while the fault is active the injector first waits for the device at each hook:
+  the step's duration is then its kernels' (a healthy run is never synchronized by it).
 - `what=comm`: after each all-reduce bucket b (at the next ALLREDUCE or the REDUCED hook), sleep
   (F - 1) x d_b, where d_b is bucket b's healthy duration on this rank: the shortest of its
   last `HISTORY` iterations before the fault (the shortest, because a rank that reached the
@@ -162,6 +164,12 @@ class Injector:
             self._p2p_now = None
 
     def __call__(self, phase: Phase, iteration: int, step: int, n_steps: int) -> None:
+        if self.slow_factor > 1.0 and self.device is not None and self.device.type == "cuda":
+            # A slower GPU: the step's kernels, not their enqueueing, take F x as long. Wait
+            # for them so the step's duration is the device's (only while the fault is active).
+            import torch
+
+            torch.cuda.synchronize(self.device)
         now = self.clock()
         self._stall(now - self._phase_start, self.busy_clock() - self._busy_start, iteration)
         self._last = (phase, iteration, step)

@@ -1,0 +1,60 @@
+"""`unbroken bench detect` end to end on this machine: real jobs, then both detectors scored."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _bench(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "unbroken", "bench", "detect", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_two_jobs_run_and_score_with_the_issue_keys(tmp_path):
+    out = tmp_path / "logs"
+    run = _bench(
+        "--jobs", "2", "--iterations", "26", "--tokens", "512", "--out", str(out), "--json"
+    )
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)
+    assert doc["jobs"] == 2 and doc["faulty_jobs"] == 1
+    keys = {"mb_mape", "iter_mape", "false_alarms_per_job", "accuracy", "detect_delay_iters"}
+    for mode in ("ours", "baseline"):
+        assert keys | {"overhead_pct"} <= doc[mode].keys()
+        assert doc[mode]["mb_mape"] > 0.0  # measured times never match a model exactly
+    assert doc["setup"]["model"].startswith("tiny, 1 layer(s), 1 head(s)")
+    # Every rank of every job logged every iteration, with its micro-batch timings.
+    for j in range(2):
+        for r in range(2):
+            lines = (out / f"job{j}-rank{r}.jsonl").read_text().splitlines()
+            assert len(lines) == 26
+            assert len(json.loads(lines[-1])["mb_s"]) == 3
+    # Scoring the same logs again gives the same verdicts.
+    again = _bench("--replay", str(out), "--iterations", "26", "--json")
+    assert again.returncode == 0, again.stderr
+    replay = json.loads(again.stdout)
+    for mode in ("ours", "baseline"):
+        for key in ("accuracy", "false_alarms_per_job", "mb_mape"):
+            assert replay[mode][key] == pytest.approx(doc[mode][key])
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--preset", "huge"), "--preset 'huge' is unknown"),
+        (("--world-size", "1"), "world_size must be >= 2"),
+        (("--jobs", "0"), "--jobs must be >= 1"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(args, needle):
+    run = _bench(*args, timeout=60)
+    assert run.returncode == 2 and needle in run.stderr
+    assert "Traceback" not in run.stderr
