@@ -67,7 +67,9 @@ def _varlen_attention(
         raise RuntimeError("varlen_loss on a GPU needs torch >= 2.9 (varlen_attn)") from exc
     dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     q, k, v = (y.to(dtype) for y in _qkv(attn, x, positions))
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    # Pinned, so the copy is queued behind the GPU's work instead of waiting for it (a
+    # pageable copy would synchronize the host with the stream once per layer).
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).pin_memory()
     cu = cu.to(x.device, non_blocking=True)
     longest = max(lengths)
     out = varlen_attn(q, k, v, cu, cu, longest, longest, **_causal_kwargs(varlen_attn))
