@@ -96,6 +96,7 @@ def _job_config(setup: BenchSetup, job: BenchJob):
         JobConfig,
         ModelConfig,
         ParallelConfig,
+        ProtectionConfig,
         TrainConfig,
     )
 
@@ -116,6 +117,12 @@ def _job_config(setup: BenchSetup, job: BenchJob):
         ),
         parallel=ParallelConfig(world_size=setup.world_size),
         checkpoint=CheckpointConfig(enabled=False),
+        # GPU: the 2 MiB pages of retained GPU memory and 256 KiB update chunks. The CPU
+        # geometry (64 KiB pages, 32 KiB chunks) cuts a 125m state into ~1,200 chunks, whose
+        # host-side launches alone took 0.23 s per iteration on the H200.
+        protection=ProtectionConfig(page_bytes=2 << 20, stripe_pages=80, chunk_bytes=256 << 10)
+        if setup.device == "cuda"
+        else ProtectionConfig(),
         inject=list(job.faults),
     )
 
