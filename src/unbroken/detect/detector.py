@@ -230,16 +230,23 @@ class FailSlowDetector:
         else:
             self._fit_data_parallel()
         self.scale = statistics.median(o.seconds for o in self._warm)
-        xs = [o.seconds / self.scale for o in self._warm]
+        xs = [self._x(o) for o in self._warm]
         var = max(statistics.pvariance(xs), self.cfg.noise_floor**2)
         prior = dataclasses.replace(self.cfg.bocpd, mu0=1.0, beta0=self.cfg.bocpd.alpha0 * var)
         self.bocpd = Bocpd(prior)
         for obs in self._warm:
             before = self.bocpd.snapshot()
-            x = obs.seconds / self.scale
+            x = self._x(obs)
             self.bocpd.update(x)
             self._points.append(_Point(obs=obs, x=x, before=before))
         self.bocpd.last_index = self.bocpd.t - 1
+
+    def _x(self, obs: Observation) -> float:
+        """The point BOCPD sees: the iteration time over its predicted healthy time for this
+        workload (ours), or over the warm-up median (baseline, which knows no workload)."""
+        if self.cfg.baseline or self.predictor is None:
+            return obs.seconds / self.scale
+        return obs.seconds / max(self.predictor.iteration_time(obs.doc_lengths), 1e-9)
 
     def _fit_data_parallel(self) -> None:
         mb_samples = []
@@ -280,7 +287,7 @@ class FailSlowDetector:
                 self._finish_warmup()
             return Decision(verdict=Verdict.WARMUP, iteration=obs.iteration)
         before = self.bocpd.snapshot()
-        x = obs.seconds / self.scale
+        x = self._x(obs)
         cp = self.bocpd.update(x)
         self._points.append(_Point(obs=obs, x=x, before=before))
         if cp is None:
