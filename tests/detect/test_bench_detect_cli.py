@@ -37,10 +37,13 @@ def test_two_jobs_run_and_score_with_the_issue_keys(tmp_path):
             lines = (out / f"job{j}-rank{r}.jsonl").read_text().splitlines()
             assert len(lines) == 26
             assert len(json.loads(lines[-1])["mb_s"]) == 3
-    # Scoring the same logs again gives the same verdicts.
-    again = _bench("--replay", str(out), "--iterations", "26", "--json")
+    # Scoring the same logs again gives the same verdicts, and describes the recorded jobs
+    # (their bench-spec.json), not this command's flags.
+    again = _bench("--replay", str(out), "--tokens", "4096", "--json")
     assert again.returncode == 0, again.stderr
     replay = json.loads(again.stdout)
+    assert replay["setup"]["tokens_per_microbatch"] == 512
+    assert replay["setup"]["model"] == doc["setup"]["model"]
     for mode in ("ours", "baseline"):
         for key in ("accuracy", "false_alarms_per_job", "mb_mape"):
             assert replay[mode][key] == pytest.approx(doc[mode][key])

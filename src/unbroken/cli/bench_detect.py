@@ -151,6 +151,28 @@ def _multi_doc_share(jobs) -> tuple[float, float]:
     return multi / max(1, len(ratios)), ratios[len(ratios) // 20] if ratios else 1.0
 
 
+def _recorded_setup(dirs: list[Path], given):
+    """The job shape the replayed logs were recorded with (their `bench-spec.json`), so the
+    report describes them and not this command's flags; `given` for logs without one.
+
+    Raises:
+        UserError: the directories were recorded with different shapes.
+    """
+    from unbroken.detect._jobs import BenchSetup
+
+    found = []
+    for d in dirs:
+        spec = d / "bench-spec.json"
+        if spec.exists():
+            found.append(BenchSetup(**json.loads(spec.read_text())["setup"]))
+    if not found:
+        return given
+    shapes = {(s.world_size, s.tokens_per_microbatch, s.microbatches, s.describe()) for s in found}
+    if len(shapes) > 1:
+        raise UserError(f"--replay: the directories hold different job shapes: {sorted(shapes)}")
+    return found[0]
+
+
 def _run_latency(args: argparse.Namespace) -> int:
     from unbroken.detect._latency import measure_latencies
 
@@ -218,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         for d in dirs:
             if not (d / "job0-rank0.jsonl").exists():
                 raise UserError(f"--replay {d}: no job0-rank0.jsonl there")
+        setup = _recorded_setup(dirs, setup)
     else:
         out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="unbroken-detect-"))
         jobs = _schedule(args.jobs, args.iterations, args.world_size, args.seed, first, args.what)
@@ -234,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UserError(str(exc)) from None
         dirs = [out]
-    series = [job for d in dirs for job in load_jobs(d, args.world_size)]
+    series = [job for d in dirs for job in load_jobs(d, setup.world_size)]
     print(f"scoring {len(series)} jobs (ours, baseline)...", file=sys.stderr, flush=True)
     ours = score_jobs(series, cfg)
     base = score_jobs(series, DetectorConfig(baseline=True))
@@ -248,10 +271,10 @@ def run(args: argparse.Namespace) -> int:
         "jobs": len(series),
         "faulty_jobs": sum(j.fault_iter is not None for j in series),
         "setup": {
-            "world_size": args.world_size,
-            "iterations": args.iterations,
-            "tokens_per_microbatch": args.tokens,
-            "microbatches_per_rank": args.microbatches,
+            "world_size": setup.world_size,
+            "iterations": setup.iterations,
+            "tokens_per_microbatch": setup.tokens_per_microbatch,
+            "microbatches_per_rank": setup.microbatches,
             "model": setup.describe(),
             "multi_doc_share": multi,
             "sum_sq_over_n2_p5": q5,
