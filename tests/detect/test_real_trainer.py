@@ -1,5 +1,7 @@
 """One tiny in-process iteration of the real trainer with the PhaseTimer hook (no processes)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -46,7 +48,10 @@ def test_varlen_kernel_on_gpu_matches_the_masked_reference_loss_and_gradients():
     """The GPU path (one FlashAttention varlen call for all documents) computes the same loss
     and gradients as the dense block-diagonal reference, within bf16 tolerance."""
     cuda = torch.device("cuda")
-    b = build_training(CFG, n_shards=1, device=cuda)
+    cfg = dataclasses.replace(
+        CFG, data=DataConfig(tokens_per_microbatch=4096, microbatches=2, max_documents=200)
+    )
+    b = build_training(cfg, n_shards=1, device=cuda)
     params = [p for p in b.model.parameters() if p.requires_grad]
     # The first iteration with a multi-document micro-batch (the corpus is this interpreter's
     # standard library, which differs between machines).

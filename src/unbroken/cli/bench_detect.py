@@ -3,11 +3,12 @@
 Runs `--jobs` short real data-parallel training jobs (tiny reference model, stdlib corpus packed
 into micro-batches of `--tokens` tokens with per-document attention, `--world-size` gloo ranks on
 the CPU; `--device cuda`: NCCL, one GPU per rank, bf16, FlashAttention varlen kernels and
-CUDA-event timings, e.g. `--preset 125m --tokens 8192`). In about half of them (seeded) one rank gets a persistent `slow` fault (weak, medium or
-severe: the factor that costs ~35/55/70% throughput, `unbroken.detect.levels`) at a random
-iteration after warm-up and before the last part of the run. Then both detectors — ours (BOCPD
-+ workload filter + validation) and the baseline (the same without the filter) — replay the
-same measured series, and the table compares them (ResiHP §8.2). Progress goes to stderr.
+CUDA-event timings, e.g. `--preset 125m --tokens 32768 --microbatches 2`). In about half of
+them (seeded) one rank gets a persistent `slow` fault (weak, medium or severe: the factor that
+costs ~35/55/70% throughput, `unbroken.detect.levels`) at a random iteration after warm-up and
+before the last part of the run. Then both detectors — ours (BOCPD on time over predicted time,
+workload filter, validation) and the baseline (BOCPD on raw time, no filter) — replay the same
+measured series, and the table compares them (ResiHP §8.2). Progress goes to stderr.
 Figures are measured on whatever machine runs it; on a shared, loaded machine the timing noise
 is part of what the detectors see.
 

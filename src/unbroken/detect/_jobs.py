@@ -1,7 +1,8 @@
 """Real short data-parallel training jobs for `unbroken bench detect`, timed per rank.
 
 `run_jobs` starts `world_size` worker processes once (gloo over a TCPStore, one CPU thread
-each; with `device="cuda"` NCCL, rank r on GPU r, bf16 autocast, CUDA-event timings) and runs the jobs one after another in them: each job builds a fresh model, state and
+each; with `device="cuda"` NCCL, rank r on GPU r, bf16 autocast, CUDA-event timings) and runs
+the jobs one after another in them: each job builds a fresh model, state and
 sampler (`build_training`) from its own seeds, trains for real on the stdlib corpus with
 variable-length packing (`varlen_loss`), and fires its faults through the project's own
 `unbroken.inject.Injector` (a `slow` fault really sleeps). A `PhaseTimer` after the injector
