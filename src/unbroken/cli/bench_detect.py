@@ -48,6 +48,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--preset", default="tiny", help="reference model preset (default tiny)")
     parser.add_argument(
+        "--workload",
+        choices=("iid", "phases"),
+        default="iid",
+        help="iid: documents drawn independently each iteration (default); phases: runs of "
+        "iterations with short documents (docs/detect.md)",
+    )
+    parser.add_argument(
+        "--phase-iters", type=int, default=6, help="phases: iterations per phase (default 6)"
+    )
+    parser.add_argument(
+        "--short-tokens", type=int, default=128, help="phases: longest short segment (128)"
+    )
+    parser.add_argument(
         "--layers", type=int, default=None, help="layers (default: 1 for tiny, else the preset's)"
     )
     parser.add_argument(
@@ -230,6 +243,9 @@ def run(args: argparse.Namespace) -> int:
             n_layers=args.layers if args.layers is not None else (1 if tiny else None),
             n_heads=args.heads if args.heads is not None else (1 if tiny else None),
             device=args.device,
+            workload=args.workload,
+            phase_iters=args.phase_iters,
+            short_tokens=args.short_tokens,
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -52,6 +52,13 @@ class BenchSetup:
     cheapest attention per token pair on CPU)."""
     device: str = "cpu"
     """cpu (gloo) or cuda (NCCL, one GPU per rank)."""
+    workload: str = "iid"
+    """iid: documents drawn independently every iteration; phases: `unbroken.detect.phases`
+    (runs of iterations with short documents)."""
+    phase_iters: int = 6
+    """phases: iterations per phase."""
+    short_tokens: int = 128
+    """phases: longest segment in a short-document phase."""
     threads: int = 1
     """Torch threads per rank."""
     pin_cpus: int = -1
@@ -66,13 +73,20 @@ class BenchSetup:
             raise ValueError("bench: iterations must be >= 20")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"bench: device must be cpu or cuda, not {self.device!r}")
+        if self.workload not in ("iid", "phases"):
+            raise ValueError(f"bench: workload must be iid or phases, not {self.workload!r}")
+        if self.phase_iters < 1 or self.short_tokens < 1:
+            raise ValueError("bench: phase_iters and short_tokens must be >= 1")
 
     def describe(self) -> str:
         """The model, as the report names it."""
         layers = "preset layers" if self.n_layers is None else f"{self.n_layers} layer(s)"
         heads = "preset heads" if self.n_heads is None else f"{self.n_heads} head(s)"
         kernel = "FlashAttention varlen, bf16" if self.device == "cuda" else "per-document SDPA"
-        return f"{self.preset}, {layers}, {heads}, {kernel}, {self.device}"
+        shape = f"{self.preset}, {layers}, {heads}, {kernel}, {self.device}"
+        if self.workload == "phases":
+            shape += f"; phases of {self.phase_iters} iterations, short <= {self.short_tokens}"
+        return shape
 
 
 @dataclass(kw_only=True, slots=True)
@@ -132,6 +146,7 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
     import torch
     import torch.distributed as dist
 
+    from unbroken.detect.phases import PhasedSource
     from unbroken.detect.timing import PhaseTimer
     from unbroken.detect.varlen import varlen_loss
     from unbroken.inject import Injector, parse_fault
@@ -165,6 +180,9 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
         job = BenchJob(**spec)
         cfg = _job_config(s, job)
         built = build_training(cfg, n_shards=s.world_size, device=device)
+        source = built.source
+        if s.workload == "phases":
+            source = PhasedSource(source, job.seed, s.phase_iters, s.short_tokens)
         events = JsonlLog(Path(out) / "events.jsonl", run=f"job{job.index}")
         log = JsonlLog(Path(out) / f"job{job.index}-rank{rank}.jsonl")
         injector = Injector(
@@ -179,7 +197,7 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
         trainer = Trainer(
             model=built.model,
             state=built.state,
-            source=built.source,
+            source=source,
             shard=rank,
             cfg=cfg.train,
             group=dist.group.WORLD,

@@ -5,8 +5,9 @@ SDPA: its attention costs N^2 whatever the documents, so on CPU its micro-batch 
 depend on sum l_i^2 (measured: constant within noise at N = 2048). GPU training runs packed
 micro-batches with varlen attention kernels (FlashAttention's `cu_seqlens`), whose cost is
 sum l_i^2 — the regime ResiHP's workload model and this detector are about. `varlen_loss` runs
-the *same* parameters and math (identical loss up to float summation order) one document at a
-time with causal SDPA, so its cost follows alpha * N + beta * sum l_i^2 on CPU too. On a CUDA
+the *same* parameters and math (identical loss up to float summation order) with causal SDPA
+within each document — the documents of one length batched into one call — so its cost follows
+alpha * N + beta * sum l_i^2 on CPU too. On a CUDA
 device one call of torch's FlashAttention varlen kernel (`torch.nn.attention.varlen`) runs all
 documents of the micro-batch at once, as GPU training does: one launch per layer, not one per
 document, so the cost has no per-document launch term. It is a `LossFn` for
@@ -39,11 +40,27 @@ def _qkv(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor):
     return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
 
-def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    t = x.shape[0]
-    q, k, v = (y.transpose(0, 1).float() for y in _qkv(attn, x, positions))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return out.transpose(0, 1).reshape(t, -1).type_as(x)
+def _grouped_attention(
+    attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, lengths: list[int]
+) -> torch.Tensor:
+    """Causal attention within each document of x [T, dim], one SDPA call per distinct
+    document length (the documents of a length batched), so the cost is sum l_i^2 plus a
+    call overhead per length, not per document."""
+    q, k, v = _qkv(attn, x, positions)
+    starts: dict[int, list[int]] = {}
+    offset = 0
+    for n in lengths:
+        starts.setdefault(n, []).append(offset)
+        offset += n
+    order, outs = [], []
+    for n, firsts in starts.items():
+        idx = (torch.tensor(firsts)[:, None] + torch.arange(n)[None, :]).reshape(-1)
+        qg, kg, vg = (y[idx].view(len(firsts), n, *y.shape[1:]).transpose(1, 2) for y in (q, k, v))
+        out = F.scaled_dot_product_attention(qg.float(), kg.float(), vg.float(), is_causal=True)
+        outs.append(out.transpose(1, 2).reshape(len(firsts) * n, -1))
+        order.append(idx)
+    inverse = torch.argsort(torch.cat(order))
+    return torch.cat(outs)[inverse].type_as(x)
 
 
 def _causal_kwargs(fn) -> dict[str, Any]:
@@ -94,12 +111,7 @@ def varlen_loss(model: nn.Module, mb: Any, device: torch.device) -> torch.Tensor
         if x.is_cuda:
             attended = _varlen_attention(layer.attn, h, positions, lengths)
         else:
-            attended = torch.cat(
-                [
-                    _attention(layer.attn, hs, ps)
-                    for hs, ps in zip(h.split(lengths), positions.split(lengths), strict=True)
-                ]
-            )
+            attended = _grouped_attention(layer.attn, h, positions, lengths)
         x = x + layer.attn.wo(attended)
         x = x + layer.ffn(layer.ffn_norm(x))
     logits = model.head(model.norm(x)).float()
