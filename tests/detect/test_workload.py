@@ -23,6 +23,17 @@ def test_fit_without_spread_in_sum_sq_predicts_the_median():
     assert m.predict((2048,)) == pytest.approx(1.2)
 
 
+def test_a_negative_cost_is_never_fitted():
+    # Only short documents, sum l^2 barely varying, and noise that slopes the wrong way: the
+    # fit must not extrapolate to negative times for a long document.
+    short = (128,) * 16
+    shorter = (128,) * 15 + (64, 64)
+    m = MicroBatchModel.fit([(short, 0.030), (short, 0.031), (shorter, 0.034), (shorter, 0.035)])
+    assert m.beta == 0.0 and m.alpha > 0
+    assert m.predict((2048,)) == pytest.approx(m.predict(short))
+    assert m.predict(short) > 0
+
+
 def test_fit_is_not_pulled_up_by_one_sided_outliers():
     # A fifth of the micro-batches were preempted (2x their time): the healthy model stays.
     rng = np.random.default_rng(1)

@@ -177,6 +177,12 @@ class Decision:
     validation_s: float = 0.0
 
 
+def _span(samples: Sequence[tuple[Sequence[int], float]]) -> tuple[float, float]:
+    """Smallest and largest sum l^2 / N^2 of micro-batch samples."""
+    shares = [sum(x * x for x in d) / sum(d) ** 2 for d, _ in samples]
+    return min(shares), max(shares)
+
+
 @dataclass(frozen=True, slots=True)
 class _Point:
     obs: Observation
@@ -218,6 +224,12 @@ class FailSlowDetector:
         """Total seconds spent in `observe` (detector overhead)."""
         self.validations: list[float] = []
         """Seconds of each validation run."""
+        self._fitted: list[Observation] = []
+        """Observations the workload model is fitted on (warm-up, then learned windows)."""
+        self._fitted_span = (0.0, 0.0)
+        """Smallest and largest sum l^2 / N^2 among the fitted micro-batches."""
+        self.refits = 0
+        """Times the model was refitted after a false alarm outside its span (`_learn`)."""
 
     # -- warm-up ---------------------------------------------------------------------------
 
@@ -248,16 +260,24 @@ class FailSlowDetector:
             return obs.seconds / self.scale
         return obs.seconds / max(self.predictor.iteration_time(obs.doc_lengths), 1e-9)
 
-    def _fit_data_parallel(self) -> None:
-        mb_samples = []
-        for obs in self._warm:
+    @staticmethod
+    def _mb_samples(observations: Sequence[Observation]) -> list:
+        """(doc lengths, seconds) of every timed micro-batch of `observations`."""
+        samples = []
+        for obs in observations:
             for rank, t in (obs.ranks or {}).items():
                 lengths = obs.doc_lengths[rank]
-                mb_samples += [(lengths[m], s) for m, s in enumerate(t.mb_s)]
+                samples += [(lengths[m], s) for m, s in enumerate(t.mb_s)]
+        return samples
+
+    def _fit_data_parallel(self) -> None:
+        mb_samples = self._mb_samples(self._warm)
         if not mb_samples:
             raise ValueError(
                 "fail-slow warm-up needs per-rank micro-batch timings (PhaseTimer records)"
             )
+        self._fitted = list(self._warm)
+        self._fitted_span = _span(mb_samples)
         self.predictor = WorkloadPredictor.fit_data_parallel(
             mb_samples, [(o.doc_lengths, o.seconds) for o in self._warm]
         )
@@ -311,10 +331,7 @@ class FailSlowDetector:
                     return Decision(verdict=Verdict.ACCEPTED, **common)
         elif ratio <= cfg.slow_ratio:
             # Benign: forget these points, as if they had never been fed.
-            self.bocpd.restore(window[0].before)
-            self.bocpd.last_index = cp.index - 1
-            for _ in range(n_new):
-                self._points.pop()
+            self._drop(window, cp)
             return Decision(verdict=Verdict.BENIGN, **common)
         v0 = time.perf_counter()
         if self._plan_fit is not None:
@@ -324,6 +341,8 @@ class FailSlowDetector:
         spent = time.perf_counter() - v0
         self.validations.append(spent)
         if found is None:
+            if self._learn([p.obs for p in window]):
+                self._drop(window, cp)
             return Decision(verdict=Verdict.FALSE_ALARM, validation_s=spent, **common)
         rank, factor, what = found
         if (rank, what) in self.reported:
@@ -360,6 +379,38 @@ class FailSlowDetector:
                 )
             )
         return Decision(verdict=Verdict.FAIL_SLOW, report=report, validation_s=spent, **common)
+
+    def _drop(self, window: Sequence[_Point], cp: ChangePoint) -> None:
+        """Remove the window's points from the series (BOCPD back to its state before them)."""
+        self.bocpd.restore(window[0].before)
+        self.bocpd.last_index = cp.index - 1
+        for _ in range(len(window)):
+            self._points.pop()
+
+    def _learn(self, window: Sequence[Observation]) -> bool:
+        """After a validation found every rank healthy: if the window's micro-batches lie
+        outside the sum l^2 / N^2 span the model was fitted on (it was extrapolating, e.g. a
+        warm-up that saw only short documents), refit it with them and return True. Within
+        the span a false alarm is not the model's blind spot and nothing is learned: a
+        slowdown validation could not localize must not become the new normal. Ours, data
+        parallel only (a plan's fit is `fit_plan`'s)."""
+        if self.cfg.baseline or self.plan is not None:
+            return False
+        samples = self._mb_samples(window)
+        if not samples:
+            return False
+        lo, hi = self._fitted_span
+        new_lo, new_hi = _span(samples)
+        if lo * 0.9 <= new_lo and new_hi <= hi * 1.1:
+            return False
+        self._fitted += window
+        mb_samples = self._mb_samples(self._fitted)
+        self._fitted_span = _span(mb_samples)
+        self.predictor = WorkloadPredictor.fit_data_parallel(
+            mb_samples, [(o.doc_lengths, o.seconds) for o in self._fitted]
+        )
+        self.refits += 1
+        return True
 
     def _localize_plan(
         self, window: Sequence[Observation], excess_s: float

@@ -63,7 +63,10 @@ class MicroBatchModel:
 
         With a fixed token budget N the N column is constant, so alpha * N is the intercept; if
         every sample has the same sum l^2 (all single-document micro-batches) beta is not
-        identifiable and is set to 0 (the model then predicts the median).
+        identifiable and is set to 0 (the model then predicts the median). Neither cost can be
+        negative: samples whose sum l^2 spans too little for the noise (a warm-up that saw only
+        short documents) can fit beta < 0, which would predict negative times for long ones;
+        then beta is 0 too.
 
         Raises:
             ValueError: no samples.
@@ -74,9 +77,7 @@ class MicroBatchModel:
         q = np.array([float(sum_sq(d)) for d, _ in samples])
         y = np.array([s for _, s in samples], dtype=float)
         if np.ptp(q / n**2) < 1e-9:
-            # statistics, not np.median: that imports numpy.ma on first use (15 ms), which on a
-            # busy 2-core machine the coordinator takes from the trainers it is timing.
-            return cls(alpha=float(statistics.median((y / n).tolist())), beta=0.0)
+            return cls._constant(n, y)
         # Scale columns for conditioning, solve, scale back.
         sn, sq = n.mean(), q.mean()
         x = np.c_[n / sn, q / sq]
@@ -86,7 +87,16 @@ class MicroBatchModel:
             coef, *_ = np.linalg.lstsq(x * root[:, None], y * root, rcond=None)
             # |r| / y = r^2 * w with w = 1 / (y |r|); floor |r| so exact fits stay finite.
             weight = 1.0 / (y * np.maximum(np.abs(x @ coef - y), 1e-6 * y))
+        if coef[1] < 0 or coef[0] < 0:
+            return cls._constant(n, y)
         return cls(alpha=float(coef[0] / sn), beta=float(coef[1] / sq))
+
+    @classmethod
+    def _constant(cls, n: np.ndarray, y: np.ndarray) -> MicroBatchModel:
+        """beta = 0: the median time per token."""
+        # statistics, not np.median: that imports numpy.ma on first use (15 ms), which on a
+        # busy 2-core machine the coordinator takes from the trainers it is timing.
+        return cls(alpha=float(statistics.median((y / n).tolist())), beta=0.0)
 
 
 class ScheduleModel(Protocol):
