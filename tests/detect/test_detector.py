@@ -1,11 +1,13 @@
 import dataclasses
 
+import numpy as np
 import pytest
 
-from unbroken.detect.detector import DetectorConfig, FailSlowDetector, Verdict
+from unbroken.detect.detector import DetectorConfig, FailSlowDetector, Observation, Verdict
 from unbroken.detect.events import DetectionKind, ListSink
+from unbroken.detect.timing import RankTiming
 
-from .synth import series
+from .synth import N, mb_time, series
 
 
 def _replay(obs, baseline=False):
@@ -97,3 +99,48 @@ def test_warmup_needs_rank_timings():
 def test_config_is_validated():
     with pytest.raises(ValueError, match="slow_ratio"):
         DetectorConfig(slow_ratio=1.0)
+
+
+def _phased(iterations, long_from, seed=0):
+    """Every micro-batch is 16 equal short documents (sum l^2 never varies) until `long_from`,
+    one long document after: a warm-up that cannot identify beta."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for it in range(iterations):
+        docs = (N,) if it >= long_from else (N // 16,) * 16
+        ranks, lengths = {}, []
+        for r in range(2):
+            times = tuple(mb_time(docs) * (1 + 0.01 * rng.standard_normal()) for _ in range(3))
+            lengths.append([docs] * 3)
+            ranks[r] = RankTiming(
+                rank=r,
+                iteration=it,
+                mb_s=times,
+                forward_s=tuple(t / 3 for t in times),
+                compute_s=sum(times[:-1]),
+                reduce_s=times[-1] + 0.002,
+                comm_s=0.002,
+            )
+        seconds = max(sum(t.mb_s) for t in ranks.values()) + 0.012
+        out.append(Observation(iteration=it, seconds=seconds, doc_lengths=lengths, ranks=ranks))
+    return out
+
+
+def test_a_false_alarm_outside_the_fitted_span_teaches_the_model():
+    obs = _phased(60, long_from=25)
+    det = FailSlowDetector(DetectorConfig())
+    decisions = [det.observe(o) for o in obs]
+    alarms = [d for d in decisions if d.verdict is Verdict.FALSE_ALARM]
+    # One validation at the first long micro-batches (the beta = 0 model extrapolated), then
+    # the refitted model predicts them: nothing more.
+    assert len(alarms) == 1 and alarms[0].change_iteration == 25
+    assert det.refits == 1
+    assert not [d for d in decisions if d.verdict is Verdict.FAIL_SLOW]
+    assert det.predictor.mb.beta > 0
+    long = obs[-1].doc_lengths[0][0]
+    assert det.predictor.mb.predict(long) == pytest.approx(mb_time(long), rel=0.05)
+    # The baseline learns nothing (it has no workload model to teach).
+    base = FailSlowDetector(DetectorConfig(baseline=True))
+    for o in obs:
+        base.observe(o)
+    assert base.refits == 0
