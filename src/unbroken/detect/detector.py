@@ -6,7 +6,9 @@ every replica's micro-batches and, when available, each rank's `RankTiming`. The
 1. warms up: skips the first `skip_iters` iterations (process start), then fits the workload
    model (alpha, beta on the timed micro-batches; the sync constant on the iterations) and the
    change-point prior on the next `warmup_iters`;
-2. runs BOCPD on the iteration-time series (normalized by the warm-up median);
+2. runs BOCPD on the series of iteration time over the predicted healthy time of that
+   iteration's workload (the baseline: over the warm-up median), so the swings the workload
+   explains do not reach the change-point detector at all;
 3. at a change point covering iterations c..t compares the observed time of c..t with the
    predicted healthy time of the same workload. Observed > `slow_ratio` (1.25, ResiHP §5.2) x
    predicted: validation. Otherwise the change is benign (workload-induced): its points are
@@ -26,7 +28,10 @@ every replica's micro-batches and, when available, each rank's `RankTiming`. The
    and a comm-slow rank are found, the one whose excess (seconds over the window) is larger
    is reported: on a noisy machine a rank's compute can stand out by chance while its link
    costs seconds. Found: a `FailSlowReport`
-   (also sent to the sink as a `DetectionEvent`). Not found: a false alarm.
+   (also sent to the sink as a `DetectionEvent`). Not found: a false alarm — and if the
+   window's micro-batches lie outside the sum l^2 / N^2 span the model was fitted on (the
+   model was extrapolating), the model is refitted with them and the window dropped from the
+   series (`_learn`).
 
 A hybrid-parallel plan (`FailSlowDetector(plan=...)`) changes the model, not the steps: the
 prediction is the plan's dry-run simulation with per-micro-batch chunk costs, and validation
@@ -175,6 +180,11 @@ class Decision:
     observed_over_predicted: float | None = None
     report: FailSlowReport | None = None
     validation_s: float = 0.0
+
+
+SPAN_MARGIN = 0.1
+"""How far (relative) outside the fitted sum l^2 / N^2 span a window must reach to be learned
+from: within it, timing noise and the span's own edges are not extrapolation."""
 
 
 def _span(samples: Sequence[tuple[Sequence[int], float]]) -> tuple[float, float]:
@@ -401,7 +411,7 @@ class FailSlowDetector:
             return False
         lo, hi = self._fitted_span
         new_lo, new_hi = _span(samples)
-        if lo * 0.9 <= new_lo and new_hi <= hi * 1.1:
+        if lo * (1 - SPAN_MARGIN) <= new_lo and new_hi <= hi * (1 + SPAN_MARGIN):
             return False
         self._fitted += window
         mb_samples = self._mb_samples(self._fitted)
