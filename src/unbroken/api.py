@@ -67,6 +67,7 @@ def run_job(
         search.append(str(path.resolve().parent))
     else:
         cfg = config
+    cfg = resolve_device_defaults(cfg)
     if cfg.parallel.planned:
         if cfg.model.factory:
             raise UserError("parallel.tp/pp > 1 run the reference model only (model.factory set)")
@@ -143,6 +144,21 @@ def _on_cuda(cfg: JobConfig) -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def resolve_device_defaults(cfg: JobConfig) -> JobConfig:
+    """`cfg` with the settings whose defaults depend on the device filled in (the protection
+    page and chunk sizes, `ProtectionConfig.resolved`), once, before any process of the job
+    starts: every process then reads the same sizes from its spec.
+
+    Raises:
+        UserError: a chunk size set without a page size does not divide the device's page.
+    """
+    try:
+        protection = cfg.protection.resolved(_on_cuda(cfg))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return dataclasses.replace(cfg, protection=protection)
 
 
 def _check_gpu_retained(cfg: JobConfig) -> bool:

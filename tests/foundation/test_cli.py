@@ -33,6 +33,7 @@ def _unbroken(*args, cwd=None):
         ("inject = ['explode:rank=0,iter=1']\n", "unknown kind 'explode'"),
         ("[recovery]\nheartbeat_timeout_s = 0.05\n", "heartbeat_interval_s < heartbeat_timeout_s"),
         ("[train\n", "not valid TOML"),
+        ("[protection]\nchunk_bytes = 192\n", "divides page_bytes"),
     ],
 )
 def test_bad_config_is_one_line_exit_2(tmp_path, toml, needle):

@@ -134,7 +134,7 @@ def build_worker(
     except ValueError as exc:
         raise UserError(f"plan: {exc}") from None
     layout = FlatLayout.of(model)
-    geometry = state_geometry(cfg, max(layout.numel, 1))
+    geometry = state_geometry(cfg, max(layout.numel, 1), torch.device(device).type == "cuda")
     if allocate is None:
         state, fresh = TrainState.allocate(layout, device, geometry.padded_numel), True
     else:

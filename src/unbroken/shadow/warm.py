@@ -71,7 +71,7 @@ def warm_cuda(cfg: JobConfig, device: torch.device) -> float:
     t0 = time.perf_counter()
     if not cfg.model.factory:
         _warm_model(cfg, device)
-    p = cfg.protection
+    p = cfg.protection.resolved(device.type == "cuda")
     for d in (3 * p.stripe_pages, p.stripe_pages):  # model groups, gradient groups
         _warm_codec(p.page_bytes, d, p.parity_pages, p.second_tier_pages, p.chunk_bytes, device)
     if device.type == "cuda":

@@ -40,8 +40,11 @@ class Built:
     step: ChunkStep
 
 
-def state_geometry(cfg: JobConfig, numel: int) -> StateGeometry:
-    p = cfg.protection
+def state_geometry(cfg: JobConfig, numel: int, cuda: bool = False) -> StateGeometry:
+    """The state's page/group/chunk geometry; unset protection sizes take the defaults of the
+    device (`cuda`: the trainers compute on a GPU). Jobs started through `unbroken.api` carry
+    sizes resolved there already, so every process of a job cuts the state alike."""
+    p = cfg.protection.resolved(cuda)
     return StateGeometry(
         numel=numel,
         page_bytes=p.page_bytes,
@@ -103,7 +106,7 @@ def build_training(
     search = list(search)
 
     def make_state(layout: FlatLayout) -> tuple[TrainState, bool, StateGeometry]:
-        geometry = state_geometry(cfg, layout.numel)
+        geometry = state_geometry(cfg, layout.numel, torch.device(device).type == "cuda")
         if allocate is None:
             return TrainState.allocate(layout, device, geometry.padded_numel), True, geometry
         state, fresh = allocate(layout, geometry, device)

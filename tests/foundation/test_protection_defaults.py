@@ -1,0 +1,53 @@
+"""Protection sizes left unset take the defaults of the device the job trains on."""
+
+import pytest
+
+from unbroken import api
+from unbroken.config import JobConfig, ProtectionConfig
+from unbroken.errors import UserError
+from unbroken.train.build import state_geometry
+
+MIB = 1 << 20
+
+
+def test_unset_sizes_resolve_per_device():
+    p = ProtectionConfig()
+    assert (p.page_bytes, p.chunk_bytes) == (None, None)
+    cpu, gpu = p.resolved(cuda=False), p.resolved(cuda=True)
+    assert (cpu.page_bytes, cpu.chunk_bytes) == (64 << 10, 32 << 10)
+    assert (gpu.page_bytes, gpu.chunk_bytes) == (2 * MIB, 512 << 10)
+    assert gpu.resolved(cuda=False) == gpu  # resolved sizes stay
+
+
+@pytest.mark.parametrize(
+    ("page", "chunk", "cuda", "want"),
+    [
+        (4 * MIB, None, True, (4 * MIB, 512 << 10)),
+        (64 << 10, None, True, (64 << 10, 64 << 10)),  # the GPU chunk exceeds the page
+        (12288, None, False, (12288, 12288)),  # 32 KiB does not divide 12 KiB
+        (None, 1 * MIB, True, (2 * MIB, 1 * MIB)),
+        (None, 4096, False, (64 << 10, 4096)),
+    ],
+)
+def test_a_size_set_by_the_user_is_kept_and_the_other_fits_it(page, chunk, cuda, want):
+    p = ProtectionConfig(page_bytes=page, chunk_bytes=chunk).resolved(cuda)
+    assert (p.page_bytes, p.chunk_bytes) == want
+
+
+def test_a_chunk_that_cannot_divide_the_default_page_is_refused():
+    with pytest.raises(ValueError, match="divides page_bytes"):
+        ProtectionConfig(chunk_bytes=3 * MIB).resolved(cuda=True)
+    cfg = JobConfig(protection=ProtectionConfig(chunk_bytes=192))
+    with pytest.raises(UserError, match="divides page_bytes"):
+        api.resolve_device_defaults(cfg)
+
+
+def test_a_gpu_job_with_default_protection_gets_the_gpu_page(monkeypatch):
+    monkeypatch.setattr(api, "_on_cuda", lambda cfg: True)
+    cfg = api.resolve_device_defaults(JobConfig())
+    assert cfg.protection.page_bytes == api.GPU_PAGE_BYTES
+    assert api._check_gpu_retained(cfg)  # in place on a GPU: no page-size error any more
+    # The geometry every process builds from this resolved config is the GPU one, even where
+    # it is built without a device (the coordinator's side).
+    g = state_geometry(cfg, 76_000_000)
+    assert (g.page_bytes, g.chunk_bytes) == (2 * MIB, 512 << 10)
