@@ -100,19 +100,34 @@ def reference(cfg: JobConfig, dp: int, iterations: int) -> Outcome:
     return Outcome(losses, norms, [g], [p])
 
 
-def _worker(rank: int, world_size: int, store_path: str, cases: list[Case], out: str) -> None:
+@contextlib.contextmanager
+def gloo_rank(rank: int, world_size: int, store_path: str, out: str, record):
+    """The rank side of `spawn_ranks`: one thread and a gloo group over the FileStore (yielded);
+    a failure's traceback goes to `error-{rank}.txt`; at the end `record` is pickled to
+    `rank{rank}.pkl` (what it holds so far, on failure too) and the group destroyed."""
     import torch.distributed as dist
-
-    from unbroken.engine.build import build_worker, make_source
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
     )
-    world = dist.group.WORLD
-    results, sources = [], {}
     try:
+        yield dist.group.WORLD
+    except BaseException:
+        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        with open(Path(out, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(record, f)
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, world_size: int, store_path: str, cases: list[Case], out: str) -> None:
+    from unbroken.engine.build import build_worker, make_source
+
+    results, sources = [], {}
+    with gloo_rank(rank, world_size, store_path, out, results) as world:
         for case in cases:
             t0 = time.perf_counter()
             key = (repr(case.cfg.data), case.plan.dp)
@@ -142,13 +157,6 @@ def _worker(rank: int, world_size: int, store_path: str, cases: list[Case], out:
                     "params": {k: v.clone() for k, v in layout.views(er.state.params).items()},
                 }
             )
-    except BaseException:
-        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        with open(Path(out, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(results, f)
-        dist.destroy_process_group()
 
 
 def _replan(case: Case, er, world, sources, losses, norms):
@@ -222,31 +230,40 @@ def _assemble(case: Case, per_rank: list[dict], key: str) -> list[dict[str, torc
     return out
 
 
-def run_plans(cases: list[Case], world_size: int, tmp: Path) -> dict[str, Outcome]:
-    """Run every case on `world_size` spawned gloo processes; outcomes by case name."""
+def spawn_ranks(target, payload, world_size: int, tmp: Path, preload: list[str], what: str):
+    """Run `target(rank, world_size, store_path, payload, out)` on `world_size` processes
+    forked by a fork server that imported `preload` once (no per-rank import, and no fork of
+    this threaded test process); each rank leaves `rank{r}.pkl`, and on failure
+    `error-{r}.txt`. Returns the unpickled records by rank.
+
+    Raises:
+        AssertionError: a rank failed (every rank's error attached: the first may be a peer's).
+    """
     import torch.multiprocessing as mp
 
     tmp.mkdir(parents=True, exist_ok=True)
-    # A fork server that imported torch and the engine once forks the ranks: no per-rank
-    # import, and no fork of this (threaded) test process.
-    mp.get_context("forkserver").set_forkserver_preload(
-        ["torch", "torch.distributed", "unbroken.engine.build", __name__]
-    )
+    mp.get_context("forkserver").set_forkserver_preload(preload)
     try:
         mp.start_processes(
-            _worker,
-            args=(world_size, str(tmp / "store"), cases, str(tmp)),
+            target,
+            args=(world_size, str(tmp / "store"), payload, str(tmp)),
             nprocs=world_size,
             start_method="forkserver",
         )
     except Exception as exc:
-        errors = sorted(tmp.glob("error-*.txt"))
-        detail = "\n".join(p.read_text() for p in errors)  # the first error may be a peer's
-        raise AssertionError(f"engine workers failed: {exc}\n{detail}") from None
+        detail = "\n".join(p.read_text() for p in sorted(tmp.glob("error-*.txt")))
+        raise AssertionError(f"{what} failed: {exc}\n{detail}") from None
     per_rank = []
     for r in range(world_size):
         with open(tmp / f"rank{r}.pkl", "rb") as f:
             per_rank.append(pickle.load(f))
+    return per_rank
+
+
+def run_plans(cases: list[Case], world_size: int, tmp: Path) -> dict[str, Outcome]:
+    """Run every case on `world_size` spawned gloo processes; outcomes by case name."""
+    preload = ["torch", "torch.distributed", "unbroken.engine.build", __name__]
+    per_rank = spawn_ranks(_worker, cases, world_size, tmp, preload, "engine workers")
     outcomes = {}
     for i, case in enumerate(cases):
         rows = [per_rank[r][i] for r in range(world_size)]
@@ -278,4 +295,5 @@ __all__ = [
     "max_abs_diff",
     "reference",
     "run_plans",
+    "spawn_ranks",
 ]

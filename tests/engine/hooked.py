@@ -15,15 +15,13 @@ stretch).
 
 from __future__ import annotations
 
-import pickle
 import time
-import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 
+from tests.engine.harness import gloo_rank, spawn_ranks
 from unbroken.config import JobConfig
 from unbroken.parallel import ParallelPlan
 
@@ -58,11 +56,6 @@ def _rank_main(rank: int, world_size: int, store_path: str, job: HookedJob, out:
     from unbroken.inject import Injector, parse_fault
     from unbroken.train.phases import Phase
 
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
     rec = RankRecord([], [], [], [])
     running = [0]
     where = ["hook"]
@@ -90,16 +83,16 @@ def _rank_main(rank: int, world_size: int, store_path: str, job: HookedJob, out:
     injector = RecordingInjector(
         [parse_fault(f) for f in job.faults],
         rank,
-        _MemoryStore(),
+        dist.HashStore(),
         lambda kind, **fields: rec.events.append((kind, fields)),
         0.0,
         sleep=stall,
     )
-    try:
+    with gloo_rank(rank, world_size, store_path, out, rec) as world:
         er = build_worker(
             job.cfg,
             job.plan,
-            dist.group.WORLD,
+            world,
             device=torch.device("cpu"),
             hooks=[record, injector, slow_peer],
         )
@@ -107,52 +100,13 @@ def _rank_main(rank: int, world_size: int, store_path: str, job: HookedJob, out:
             running[0] = it
             er.worker.run_iteration(it)
             rec.timings.append(er.worker.timing.to_dict())
-    except BaseException:
-        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        with open(Path(out, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(rec, f)
-        dist.destroy_process_group()
-
-
-class _MemoryStore:
-    """The injector's job store, in memory (one rank, one generation)."""
-
-    def __init__(self) -> None:
-        self.keys: dict[str, str] = {}
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.keys for k in keys)
-
-    def set(self, key: str, value: str) -> None:
-        self.keys[key] = value
 
 
 def run_hooked(job: HookedJob, tmp: Path) -> dict[int, RankRecord]:
     """Run `job` on as many gloo ranks as its plan has; records by rank."""
-    import torch.multiprocessing as mp
-
-    tmp.mkdir(parents=True, exist_ok=True)
+    preload = ["unbroken.engine.build", "unbroken.inject", "tests.engine._warm", __name__]
     world_size = max(job.plan.ranks) + 1
-    mp.get_context("forkserver").set_forkserver_preload(
-        ["unbroken.engine.build", "unbroken.inject", "tests.engine._warm", __name__]
-    )
-    try:
-        mp.start_processes(
-            _rank_main,
-            args=(world_size, str(tmp / "store"), job, str(tmp)),
-            nprocs=world_size,
-            start_method="forkserver",
-        )
-    except Exception as exc:
-        detail = "\n".join(p.read_text() for p in sorted(tmp.glob("error-*.txt")))
-        raise AssertionError(f"plan ranks failed: {exc}\n{detail}") from None
-    out = {}
-    for r in range(world_size):
-        with open(tmp / f"rank{r}.pkl", "rb") as f:
-            out[r] = pickle.load(f)
-    return out
+    return dict(enumerate(spawn_ranks(_rank_main, job, world_size, tmp, preload, "plan ranks")))
 
 
 __all__ = ["HookedJob", "RankRecord", "run_hooked"]

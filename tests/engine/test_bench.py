@@ -7,10 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from tests.engine.harness import engine_job, one_thread
 from unbroken.engine import bench
@@ -55,21 +53,6 @@ def test_reduce_is_the_last_arrival_time_per_physical_stage():
         [(0.5, 2.1), (10.0, 11.6)],
     ]
     assert reduce_seconds(plan, spans, 2) == pytest.approx({0: (2.2 + 1.1) / 2, 1: (1.0 + 0.5) / 2})
-
-
-@pytest.fixture
-def world(tmp_path):
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(str(tmp_path / "store"), 1),
-        rank=0,
-        world_size=1,
-        timeout=timedelta(seconds=30),
-    )
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_stamped_profile_gives_each_step_of_the_worker_its_place_in_time(world):

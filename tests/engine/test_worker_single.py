@@ -3,32 +3,13 @@ order, same bits, and the updater the caller chose."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
-import pytest
 import torch
-import torch.distributed as dist
 
 from tests.engine.harness import engine_job, one_thread
 from tests.foundation.conftest import local_trainer
 from unbroken.engine.build import build_worker
 from unbroken.parallel import make_plan
 from unbroken.update import PlainUpdater
-
-
-@pytest.fixture
-def world(tmp_path):
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(str(tmp_path / "store"), 1),
-        rank=0,
-        world_size=1,
-        timeout=timedelta(seconds=30),
-    )
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_one_rank_plan_is_the_trainer(world):

@@ -7,6 +7,7 @@ First the injector against fake clocks, then real gloo ranks (`tests.engine.hook
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
 from tests.engine.harness import engine_job
 from tests.engine.hooked import HookedJob, run_hooked
@@ -16,17 +17,6 @@ from unbroken.parallel import ActionKind, make_plan
 from unbroken.train.phases import Phase
 
 # -- the injector, fake clocks ----------------------------------------------------------------
-
-
-class MemoryStore:
-    def __init__(self) -> None:
-        self.keys: dict[str, str] = {}
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.keys for k in keys)
-
-    def set(self, key: str, value: str) -> None:
-        self.keys[key] = value
 
 
 class PlanRank:
@@ -76,7 +66,7 @@ def _drive(spec: str, iterations: int = 6):
     inj = Injector(
         [parse_fault(spec)],
         rank=0,
-        store=MemoryStore(),
+        store=dist.HashStore(),
         emit=lambda kind, **f: events.append((kind, f)),
         job_t0=0.0,
         sleep=rank.sleep,

@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from unbroken.config import DataConfig, JobConfig, ModelConfig, TrainConfig
 from unbroken.detect.levels import LEVEL_LOSS, Level, slow_factor_for, throughput_loss
@@ -53,17 +54,6 @@ def test_bad_slow_specs_fail_with_one_clear_line(spec, message):
 # -- where and how long the injector stalls ---------------------------------------------------
 
 
-class FakeStore:
-    def __init__(self) -> None:
-        self.keys: dict[str, str] = {}
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.keys for k in keys)
-
-    def set(self, key: str, value: str) -> None:
-        self.keys[key] = value
-
-
 class Clock:
     """Fake time; `sleep` advances it and records (stall, previous hook's phase)."""
 
@@ -100,7 +90,7 @@ def _drive(spec: str, iterations: int = 8):
     inj = Injector(
         [parse_fault(spec)],
         rank=1,
-        store=FakeStore(),
+        store=dist.HashStore(),
         emit=lambda kind, **f: events.append((kind, f)),
         job_t0=0.0,
         sleep=clock.sleep,
@@ -225,7 +215,9 @@ def test_allreduce_hook_fires_once_right_before_each_bucket_then_reduced(monkeyp
 def test_slow_faults_never_change_the_training_state(monkeypatch):
     def run(faults):
         log: list = []
-        inj = Injector([parse_fault(f) for f in faults], 0, FakeStore(), lambda *a, **k: None, 0.0)
+        inj = Injector(
+            [parse_fault(f) for f in faults], 0, dist.HashStore(), lambda *a, **k: None, 0.0
+        )
         trainer = _trainer(monkeypatch, [inj], log, bucket=40_000)
         for it in range(3):
             trainer.run_iteration(it)
