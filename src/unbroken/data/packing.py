@@ -9,6 +9,7 @@ restricted to within segments (block-diagonal causal).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 
 from unbroken.data.corpus import Corpus
 
-__all__ = ["IGNORE_INDEX", "MicroBatch", "PackedStream"]
+__all__ = ["IGNORE_INDEX", "MicroBatch", "PackedStream", "segment_layout"]
 
 IGNORE_INDEX = -100
 """Target value of positions that predict nothing (the last token of each segment)."""
@@ -50,6 +51,15 @@ class MicroBatch:
     @property
     def n_targets(self) -> int:
         return int((self.targets != IGNORE_INDEX).sum())
+
+
+def segment_layout(lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segment id (int32) and position within its segment (int64) of every token of
+    consecutive segments of these lengths."""
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    seg = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lens)
+    seg_start = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    return seg, torch.arange(int(lens.sum()), dtype=torch.int64) - seg_start
 
 
 class PackedStream:
@@ -96,10 +106,7 @@ class PackedStream:
             lengths.append(b - a)
             d += 1
         toks = torch.from_numpy(np.concatenate(pieces).astype(np.int64))
-        lens = torch.tensor(lengths, dtype=torch.int64)
-        seg = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lens)
-        seg_start = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-        pos = torch.arange(self.n, dtype=torch.int64) - seg_start
+        seg, pos = segment_layout(lengths)
         targets = torch.full((self.n,), IGNORE_INDEX, dtype=torch.int64)
         same = seg[1:] == seg[:-1]
         targets[:-1][same] = toks[1:][same]

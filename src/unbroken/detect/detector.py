@@ -62,7 +62,7 @@ from unbroken.detect.bocpd import Bocpd, BocpdConfig, BocpdState, ChangePoint
 from unbroken.detect.events import DetectionEvent, DetectionKind, DetectionSink
 from unbroken.detect.pipeline import PlanFit, fit_plan
 from unbroken.detect.timing import RankTiming, StageTiming
-from unbroken.detect.workload import WorkloadPredictor
+from unbroken.detect.workload import WorkloadPredictor, sum_sq
 from unbroken.parallel import ParallelPlan
 
 __all__ = [
@@ -72,6 +72,7 @@ __all__ = [
     "FailSlowReport",
     "Observation",
     "Verdict",
+    "mb_samples",
 ]
 
 
@@ -187,9 +188,19 @@ SPAN_MARGIN = 0.1
 from: within it, timing noise and the span's own edges are not extrapolation."""
 
 
+def mb_samples(observations: Sequence[Observation]) -> list[tuple[Sequence[int], float]]:
+    """(doc lengths, seconds) of every timed micro-batch of `observations`."""
+    samples = []
+    for obs in observations:
+        for rank, t in (obs.ranks or {}).items():
+            lengths = obs.doc_lengths[rank]
+            samples += [(lengths[m], s) for m, s in enumerate(t.mb_s)]
+    return samples
+
+
 def _span(samples: Sequence[tuple[Sequence[int], float]]) -> tuple[float, float]:
     """Smallest and largest sum l^2 / N^2 of micro-batch samples."""
-    shares = [sum(x * x for x in d) / sum(d) ** 2 for d, _ in samples]
+    shares = [sum_sq(d) / sum(d) ** 2 for d, _ in samples]
     return min(shares), max(shares)
 
 
@@ -270,26 +281,16 @@ class FailSlowDetector:
             return obs.seconds / self.scale
         return obs.seconds / max(self.predictor.iteration_time(obs.doc_lengths), 1e-9)
 
-    @staticmethod
-    def _mb_samples(observations: Sequence[Observation]) -> list:
-        """(doc lengths, seconds) of every timed micro-batch of `observations`."""
-        samples = []
-        for obs in observations:
-            for rank, t in (obs.ranks or {}).items():
-                lengths = obs.doc_lengths[rank]
-                samples += [(lengths[m], s) for m, s in enumerate(t.mb_s)]
-        return samples
-
     def _fit_data_parallel(self) -> None:
-        mb_samples = self._mb_samples(self._warm)
-        if not mb_samples:
+        samples = mb_samples(self._warm)
+        if not samples:
             raise ValueError(
                 "fail-slow warm-up needs per-rank micro-batch timings (PhaseTimer records)"
             )
         self._fitted = list(self._warm)
-        self._fitted_span = _span(mb_samples)
+        self._fitted_span = _span(samples)
         self.predictor = WorkloadPredictor.fit_data_parallel(
-            mb_samples, [(o.doc_lengths, o.seconds) for o in self._warm]
+            samples, [(o.doc_lengths, o.seconds) for o in self._warm]
         )
         comm: dict[int, list[float]] = {}
         for obs in self._warm:
@@ -406,7 +407,7 @@ class FailSlowDetector:
         parallel only (a plan's fit is `fit_plan`'s)."""
         if self.cfg.baseline or self.plan is not None:
             return False
-        samples = self._mb_samples(window)
+        samples = mb_samples(window)
         if not samples:
             return False
         lo, hi = self._fitted_span
@@ -414,10 +415,10 @@ class FailSlowDetector:
         if lo * (1 - SPAN_MARGIN) <= new_lo and new_hi <= hi * (1 + SPAN_MARGIN):
             return False
         self._fitted += window
-        mb_samples = self._mb_samples(self._fitted)
-        self._fitted_span = _span(mb_samples)
+        fitted = mb_samples(self._fitted)
+        self._fitted_span = _span(fitted)
         self.predictor = WorkloadPredictor.fit_data_parallel(
-            mb_samples, [(o.doc_lengths, o.seconds) for o in self._fitted]
+            fitted, [(o.doc_lengths, o.seconds) for o in self._fitted]
         )
         self.refits += 1
         return True

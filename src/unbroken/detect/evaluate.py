@@ -44,6 +44,7 @@ from unbroken.detect.detector import (
     FailSlowReport,
     Observation,
     Verdict,
+    mb_samples,
 )
 from unbroken.detect.timing import PhaseTimer, RankTiming
 from unbroken.detect.workload import MicroBatchModel, sum_sq
@@ -202,9 +203,7 @@ def score_jobs(jobs: Sequence[JobSeries], cfg: DetectorConfig) -> Score:
             if p is not None and d.verdict is not Verdict.WARMUP and _healthy(job, obs):
                 pred = p.iteration_time(obs.doc_lengths)
                 it_err.append(abs(pred - obs.seconds) / obs.seconds)
-                for rank, t in (obs.ranks or {}).items():
-                    for m, s in enumerate(t.mb_s):
-                        mb_err.append(abs(p.mb.predict(obs.doc_lengths[rank][m]) - s) / s)
+                mb_err += [abs(p.mb.predict(d) - s) / s for d, s in mb_samples([obs])]
         det_s += det.observe_s
         ok = _correct(job, first_report)
         if job.fault_iter is not None and ok:

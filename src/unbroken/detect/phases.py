@@ -15,9 +15,8 @@ attention structure changes, so the micro-batch costs αN + βΣl² with a much 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from unbroken.data.packing import IGNORE_INDEX, MicroBatch
+from unbroken.data.packing import IGNORE_INDEX, MicroBatch, segment_layout
 
 __all__ = ["PhasedSource", "split_documents"]
 
@@ -31,10 +30,7 @@ def split_documents(mb: MicroBatch, max_tokens: int) -> MicroBatch:
     for n in mb.doc_lengths:
         full, rest = divmod(int(n), max_tokens)
         lengths += [max_tokens] * full + ([rest] if rest else [])
-    lens = torch.tensor(lengths, dtype=torch.int64)
-    seg = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lens)
-    seg_start = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    positions = torch.arange(mb.n_tokens, dtype=torch.int64) - seg_start
+    seg, positions = segment_layout(lengths)
     targets = mb.targets.clone()
     targets[:-1][seg[1:] != seg[:-1]] = IGNORE_INDEX
     return MicroBatch(

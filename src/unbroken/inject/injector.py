@@ -126,6 +126,11 @@ class Injector:
         self.device = None
         """The trainer's device (set by the trainer): a `memspike` allocates there."""
 
+    @property
+    def _on_cuda(self) -> bool:
+        """Whether the trainer computes on a GPU."""
+        return self.device is not None and self.device.type == "cuda"
+
     def _fired(self, fault: FaultSpec) -> bool:
         return self.store.check([f"inject/{fault.key}"])
 
@@ -164,7 +169,7 @@ class Injector:
             self._p2p_now = None
 
     def __call__(self, phase: Phase, iteration: int, step: int, n_steps: int) -> None:
-        if self.slow_factor > 1.0 and self.device is not None and self.device.type == "cuda":
+        if self.slow_factor > 1.0 and self._on_cuda:
             # A slower GPU: the step's kernels, not their enqueueing, take F x as long. Wait
             # for them so the step's duration is the device's (only while the fault is active).
             import torch
@@ -203,7 +208,7 @@ class Injector:
             return self._failed_spike[2]  # type: ignore[index]
         if not fault.over:
             return fault.mb << 20
-        if self.device is None or self.device.type != "cuda":
+        if not self._on_cuda:
             raise InjectedFault(f"{fault.text()}: over=N needs a CUDA device (use mb=N)")
         import torch
 
@@ -218,7 +223,7 @@ class Injector:
         OutOfMemoryError, which the trainer's allocation-failure path answers."""
         nbytes = self._spike_bytes(fault, iteration)
         t0 = time.perf_counter()
-        if self.device is not None and self.device.type == "cuda":
+        if self._on_cuda:
             import torch
 
             try:
