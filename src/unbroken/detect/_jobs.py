@@ -82,7 +82,7 @@ class BenchSetup:
         """The model, as the report names it."""
         layers = "preset layers" if self.n_layers is None else f"{self.n_layers} layer(s)"
         heads = "preset heads" if self.n_heads is None else f"{self.n_heads} head(s)"
-        kernel = "FlashAttention varlen, bf16" if self.device == "cuda" else "per-document SDPA"
+        kernel = "FlashAttention varlen, bf16" if self.device == "cuda" else "SDPA per doc length"
         shape = f"{self.preset}, {layers}, {heads}, {kernel}, {self.device}"
         if self.workload == "phases":
             shape += f"; phases of {self.phase_iters} iterations, short <= {self.short_tokens}"
@@ -132,9 +132,9 @@ def _job_config(setup: BenchSetup, job: BenchJob):
         ),
         parallel=ParallelConfig(world_size=setup.world_size),
         checkpoint=CheckpointConfig(enabled=False),
-        # GPU: the 2 MiB pages of retained GPU memory and 256 KiB update chunks. The CPU
-        # geometry (64 KiB pages, 32 KiB chunks) cuts a 125m state into ~1,200 chunks, whose
-        # host-side launches alone took 0.23 s per iteration on the H200.
+        # GPU: 2 MiB pages, 80-page stripes and 256 KiB update chunks, the geometry of the runs
+        # in bench/results/detect-h200.md (kept so they reproduce; the device default since,
+        # `PROTECTION_DEFAULTS`, has 8-page stripes and 512 KiB chunks).
         protection=ProtectionConfig(page_bytes=2 << 20, stripe_pages=80, chunk_bytes=256 << 10)
         if setup.device == "cuda"
         else ProtectionConfig(),
