@@ -101,13 +101,13 @@ def test_config_is_validated():
         DetectorConfig(slow_ratio=1.0)
 
 
-def _phased(iterations, long_from, seed=0):
-    """Every micro-batch is 16 equal short documents (sum l^2 never varies) until `long_from`,
-    one long document after: a warm-up that cannot identify beta."""
+def _phased(iterations, long_from, seed=0, before=16, after=1):
+    """Every micro-batch is `before` equal documents (sum l^2 never varies) until `long_from`,
+    `after` equal documents from then on: a warm-up that cannot identify beta."""
     rng = np.random.default_rng(seed)
     out = []
     for it in range(iterations):
-        docs = (N,) if it >= long_from else (N // 16,) * 16
+        docs = (N // after,) * after if it >= long_from else (N // before,) * before
         ranks, lengths = {}, []
         for r in range(2):
             times = tuple(mb_time(docs) * (1 + 0.01 * rng.standard_normal()) for _ in range(3))
@@ -144,3 +144,27 @@ def test_a_false_alarm_outside_the_fitted_span_teaches_the_model():
     for o in obs:
         base.observe(o)
     assert base.refits == 0
+
+
+def test_a_benign_change_outside_the_fitted_span_teaches_the_model_without_validation():
+    # Warm-up on two documents per micro-batch, then three: 17% faster than the constant
+    # (beta = 0) model predicts, well under the slow ratio, so benign, and outside the span.
+    obs = _phased(60, long_from=25, before=2, after=3)
+    det = FailSlowDetector(DetectorConfig())
+    decisions = [det.observe(o) for o in obs]
+    benign = [d for d in decisions if d.verdict is Verdict.BENIGN]
+    assert len(benign) == 1 and benign[0].change_iteration == 25
+    assert benign[0].observed_over_predicted < 0.9
+    assert det.refits == 1 and det.validations == []
+    # Learned: the rest of the three-document phase is quiet, and beta is now identified.
+    assert {d.verdict for d in decisions[benign[0].iteration + 1 :]} == {Verdict.QUIET}
+    assert det.predictor.mb.beta > 0
+    assert det.predictor.mb.predict((N,)) == pytest.approx(mb_time((N,)), rel=0.05)
+
+
+def test_a_benign_change_inside_the_fitted_span_teaches_nothing():
+    obs = _uniformly_slower(series(iterations=60, seed=5), start=35, k=1.15)
+    det = FailSlowDetector(DetectorConfig())
+    decisions = [det.observe(o) for o in obs]
+    assert [d for d in decisions if d.verdict is Verdict.BENIGN]
+    assert det.refits == 0

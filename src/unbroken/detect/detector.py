@@ -250,7 +250,7 @@ class FailSlowDetector:
         self._fitted_span = (0.0, 0.0)
         """Smallest and largest sum l^2 / N^2 among the fitted micro-batches."""
         self.refits = 0
-        """Times the model was refitted after a false alarm outside its span (`_learn`)."""
+        """Times the model was refitted on a window outside its span (`_learn`)."""
 
     # -- warm-up ---------------------------------------------------------------------------
 
@@ -341,7 +341,9 @@ class FailSlowDetector:
                 if statistics.fmean(p.x for p in window) <= level_before:
                     return Decision(verdict=Verdict.ACCEPTED, **common)
         elif ratio <= cfg.slow_ratio:
-            # Benign: forget these points, as if they had never been fed.
+            # Benign: forget these points, as if they had never been fed; if the workload
+            # model was extrapolating to them, learn them first (no validation either way).
+            self._learn([p.obs for p in window])
             self._drop(window, cp)
             return Decision(verdict=Verdict.BENIGN, **common)
         v0 = time.perf_counter()
@@ -399,12 +401,15 @@ class FailSlowDetector:
             self._points.pop()
 
     def _learn(self, window: Sequence[Observation]) -> bool:
-        """After a validation found every rank healthy: if the window's micro-batches lie
-        outside the sum l^2 / N^2 span the model was fitted on (it was extrapolating, e.g. a
-        warm-up that saw only short documents), refit it with them and return True. Within
-        the span a false alarm is not the model's blind spot and nothing is learned: a
-        slowdown validation could not localize must not become the new normal. Ours, data
-        parallel only (a plan's fit is `fit_plan`'s)."""
+        """After a benign change point, or a validation that found every rank healthy: if the
+        window's micro-batches lie outside the sum l^2 / N^2 span the model was fitted on (it
+        was extrapolating, e.g. a warm-up that saw only long documents meets a phase of
+        short ones), refit it with them and return True. Within the span nothing is learned:
+        there the fit is interpolating, and a slowdown validation could not localize must not
+        become the new normal. A benign window is learned without validation: its time is
+        within `slow_ratio` of the prediction, so whatever slowness it holds is below what
+        the detector reports anyway. Ours, data parallel only (a plan's fit is
+        `fit_plan`'s)."""
         if self.cfg.baseline or self.plan is not None:
             return False
         samples = mb_samples(window)
