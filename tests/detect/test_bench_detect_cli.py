@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -71,3 +72,32 @@ def test_bad_arguments_are_one_line_errors(args, needle):
     run = _bench(*args, timeout=60)
     assert run.returncode == 2 and needle in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_measured_loss_compares_the_same_workload_across_a_phase_change():
+    from unbroken.cli.bench_detect import _measured_loss
+    from unbroken.detect.evaluate import JobSeries
+
+    from .synth import series
+
+    # Mostly one document per micro-batch until the fault, then four (far cheaper attention)
+    # while rank 1 computes 2x slower: raw medians would hide most of the loss.
+    def pieces(it, rng):
+        return 4 if it >= 30 else int(rng.choice([1, 1, 2]))
+
+    obs = series(iterations=50, pieces=pieces, slow_rank=1, slow_iter=30, factor=2.0, seed=3)
+    job = JobSeries(
+        index=0,
+        observations=obs,
+        fault_rank=1,
+        fault_iter=30,
+        fault_spec="slow:rank=1,iter=30,level=medium",
+    )
+    ((key, (loss,)),) = _measured_loss([job]).items()
+    assert key == ("compute", "medium")
+    # Twice the compute, plus the same sync constant: a loss just under 1/2.
+    assert 0.40 < loss < 0.5
+    raw = 1 - statistics.median(o.seconds for o in obs[2:30]) / statistics.median(
+        o.seconds for o in obs[31:]
+    )
+    assert raw < 0.2

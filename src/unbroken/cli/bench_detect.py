@@ -128,17 +128,35 @@ def _level_of(spec: str) -> str:
 
 
 def _measured_loss(jobs) -> dict[tuple[str, str], list[float]]:
-    """Throughput loss each injected (what, level) really caused (median iteration time
-    after vs before the fault)."""
+    """Throughput loss each injected (what, level) really caused: 1 - 1 / the median, after
+    the fault, of iteration time over the healthy time of the same workload, predicted by a
+    workload model fitted on every healthy iteration before it (so that a phase of cheaper
+    documents after the fault does not hide part of the loss, nor a costlier one add to it).
+    Without per-rank timings: median iteration time after vs before."""
+    from unbroken.detect.detector import mb_samples
+    from unbroken.detect.workload import WorkloadPredictor
+
     out: dict[tuple[str, str], list[float]] = {}
     for job in jobs:
         if job.fault_iter is None:
             continue
-        before = [o.seconds for o in job.observations[2 : job.fault_iter]]
-        after = [o.seconds for o in job.observations[job.fault_iter + 1 :]]
-        if before and after:
-            loss = 1.0 - statistics.median(before) / statistics.median(after)
-            out.setdefault((job.fault_what, _level_of(job.fault_spec)), []).append(loss)
+        healthy = job.observations[2 : job.fault_iter]
+        after = job.observations[job.fault_iter + 1 :]
+        if not healthy or not after:
+            continue
+        samples = mb_samples(healthy)
+        if samples:
+            model = WorkloadPredictor.fit_data_parallel(
+                samples, [(o.doc_lengths, o.seconds) for o in healthy]
+            )
+            ratio = statistics.median(
+                o.seconds / model.iteration_time(o.doc_lengths) for o in after
+            )
+        else:
+            ratio = statistics.median(o.seconds for o in after) / statistics.median(
+                o.seconds for o in healthy
+            )
+        out.setdefault((job.fault_what, _level_of(job.fault_spec)), []).append(1.0 - 1.0 / ratio)
     return out
 
 
