@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from unbroken.checkpoint import (
+    CheckpointMismatch,
     find_latest_valid,
     list_checkpoints,
     load_checkpoint,
@@ -90,3 +91,13 @@ def test_young_interval():
     assert young_interval(50.0, 1e9, 1.0, 100) == 100
     with pytest.raises(ValueError):
         young_interval(1.0, 0.0, 1.0, 10)
+
+
+def test_the_seed_is_saved_and_a_job_with_another_is_refused(tmp_path):
+    save_checkpoint(tmp_path, _state(1.0), 3, group=None, rank=0, keep=2, rng_seed=7)
+    info = find_latest_valid(tmp_path)
+    target = _state(0.0)
+    assert load_checkpoint(info, target, group=None, rng_seed=7) == 3
+    assert target.state_hash() == _state(1.0).state_hash()
+    with pytest.raises(CheckpointMismatch, match=r"train\.seed = 7, this job has 8"):
+        load_checkpoint(info, _state(0.0), group=None, rng_seed=8)

@@ -1,6 +1,9 @@
 """A user's own model factory and dataset, by import path, trained through a crash, exactly."""
 
+import dataclasses
 from pathlib import Path
+
+import pytest
 
 from unbroken.api import run_job
 from unbroken.config import JobConfig, load_config
@@ -10,8 +13,6 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_model" / "conf
 
 def test_own_model_example_recovers_bit_exact(tmp_path):
     cfg = load_config(JobConfig, EXAMPLE)
-    import dataclasses
-
     cfg = dataclasses.replace(
         cfg,
         train=dataclasses.replace(cfg.train, iterations=12),
@@ -21,3 +22,25 @@ def test_own_model_example_recovers_bit_exact(tmp_path):
     assert s["failures_recovered"] == 1
     assert s["bit_exact"] is True
     assert s["faulty"]["final_loss"] < 4.0  # it learned something (log(128) = 4.85 at start)
+
+
+@pytest.mark.parametrize("mode", ["ckpt_restart", "inplace"])
+def test_a_model_with_dropout_recovers_bit_exact(tmp_path, mode):
+    # Dropout draws from torch's global generator. The restarted trainer (from a checkpoint) or
+    # the shadow (in place) starts with a generator in another state than the fault-free
+    # run's at that iteration; per-micro-batch seeding (`unbroken.train.rng`) makes them draw
+    # the same masks.
+    cfg = load_config(JobConfig, EXAMPLE)
+    cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, factory="_dropout_mlp:build", factory_args={}),
+        train=dataclasses.replace(cfg.train, iterations=10),
+        recovery=dataclasses.replace(cfg.recovery, mode=mode),
+        inject=["kill:rank=1,iter=7,phase=backward"],
+    )
+    search = [str(EXAMPLE.parent), str(Path(__file__).parent)]
+    s = run_job(cfg, tmp_path, reference=True, search_path=search, quiet=True)
+    assert s["failures_recovered"] == 1
+    assert s["recoveries"][0]["mode"] == mode
+    assert s["bit_exact"] is True
+    assert s["per_iteration_mismatches"] == []

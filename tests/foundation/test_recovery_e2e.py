@@ -71,3 +71,25 @@ def test_hang_and_exception_are_detected_and_recovered(tmp_path):
     detected = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "failure_detected"]
     assert any("hung" in e["reason"] for e in detected)
     assert any("exited with status 1" in e["reason"] for e in detected)
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_and_the_one_before_restores_exactly(tmp_path):
+    # Checkpoints before iterations 0, 3 and 6; at iteration 7 the newest (6) gets one byte
+    # flipped on disk and the trainer dies: the restart must refuse 6 and redo from 3.
+    cfg = tiny_job(
+        iterations=10,
+        inject=["ckptcorrupt:rank=0,iter=7,phase=update"],
+        interval=3,
+        mode="ckpt_restart",
+    )
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done" and s["failures_recovered"] == 1
+    (rec,) = s["recoveries"]
+    assert rec["restored_iter"] == 3 and rec["mode"] == "ckpt_restart"
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = list(read_jsonl(tmp_path / "events.jsonl"))
+    (injected,) = [e for e in events if e["kind"] == "failure_injected"]
+    assert "iter_00000006" in injected["damaged"]
+    skipped = [e for e in events if e["kind"] == "checkpoint_skipped"]
+    assert len(skipped) == 1 and skipped[0]["path"].endswith("iter_00000006")
+    assert skipped[0]["reason"].startswith("checksum mismatch")

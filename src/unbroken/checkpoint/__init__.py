@@ -7,6 +7,7 @@ exists and matches; a corrupt or incomplete one is skipped and the previous one 
 
 from unbroken.checkpoint.dcp import (
     CheckpointInfo,
+    CheckpointMismatch,
     find_latest_valid,
     list_checkpoints,
     load_checkpoint,
@@ -17,6 +18,7 @@ from unbroken.checkpoint.interval import young_interval
 
 __all__ = [
     "CheckpointInfo",
+    "CheckpointMismatch",
     "find_latest_valid",
     "list_checkpoints",
     "load_checkpoint",

@@ -4,6 +4,11 @@ Layout: ROOT/iter_00000012/ holds DCP's files for the state *before* iteration 1
 `manifest.json` = {"iteration", "files": {name: sha256}}, written by rank 0 after every rank
 has finished saving (a barrier), via a temporary file and rename. Without a manifest, or with a
 file whose hash differs, the checkpoint is invalid.
+
+Saved: the flat parameters and optimizer moments, the next iteration (which is also the data
+position: the sampler is pure) and `rng_seed`, the seed that with the iteration determines
+every random draw of the model (`unbroken.train.rng`); loading into a job with another seed is
+refused, since it would silently continue with other data and other dropout masks.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from unbroken.train.state import TrainState
 
 __all__ = [
     "CheckpointInfo",
+    "CheckpointMismatch",
     "find_latest_valid",
     "list_checkpoints",
     "load_checkpoint",
@@ -53,12 +59,19 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _state_dict(state: TrainState, iteration: int, shard: str = "") -> dict[str, torch.Tensor]:
+def _state_dict(
+    state: TrainState, iteration: int, shard: str = "", rng_seed: int = 0
+) -> dict[str, torch.Tensor]:
     """`shard`: a per-rank key prefix for states that differ between ranks (pipeline stages, TP
     shards); without it DCP treats equal keys as one replicated tensor and saves it once."""
     sd = {f"{shard}/{k}" if shard else k: v for k, v in state.persistent().items()}
     sd["iteration"] = torch.tensor(iteration, dtype=torch.int64)
+    sd["rng_seed"] = torch.tensor(rng_seed, dtype=torch.int64)
     return sd
+
+
+class CheckpointMismatch(RuntimeError):
+    """The checkpoint belongs to a job with another seed."""
 
 
 def save_checkpoint(
@@ -70,6 +83,7 @@ def save_checkpoint(
     rank: int,
     keep: int,
     shard: str = "",
+    rng_seed: int = 0,
 ) -> float:
     """Save the state before `iteration` runs; returns the seconds it took (all ranks).
 
@@ -84,7 +98,7 @@ def save_checkpoint(
         dist.barrier(group=group)
     sd = {
         k: v.detach().cpu() if v.device.type != "cpu" else v
-        for k, v in _state_dict(state, iteration, shard).items()
+        for k, v in _state_dict(state, iteration, shard, rng_seed).items()
     }
     dcp.save(sd, checkpoint_id=str(path), process_group=group)
     if group is not None:
@@ -154,12 +168,27 @@ def find_latest_valid(root: str | Path, on_skip=None) -> CheckpointInfo | None:
 
 
 def load_checkpoint(
-    info: CheckpointInfo, state: TrainState, *, group: dist.ProcessGroup | None, shard: str = ""
+    info: CheckpointInfo,
+    state: TrainState,
+    *,
+    group: dist.ProcessGroup | None,
+    shard: str = "",
+    rng_seed: int | None = None,
 ) -> int:
-    """Load into the flat buffers in place; returns the next iteration to run."""
+    """Load into the flat buffers in place; returns the next iteration to run.
+
+    Raises:
+        CheckpointMismatch: `rng_seed` is given and the checkpoint was saved with another.
+    """
     sd = _state_dict(state, 0, shard)
     host = {k: (v.cpu() if v.device.type != "cpu" else v) for k, v in sd.items()}
     dcp.load(host, checkpoint_id=str(info.path), process_group=group)
+    saved = int(host.pop("rng_seed"))
+    sd.pop("rng_seed")
+    if rng_seed is not None and saved != rng_seed:
+        raise CheckpointMismatch(
+            f"{info.path}: saved by a job with train.seed = {saved}, this job has {rng_seed}"
+        )
     for k, v in sd.items():
         if v.data_ptr() != host[k].data_ptr():
             v.copy_(host[k])

@@ -12,7 +12,8 @@ Spec syntax (config `inject = [...]`, CLI `--inject`, tests):
                                               the factor that costs ~35/55/70% throughput
     memspike:rank=R,iter=I,mb=M               M MiB more memory for iteration I
 KIND ∈ kill (SIGKILL), hang (SIGSTOP), exception (raise), oom (a failed device allocation),
-slow, pageloss, memspike (see `FaultKind`);
+slow, pageloss, ckptcorrupt (damage the newest checkpoint on disk, then SIGKILL), memspike
+(see `FaultKind`);
 what a slow fault stretches and how: [Note: slow-fault] in `injector`. A fault fires once per job: the
 firing is recorded in the job's store before the fault acts, so a redone iteration after
 recovery runs clean.

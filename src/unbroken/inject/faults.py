@@ -27,6 +27,10 @@ class FaultKind(enum.StrEnum):
     """Fail one device allocation (`torch.OutOfMemoryError` at the trigger, once): what the
     active trainer's allocator reports when the device is full. The trainer asks its agent to
     reclaim the shadows and retries the iteration (Leto §6); without shadows it is a crash."""
+    CKPTCORRUPT = "ckptcorrupt"
+    """Flip one byte in the middle of the newest complete checkpoint's largest file on disk (bit
+    rot, a torn write), then SIGKILL the trainer: the restart must notice the damage and load
+    the checkpoint before it."""
     MEMSPIKE = "memspike"
     """Allocate and touch `mb` MiB more for the rest of the iteration (a memory peak such as a
     long-sequence batch or uneven expert routing): no failure unless memory runs out."""

@@ -48,6 +48,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
@@ -97,6 +98,8 @@ class Injector:
         self.slow_factor = 1.0
         self.page_loss = None
         """`pageloss` target: fault -> {region: pages destroyed} (set by in-place trainers)."""
+        self.checkpoint_root: Path | None = None
+        """`ckptcorrupt` target: the job's checkpoint directory (set by the trainer)."""
         self.sleep = sleep
         self.clock = clock
         self.busy_clock = clock
@@ -309,11 +312,13 @@ class Injector:
 
             self.emit("oom_injected", rank=self.rank, iter=iteration, phase=phase.value)
             raise torch.OutOfMemoryError(f"injected allocation failure at {fault.text()}")
-        destroyed = None
+        destroyed = damaged = None
         if fault.kind is FaultKind.PAGELOSS:
             if self.page_loss is None:
                 raise InjectedFault(f"{fault.text()}: no retained memory (recovery.mode)")
             destroyed = self.page_loss(fault)
+        if fault.kind is FaultKind.CKPTCORRUPT:
+            damaged = corrupt_newest_checkpoint(self.checkpoint_root, fault)
         self.emit(
             "failure_injected",
             rank=self.rank,
@@ -324,8 +329,9 @@ class Injector:
             spec=fault.text(),
             iter_t_start=self.iteration_start,
             pages=destroyed,
+            damaged=damaged,
         )
-        if fault.kind in (FaultKind.KILL, FaultKind.PAGELOSS):
+        if fault.kind in (FaultKind.KILL, FaultKind.PAGELOSS, FaultKind.CKPTCORRUPT):
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind is FaultKind.HANG:
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -345,3 +351,28 @@ class Injector:
                 factor=factor,
                 spec=fault.text(),
             )
+
+
+def corrupt_newest_checkpoint(root: Path | None, fault: FaultSpec) -> str:
+    """Flip one byte in the middle of the largest file of the newest complete checkpoint under
+    `root` (its manifest then no longer matches); returns "path:offset".
+
+    Raises:
+        InjectedFault: no checkpoint to damage (the fault fired before the first was saved).
+    """
+    from unbroken.checkpoint import find_latest_valid
+
+    info = find_latest_valid(root) if root is not None else None
+    if info is None:
+        raise InjectedFault(f"{fault.text()}: no complete checkpoint to damage yet")
+    files = [f for f in info.path.iterdir() if f.is_file() and not f.name.startswith(".")]
+    target = max((f for f in files if f.name != "manifest.json"), key=lambda f: f.stat().st_size)
+    offset = target.stat().st_size // 2
+    fd = os.open(target, os.O_RDWR)
+    try:
+        (byte,) = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte ^ 0xFF]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return f"{target}:{offset}"

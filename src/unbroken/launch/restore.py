@@ -37,11 +37,20 @@ class CheckpointPlan:
     """Measured cost of the iteration-0 checkpoint (0 when none was taken here)."""
     shard: str = ""
     """Per-rank key prefix when ranks hold different state (engine plans); see dcp."""
+    rng_seed: int = 0
+    """train.seed: saved with every checkpoint, checked on load (`unbroken.train.rng`)."""
 
     def save(self, state, iteration: int, *, group, rank: int) -> float:
         """Checkpoint `state` before `iteration` under this plan; returns the seconds taken."""
         return save_checkpoint(
-            self.root, state, iteration, group=group, rank=rank, keep=self.keep, shard=self.shard
+            self.root,
+            state,
+            iteration,
+            group=group,
+            rank=rank,
+            keep=self.keep,
+            shard=self.shard,
+            rng_seed=self.rng_seed,
         )
 
 
@@ -60,7 +69,11 @@ def _load_latest(plan: CheckpointPlan, state, rank: int, group, events) -> int |
     path = Path(holder[0])
     t0 = time.time()
     start = load_checkpoint(
-        CheckpointInfo(path, int(path.name[5:])), state, group=group, shard=plan.shard
+        CheckpointInfo(path, int(path.name[5:])),
+        state,
+        group=group,
+        shard=plan.shard,
+        rng_seed=plan.rng_seed,
     )
     if rank == 0:
         events.emit("checkpoint_loaded", iter=start, seconds=time.time() - t0)
@@ -149,6 +162,7 @@ def restore_state(
         Path(cfg.checkpoint.dir or Path(spec.run_dir) / "checkpoints" / spec.run_name),
         keep=cfg.checkpoint.keep,
         shard=f"rank{rank}" if cfg.parallel.planned else "",
+        rng_seed=cfg.train.seed,
     )
     if spec.recovery == "inplace" and retained is not None:
         t0 = time.perf_counter()

@@ -296,6 +296,7 @@ def run(
     if outcome is None:
         return FATAL_EXIT
     start_iter, ckpt = outcome
+    injector.checkpoint_root = ckpt.root
     if rank == 0:
         events.emit(
             "trainer_ready",

@@ -25,6 +25,7 @@ from torch import nn
 from unbroken.config import TrainConfig
 from unbroken.train.optim import lr_at
 from unbroken.train.phases import Phase, PhaseHook
+from unbroken.train.rng import seed_microbatch
 from unbroken.train.state import TrainState
 
 __all__ = ["BatchSource", "IterationResult", "LossFn", "Trainer", "reference_loss"]
@@ -136,12 +137,14 @@ class Trainer:
 
     def compute(self, iteration: int) -> tuple[float, int, tuple[tuple[int, ...], ...]]:
         """Forward/backward over this shard's micro-batches, then the data-parallel gradient
-        average (DDP-style, still the compute phase: a crash here redoes the iteration)."""
+        average (DDP-style, still the compute phase: a crash here redoes the iteration). Each
+        micro-batch runs with torch's generators seeded from its key (`unbroken.train.rng`)."""
         self.state.grads.zero_()
         batches = self.source.iteration(iteration, self.shard)
         total, tokens = 0.0, 0
         for m, mb in enumerate(batches):
             self._hook(Phase.FORWARD, iteration, m, len(batches))
+            seed_microbatch(self.cfg.seed, iteration, self.shard, m)
             with self._autocast():
                 loss = self.loss_fn(self.model, mb, self.device) / len(batches)
             self._hook(Phase.BACKWARD, iteration, m, len(batches))
