@@ -137,3 +137,28 @@ def test_chunked_update_equals_one_flat_adamw_step():
     tr.update(0, 1e-3, scale)
     assert torch.allclose(s.params[:n], p[:n], rtol=1e-6, atol=1e-9)
     assert torch.allclose(s.exp_avg_sq[:n], v[:n], rtol=1e-6, atol=1e-12)
+
+
+def test_attention_stays_within_each_document():
+    from unbroken.data.packing import IGNORE_INDEX, segment_layout
+
+    model = build_model(resolve_args(ModelConfig(preset="tiny")), device="meta")
+    layout = FlatLayout.of(model)
+    flat = torch.zeros(layout.numel)
+    materialize(model, layout, flat)
+    init_parameters(layout, flat, std=0.02, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (24,), generator=gen)
+    targets = torch.randint(0, 256, (24,), generator=gen)
+    targets[:10] = IGNORE_INDEX  # the loss is the second document's alone
+    other = tokens.clone()
+    other[:10] = torch.randint(0, 256, (10,), generator=gen)  # another first document
+
+    def loss(tok, lengths):
+        seg, pos = segment_layout(lengths)
+        return model(tok, targets, seg, pos)
+
+    with torch.no_grad():
+        assert torch.equal(loss(tokens, [10, 14]), loss(other, [10, 14]))
+        # One document: the second part now sees the first, and its loss changes.
+        assert not torch.equal(loss(tokens, [24]), loss(other, [24]))

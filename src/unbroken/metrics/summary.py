@@ -102,15 +102,16 @@ def format_table(summary: dict[str, Any]) -> str:
     """A plain-text comparison table of the reference and faulty runs and each recovery."""
     ref, flt = summary.get("reference", {}), summary["faulty"]
     lines = [
-        f"{'':24}{'reference':>14}{'with failures':>16}",
-        f"{'iterations':24}{ref.get('iterations', '-'):>14}{flt['iterations']:>16}",
-        f"{'iteration attempts':24}{ref.get('attempts', '-'):>14}{flt['attempts']:>16}",
-        f"{'wall time (s)':24}{ref.get('wall_s', 0):>14.2f}{flt['wall_s']:>16.2f}",
-        f"{'median iteration (ms)':24}{ref.get('mean_iter_s', 0) * 1e3:>14.1f}"
-        f"{flt['mean_iter_s'] * 1e3:>16.1f}",
-        f"{'final loss':24}{ref.get('final_loss') or 0:>14.4f}{flt['final_loss'] or 0:>16.4f}",
-        f"{'final state hash':24}{summary.get('reference_state_hash') or '-':>14}"
-        f"{summary['final_state_hash'] or '-':>16}",
+        f"{'':24}{'reference':>18}{'with failures':>18}",
+        f"{'iterations':24}{ref.get('iterations', '-'):>18}{flt['iterations']:>18}",
+        f"{'iteration attempts':24}{ref.get('attempts', '-'):>18}{flt['attempts']:>18}",
+        f"{'wall time (s)':24}{ref.get('wall_s', 0):>18.2f}{flt['wall_s']:>18.2f}",
+        f"{'median iteration (ms)':24}{ref.get('mean_iter_s', 0) * 1e3:>18.1f}"
+        f"{flt['mean_iter_s'] * 1e3:>18.1f}",
+        f"{'final loss':24}{ref.get('final_loss') or 0:>18.4f}{flt['final_loss'] or 0:>18.4f}",
+        # 18 wide: a 16-digit hash keeps a gap from its neighbour.
+        f"{'final state hash':24}{summary.get('reference_state_hash') or '-':>18}"
+        f"{summary['final_state_hash'] or '-':>18}",
         "",
         f"bit-exact: {summary.get('bit_exact')}   ETTR: {summary.get('ettr', 0):.3f}   "
         f"failures: {summary['failures_recovered']}/{summary['failures_injected']} recovered   "
