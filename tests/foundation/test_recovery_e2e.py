@@ -3,9 +3,11 @@ phase, hang detection, and the summary's recovery breakdown."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from unbroken.api import run_job
+from unbroken.checkpoint import young_interval
 from unbroken.metrics.log import read_jsonl
 
 from .conftest import tiny_job
@@ -93,3 +95,26 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_the_one_before_restores_exac
     skipped = [e for e in events if e["kind"] == "checkpoint_skipped"]
     assert len(skipped) == 1 and skipped[0]["path"].endswith("iter_00000006")
     assert skipped[0]["reason"].startswith("checksum mismatch")
+
+
+def test_young_interval_and_a_wall_clock_fault(tmp_path):
+    # interval = 0: rank 0 measures the checkpoint cost and the iteration time and decides the
+    # interval with Young's formula; the kill fires by wall time (at=), whatever iteration
+    # that is, and the restart reloads a checkpoint taken at that interval.
+    cfg = tiny_job(iterations=60, inject=["kill:rank=1,at=1"], interval=0, mode="ckpt_restart")
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, mttf_s=2.0))
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["failures_injected"] == s["failures_recovered"] == 1
+    assert s["bit_exact"] is True
+    events = list(read_jsonl(tmp_path / "events.jsonl"))
+    decided = [e for e in events if e["kind"] == "checkpoint_interval"]
+    chosen = {e["interval"] for e in decided}
+    assert len(chosen) == 1  # one decision, shared by every rank and generation
+    e = decided[0]
+    assert e["interval"] == young_interval(e["ckpt_cost_s"], 2.0, e["iter_s"], 60)
+    assert s["ckpt_interval"] == e["interval"]
+    (injected,) = [x for x in events if x["kind"] == "failure_injected"]
+    assert injected["spec"] == "kill:rank=1,at=1"
+    (rec,) = s["recoveries"]
+    # The newest checkpoint before the fault's iteration, on the decided interval.
+    assert rec["restored_iter"] == injected["iter"] // e["interval"] * e["interval"]
