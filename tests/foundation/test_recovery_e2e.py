@@ -118,3 +118,34 @@ def test_young_interval_and_a_wall_clock_fault(tmp_path):
     (rec,) = s["recoveries"]
     # The newest checkpoint before the fault's iteration, on the decided interval.
     assert rec["restored_iter"] == injected["iter"] // e["interval"] * e["interval"]
+
+
+def test_a_fault_scheduled_past_the_end_is_reported_as_never_fired(tmp_path):
+    from unbroken.cli.main import main
+
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(
+        '[model]\npreset = "tiny"\n[data]\ntokens_per_microbatch = 64\nmicrobatches = 2\n'
+        "max_documents = 200\n[train]\niterations = 3\n[parallel]\nworld_size = 2\n"
+        '[recovery]\nmode = "ckpt_restart"\n'
+    )
+    out = tmp_path / "out"
+    rc = main(
+        [
+            "train",
+            "--config",
+            str(cfg),
+            "--out",
+            str(out),
+            "--quiet",
+            "--no-reference",
+            "--inject",
+            "kill:rank=1,iter=2,phase=update",
+            "--inject",
+            "kill:rank=0,iter=9",
+        ]
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failures_recovered"] == summary["failures_injected"] == 1
+    assert summary["faults_not_fired"] == ["kill:rank=0,iter=9,phase=forward"]
+    assert rc == 1

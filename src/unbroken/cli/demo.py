@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     ok = (
         summary["state"] == "done"
         and summary["failures_recovered"] == summary["failures_injected"]
+        and not summary["faults_not_fired"]
         and summary.get("bit_exact") is True
     )
     return 0 if ok else 1

@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(json.dumps(summary, indent=1) if args.json else format_table(summary))
     ok = (
-        summary["state"] == "done" and summary["failures_recovered"] == summary["failures_injected"]
+        summary["state"] == "done"
+        and summary["failures_recovered"] == summary["failures_injected"]
+        and not summary["faults_not_fired"]
     )
     if reference:
         ok = ok and summary.get("bit_exact", False)

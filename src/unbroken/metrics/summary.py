@@ -7,7 +7,20 @@ from typing import Any
 
 from unbroken.metrics.analysis import analyze_run, ettr, healthy_iter_s, wall_time
 
-__all__ = ["build_summary", "format_table"]
+__all__ = ["build_summary", "faults_not_fired", "format_table"]
+
+#: Kinds that do not log `failure_injected` (they are not failures unless memory runs out).
+_SILENT_KINDS = ("oom", "memspike")
+
+
+def faults_not_fired(inject: list[str], events: list[dict[str, Any]]) -> list[str]:
+    """The scheduled faults (`inject` specs) that never fired in this run — an iteration past
+    the run's end, a wall time it never reached — as canonical specs, in schedule order."""
+    from unbroken.inject import parse_fault
+
+    fired = {e.get("spec") for e in events if e["kind"] == "failure_injected"}
+    specs = [parse_fault(s) for s in inject]
+    return [f.text() for f in specs if f.kind.value not in _SILENT_KINDS and f.text() not in fired]
 
 
 def _run_stats(metrics: list[dict[str, Any]]) -> dict[str, Any]:
@@ -46,6 +59,7 @@ def build_summary(
         "state": faulty["state"],
         "final_state_hash": faulty["final_state_hash"],
         "failures_injected": len(injected),
+        "faults_not_fired": faults_not_fired(list(config.get("inject", [])), f_events),
         "failures_recovered": len(recoveries),
         "recoveries": [r.as_dict() for r in recoveries],
         "faulty": _run_stats(f_metrics),
@@ -117,6 +131,8 @@ def format_table(summary: dict[str, Any]) -> str:
         f"failures: {summary['failures_recovered']}/{summary['failures_injected']} recovered   "
         f"checkpoint interval: {summary['ckpt_interval']} it, cost {summary['ckpt_cost_s']:.3f}s",
     ]
+    for spec in summary.get("faults_not_fired", []):
+        lines.append(f"scheduled fault never fired: {spec} (past the run's end?)")
     for fs in summary["fail_slow"]:
         where = f"rank {fs['rank']}" if fs["rank"] is not None else "the sync stage"
         what = "communication" if fs.get("what") == "comm" else "compute"
