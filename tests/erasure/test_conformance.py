@@ -106,9 +106,12 @@ def test_delta_update_of_some_pages_equals_reencode(backend, code, draw):
         np.testing.assert_array_equal(backend.read(parity[r]), expected[r])
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["old_new", "delta"])
 @SETTINGS
 @given(codes(), st.data())
-def test_fused_range_update_equals_reencode(backend, code, draw):
+def test_range_update_equals_reencode(backend, fused, code, draw):
+    """A byte range [a, b) of some pages changes: the fused form (old and new bytes) and the
+    delta form (their XOR) both update parity[a:b] to the re-encoded value."""
     k, m, length, seed = code
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, (k, length), dtype=np.uint8)
@@ -119,9 +122,14 @@ def test_fused_range_update_equals_reencode(backend, code, draw):
     new = data.copy()
     for j in changed:
         new[j, a:b] = rng.integers(0, 256, b - a, dtype=np.uint8)
-    old = {j: backend.buffer(data[j, a:b]) for j in changed}
-    fresh = {j: backend.buffer(new[j, a:b]) for j in changed}
-    codec.update_from_old_new(parity, old, fresh, offset=a)
+    if fused:
+        old = {j: backend.buffer(data[j, a:b]) for j in changed}
+        fresh = {j: backend.buffer(new[j, a:b]) for j in changed}
+        codec.update_from_old_new(parity, old, fresh, offset=a)
+    else:
+        codec.update(
+            parity, {j: backend.buffer(data[j, a:b] ^ new[j, a:b]) for j in changed}, offset=a
+        )
     expected = reference_parity(new, k, m)
     for r in range(m):
         np.testing.assert_array_equal(backend.read(parity[r]), expected[r])
