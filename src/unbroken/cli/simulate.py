@@ -1,5 +1,6 @@
-"""`unbroken simulate`: predict ETTR and recovery cost of a cluster (Leto App. C), or check the
-prediction against a real run (`--validate`). See docs/simulator.md."""
+"""`unbroken simulate`: predict ETTR and recovery cost of a cluster (Leto App. C), check the
+prediction against a real run (`--validate`), or derive a per-stage profile from a real run
+(`--profile-from`). See docs/simulator.md."""
 
 from __future__ import annotations
 
@@ -57,6 +58,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     what.add_argument(
         "--validate", metavar="RUN_DIR", nargs="+", help="output dir(s) of unbroken train/demo"
     )
+    what.add_argument(
+        "--profile-from",
+        metavar="RUN_DIR",
+        help="write the per-stage profile JSON of a train/demo output dir and check its T_iter",
+    )
     what.add_argument("--list", action="store_true", help="list presets, models and hardware")
     parser.add_argument("--mttf", metavar="T", help="MTTF(s): seconds or 30m, 1h; comma list")
     parser.add_argument("--hof", metavar="H", help="HOF ratio(s), comma list, e.g. 0,0.5,1")
@@ -69,6 +75,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--replications", type=int, help="discrete-event replications")
     parser.add_argument("--horizon-mttf", type=float, help="discrete-event run length in MTTFs")
     parser.add_argument("--seed", type=int, help="discrete-event base seed")
+    parser.add_argument(
+        "--profile-out",
+        metavar="FILE",
+        help="--profile-from's output (default RUN_DIR/profile.json)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object, no table")
     parser.add_argument("--png", metavar="PATH", help="chart path (default: runs/sim/NAME.png)")
     parser.add_argument("--no-png", action="store_true", help="do not write a chart")
@@ -135,12 +146,56 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_from(args: argparse.Namespace) -> int:
+    from unbroken.sim.from_run import profile_from_run
+
+    result = profile_from_run(args.profile_from)
+    out = Path(args.profile_out or Path(args.profile_from) / "profile.json")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result.profile, indent=1) + "\n")
+    except OSError as exc:
+        raise UserError(f"--profile-out {out}: {exc.strerror}") from None
+    if args.json:
+        print(json.dumps({"profile": str(out), **result.as_dict()}, indent=1))
+        return 0
+    b, prof = result.breakdown, result.profile
+    print(f"profile: {out}")
+    print(
+        f"  from run {result.run!r} of {result.run_dir} ({result.kind}, {result.iterations} "
+        f"steady iterations): {len(prof['stages'])} stages, vpp {prof['vpp']}, "
+        f"{prof['microbatches']} micro-batches"
+    )
+    print(
+        f"  predicted T_iter {b.iter_s * 1e3:.1f} ms = pipeline {b.pipeline_s * 1e3:.1f} "
+        f"+ sync {b.sync_s * 1e3:.1f} + update {b.update_s * 1e3:.1f}"
+    )
+    if result.measured_iter_s is not None:
+        print(
+            f"  measured iteration {result.measured_iter_s * 1e3:.1f} ms (run_iteration, slowest "
+            f"rank, median): error {result.error * 100:+.1f}%"
+        )
+    spaced = result.predicted_iter_s / result.measured_spacing_s - 1.0
+    print(
+        f"  measured start-to-start {result.measured_spacing_s * 1e3:.1f} ms (with the runtime's "
+        f"per-iteration bookkeeping): error {spaced * 100:+.1f}%"
+    )
+    for name in result.fitted:
+        print(f"  note: {name} is fitted to the measured iteration: {prof['derived'][name]}")
+    print(f'  use it: [[workload]] profile = "{out}" in a cluster.toml (--config)')
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `unbroken simulate`."""
+    if args.profile_out and not args.profile_from:
+        raise UserError("--profile-out goes with --profile-from RUN_DIR")
     if args.list:
         return _list()
     if args.validate:
         return _validate(args)
+    if args.profile_from:
+        return _profile_from(args)
     from unbroken.sim.report import format_table, format_workloads, json_document, write_chart
     from unbroken.sim.scenario import evaluate, load_scenario, workload_summary
     from unbroken.sim.trace import read_trace

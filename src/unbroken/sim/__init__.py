@@ -10,6 +10,7 @@ Implements the model of the Leto paper's Appendix C (and §8.1, §8.6, App. A.2,
 - `des`: the discrete-event replay (Poisson or trace failures, overlaps, real rollback).
 - `scenario` / `report`: presets (`leto-fig14`) and cluster.toml configs, tables, JSON, charts.
 - `validate`: predicted against measured ETTR of a real `unbroken train`/`demo` run dir.
+- `from_run`: a per-stage profile (input (a)) derived from a real run dir's timings.
 - `calibration`: where the measured constants come from.
 
 The simulator never imports torch and never touches a running job; it reads run outputs only.
@@ -18,6 +19,7 @@ See docs/simulator.md for every input, assumption and limit.
 
 from unbroken.sim.des import DesResult, Failure, simulate, simulate_once
 from unbroken.sim.ettr import ClosedForm, closed_form
+from unbroken.sim.from_run import RunProfile, profile_from_run
 from unbroken.sim.hardware import HardwareConfig
 from unbroken.sim.itertime import IterationBreakdown, IterationInputs, iteration_time
 from unbroken.sim.policy import (
@@ -46,6 +48,7 @@ __all__ = [
     "ParallelConfig",
     "PolicyTerms",
     "RecoveryConfig",
+    "RunProfile",
     "Scenario",
     "StepCosts",
     "Validation",
@@ -54,6 +57,7 @@ __all__ = [
     "iteration_time",
     "load_scenario",
     "policy_terms",
+    "profile_from_run",
     "simulate",
     "simulate_once",
     "validate_run",

@@ -10,11 +10,15 @@ never mixes with them. Format (every key documented on the dataclasses below):
      "grad_buckets": [{"params": 4.0e7, "seconds": 0.021}, ...],
      "update_s": 0.06, "ckpt_s": 8.3, "ckpt_load_remote_s": 8.3, "ckpt_load_local_s": 0.5,
      "rmu_s": 0.05, "gpus": 64, "replicated_optimizer": false}
+
+`unbroken simulate --profile-from RUN_DIR` (`from_run.py`) writes this format from a real run's
+records, adding `derived` (how each value was obtained) and `measured` (the run's own iteration
+times, to compare with the prediction); the model never reads those two.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +27,7 @@ from unbroken.sim._load import build, read_json
 from unbroken.sim.itertime import IterationInputs, iteration_time
 from unbroken.sim.policy import StepCosts
 
-__all__ = ["GradBucket", "StageProfile", "StageTiming", "load_profile"]
+__all__ = ["GradBucket", "StageProfile", "StageTiming", "load_profile", "profile_from_dict"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -52,10 +56,11 @@ class StageTiming:
 class GradBucket:
     """One gradient bucket, in the order backward makes it ready."""
 
-    params: float
-    """Parameters in the bucket."""
     seconds: float
     """Its collective's time (fitted model at its byte size, concurrency penalty applied)."""
+    params: float = 0.0
+    """Parameters in the bucket; only their ratios matter (ready times rho_i * W). Omit (0) on
+    every bucket when the sizes are unknown: the buckets then count as equal-sized."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -94,6 +99,11 @@ class StageProfile:
     """GPUs in the deployment."""
     replicated_optimizer: bool = False
     """Optimizer states replicated across DP ranks."""
+    derived: dict[str, str] = field(default_factory=dict)
+    """Provenance, not read by the model: field name -> how its value was obtained."""
+    measured: dict[str, Any] = field(default_factory=dict)
+    """Provenance, not read by the model: what the source run measured (e.g. its iteration
+    time), to compare with the prediction."""
 
 
 def load_profile(path: str | Path) -> tuple[IterationInputs, StepCosts]:
@@ -102,8 +112,15 @@ def load_profile(path: str | Path) -> tuple[IterationInputs, StepCosts]:
     Raises:
         UserError: unreadable file, unknown keys or invalid values (naming the file).
     """
-    where = str(path)
-    raw = read_json(path)
+    return profile_from_dict(read_json(path), str(path))
+
+
+def profile_from_dict(raw: Any, where: str) -> tuple[IterationInputs, StepCosts]:
+    """`load_profile` on an already parsed profile object; `where` names it in errors.
+
+    Raises:
+        UserError: unknown keys or invalid values.
+    """
     prof = build(StageProfile, raw, where)
     stages = tuple(
         build(StageTiming, s, f"{where}: stages[{i}]") for i, s in enumerate(prof.stages)
@@ -113,6 +130,11 @@ def load_profile(path: str | Path) -> tuple[IterationInputs, StepCosts]:
     )
     if not stages:
         raise UserError(f"{where}: stages must list at least one stage")
+    sizes = tuple(b.params for b in buckets)
+    if sizes and not any(sizes):
+        sizes = (1.0,) * len(sizes)  # sizes unknown: equal buckets
+    elif any(p <= 0 for p in sizes):
+        raise UserError(f"{where}: give params > 0 on every grad bucket, or on none")
     try:
         inputs = IterationInputs(
             microbatches=prof.microbatches,
@@ -120,7 +142,7 @@ def load_profile(path: str | Path) -> tuple[IterationInputs, StepCosts]:
             stage_s=tuple(s.total_s for s in stages),
             backward_window_s=prof.backward_window_s,
             bucket_s=tuple(b.seconds for b in buckets),
-            bucket_params=tuple(b.params for b in buckets),
+            bucket_params=sizes,
             overlap=prof.overlap,
             moe_a2a_s=prof.moe_a2a_s,
             interference_dense=prof.interference_dense,
