@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 from unbroken.api import run_job
-from unbroken.checkpoint import young_interval
+from unbroken.checkpoint import CheckpointInfo, verify_checkpoint, young_interval
 from unbroken.metrics.log import read_jsonl
 
 from .conftest import tiny_job
@@ -149,3 +149,18 @@ def test_a_fault_scheduled_past_the_end_is_reported_as_never_fired(tmp_path):
     assert summary["failures_recovered"] == summary["failures_injected"] == 1
     assert summary["faults_not_fired"] == ["kill:rank=0,iter=9,phase=forward"]
     assert rc == 1
+
+
+def test_in_place_recovery_takes_the_checkpoint_the_failure_interrupted(tmp_path):
+    # Checkpoints every 4 iterations. The kill lands in iteration 7's update: the in-place
+    # recovery finishes that update and resumes at 8, whose checkpoint was due at the end of
+    # 7. It is taken before iteration 8 runs, so the fallback keeps its interval.
+    cfg = tiny_job(iterations=10, inject=["kill:rank=1,iter=7,phase=update"], interval=4)
+    s = run_job(cfg, tmp_path, reference=False, quiet=True)
+    (rec,) = s["recoveries"]
+    assert rec["mode"] == "inplace" and s["state"] == "done"
+    saved = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "checkpoint_saved"]
+    assert [e["iter"] for e in saved] == [0, 4, 8]
+    assert [e.get("missed", False) for e in saved] == [False, False, True]
+    (path,) = tmp_path.rglob("iter_00000008")
+    assert verify_checkpoint(CheckpointInfo(path, 8)) is None

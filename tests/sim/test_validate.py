@@ -40,7 +40,8 @@ def test_at_least_two_real_runs_with_different_failure_schedules():
     schedules = {
         tuple((f["iteration"], f["phase"]) for f in validate_run(r).failures) for r in real
     }
-    assert len(real) >= 2 and len(schedules) == len(real)
+    # real-run-e and -f are two runs of `unbroken demo --quick`: one schedule, twice (noise).
+    assert len(real) >= 2 and len(schedules) >= 2
 
 
 def test_cli_validate_prints_predicted_and_measured(capsys):

@@ -30,6 +30,7 @@ from unbroken.train.state import TrainState
 __all__ = [
     "CheckpointInfo",
     "CheckpointMismatch",
+    "checkpoint_path",
     "find_latest_valid",
     "list_checkpoints",
     "load_checkpoint",
@@ -47,7 +48,8 @@ class CheckpointInfo:
     """The next iteration to run after loading."""
 
 
-def _dir(root: Path, iteration: int) -> Path:
+def checkpoint_path(root: Path, iteration: int) -> Path:
+    """The directory of the checkpoint of the state before `iteration`."""
     return root / f"iter_{iteration:08d}"
 
 
@@ -91,7 +93,7 @@ def save_checkpoint(
     """
     t0 = time.perf_counter()
     root = Path(root)
-    path = _dir(root, iteration)
+    path = checkpoint_path(root, iteration)
     if rank == 0 and path.exists():
         shutil.rmtree(path)  # a torn save of the same iteration from an earlier generation
     if group is not None:

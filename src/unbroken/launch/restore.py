@@ -19,8 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbroken.checkpoint import find_latest_valid, load_checkpoint, save_checkpoint
-from unbroken.checkpoint.dcp import CheckpointInfo
+from unbroken.checkpoint import (
+    find_latest_valid,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from unbroken.checkpoint.dcp import CheckpointInfo, checkpoint_path
 from unbroken.erasure import UnrecoverableError
 from unbroken.model import init_parameters
 from unbroken.update.rmu import RepairReport
@@ -39,6 +44,11 @@ class CheckpointPlan:
     """Per-rank key prefix when ranks hold different state (engine plans); see dcp."""
     rng_seed: int = 0
     """train.seed: saved with every checkpoint, checked on load (`unbroken.train.rng`)."""
+
+    def complete(self, iteration: int) -> bool:
+        """Whether a complete, intact checkpoint of the state before `iteration` exists."""
+        info = CheckpointInfo(checkpoint_path(self.root, iteration), iteration)
+        return verify_checkpoint(info) is None
 
     def save(self, state, iteration: int, *, group, rank: int) -> float:
         """Checkpoint `state` before `iteration` under this plan; returns the seconds taken."""
