@@ -141,7 +141,12 @@ class Trainer:
         micro-batch runs with torch's generators seeded from its key (`unbroken.train.rng`)."""
         self.state.grads.zero_()
         batches = self.source.iteration(iteration, self.shard)
-        total, tokens = 0.0, 0
+        # The loss stays on the device until every micro-batch and the all-reduce are
+        # enqueued: reading it per micro-batch would make the host wait for each forward
+        # before it could launch the backward. float64, summed in order: the same value as
+        # adding the Python floats.
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = 0
         for m, mb in enumerate(batches):
             self._hook(Phase.FORWARD, iteration, m, len(batches))
             seed_microbatch(self.cfg.seed, iteration, self.shard, m)
@@ -149,7 +154,7 @@ class Trainer:
                 loss = self.loss_fn(self.model, mb, self.device) / len(batches)
             self._hook(Phase.BACKWARD, iteration, m, len(batches))
             loss.backward()
-            total += float(loss.detach())
+            total += loss.detach().double()
             tokens += int(getattr(mb, "n_tokens", 0))
         grads = self.state.grads
         if self.group is not None and self.dp > 1:
@@ -160,7 +165,8 @@ class Trainer:
                 dist.all_reduce(grads[a : a + size], group=self.group)
             grads.div_(self.dp)
             self._hook(Phase.REDUCED, iteration)
-        return total, tokens, tuple(tuple(getattr(mb, "doc_lengths", ())) for mb in batches)
+        lengths = tuple(tuple(getattr(mb, "doc_lengths", ())) for mb in batches)
+        return float(total), tokens, lengths
 
     def sync(self, iteration: int, local_loss: float) -> tuple[float, float, float]:
         """Global synchronization: no rank passes it before every rank has protected its
