@@ -66,6 +66,8 @@ def test_hang_and_exception_are_detected_and_recovered(tmp_path):
     s = run_job(cfg, tmp_path, reference=True, quiet=True)
     assert s["failures_recovered"] == 2 and s["bit_exact"] is True
     hang, exc = sorted(s["recoveries"], key=lambda r: r["iteration"])
+    assert (hang["fault"], exc["fault"]) == ("hang", "exception")
+    assert hang["kind"] == exc["kind"] == "hof"
     # A hang is only visible through missing heartbeats: the last beat came at most one
     # interval (0.1 s) before the stop, and the agent waits heartbeat_timeout_s (1.5 s).
     assert 1.5 - 0.1 <= hang["detect_s"] < 1.5 + 2.0
@@ -88,6 +90,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_the_one_before_restores_exac
     assert s["state"] == "done" and s["failures_recovered"] == 1
     (rec,) = s["recoveries"]
     assert rec["restored_iter"] == 3 and rec["mode"] == "ckpt_restart"
+    assert (rec["fault"], rec["kind"]) == ("ckptcorrupt", "hof")
     assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
     events = list(read_jsonl(tmp_path / "events.jsonl"))
     (injected,) = [e for e in events if e["kind"] == "failure_injected"]

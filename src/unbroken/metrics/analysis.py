@@ -36,6 +36,9 @@ class RecoveryBreakdown:
     protected_again_s: float | None = None
     """Failure to every rank having a ready shadow again (the next generation's shadows all at
     their level); None without shadows or when the run ended first."""
+    fault: str = ""
+    """The injected fault's kind (kill, hang, exception, pageloss, ckptcorrupt); `kind` is its
+    class (hof: the process failed, the hardware did not)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,8 +130,9 @@ def analyze_run(
         out.append(
             RecoveryBreakdown(
                 kind="hof"
-                if ev.get("fault") in ("kill", "hang", "exception", "pageloss")
+                if ev.get("fault") in ("kill", "hang", "exception", "pageloss", "ckptcorrupt")
                 else ev["fault"],
+                fault=ev.get("fault", ""),
                 mode=ready.get("recovery", "unknown") if ready else "unknown",
                 rank=ev["rank"],
                 iteration=k,

@@ -147,7 +147,9 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{'recomp s':>10}{'total s':>9}{'shadows again s':>17}",
         ]
         for r in summary["recoveries"]:
-            what = f"{r['kind']} rank {r['rank']} it {r['iteration']} {r['phase']}"
+            what = (
+                f"{r.get('fault') or r['kind']} rank {r['rank']} it {r['iteration']} {r['phase']}"
+            )
             shadow = f"L{r['shadow_level']}" if r.get("shadow_level") else "-"
             again = r.get("protected_again_s")
             lines.append(
