@@ -167,3 +167,13 @@ def test_in_place_recovery_takes_the_checkpoint_the_failure_interrupted(tmp_path
     assert [e.get("missed", False) for e in saved] == [False, False, True]
     (path,) = tmp_path.rglob("iter_00000008")
     assert verify_checkpoint(CheckpointInfo(path, 8)) is None
+
+
+def test_state_hashes_every_n_iterations_still_compare_exactly(tmp_path):
+    cfg = tiny_job(iterations=8, inject=["kill:rank=0,iter=5,phase=backward"], mode="ckpt_restart")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, hash_every=3))
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    for run in ("reference", "faulty"):
+        hashed = {it for it, h in _hashes(tmp_path, run).items() if h != {None}}
+        assert hashed == {0, 3, 6, 7}  # every third, and the last

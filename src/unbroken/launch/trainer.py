@@ -518,9 +518,12 @@ def _train_loop(
                 ckpt_s = ckpt.save(state, it + 1, group=group, rank=rank)
                 if rank == 0:
                     events.emit("checkpoint_saved", iter=it + 1, seconds=ckpt_s)
-        # Only rank 0 writes metrics; a plan's hash is a collective every rank joins.
+        # Only rank 0 writes metrics; a plan's hash is a collective every rank joins (the
+        # condition is the same on every rank).
         digest = None
-        if metrics is not None or cfg.parallel.planned:
+        every = cfg.train.hash_every
+        hashed = bool(every) and (it % every == 0 or it == total - 1)
+        if hashed and (metrics is not None or cfg.parallel.planned):
             digest = job_state_hash(cfg, state, group)
         if metrics is not None:
             t_end = time.time()
