@@ -26,5 +26,5 @@ class Progress:
             self.say(
                 f"iter {it + 1:>4}/{self.total}  loss {m['loss']:.4f}  "
                 f"{m['tokens_per_s']:>8.0f} tok/s  {m['iter_s'] * 1000:6.0f} ms  "
-                f"state {m['state_hash']}"
+                f"state {m['state_hash'] or '-'}"
             )

@@ -105,7 +105,8 @@ def build_summary(
             {
                 m["iter"]
                 for m in f_metrics
-                if ref_hashes.get(m["iter"]) not in (None, m["state_hash"])
+                if m["state_hash"] is not None
+                and ref_hashes.get(m["iter"]) not in (None, m["state_hash"])
             }
         )
         summary["per_iteration_mismatches"] = mismatched
