@@ -123,3 +123,30 @@ def test_peers_waiting_for_a_slow_rank_outside_its_micro_batches_do_not_make_a_l
     ]
     reports, _, _ = _reports(obs)
     assert [(r.rank, r.what) for r in reports] == [(0, "compute")]
+
+
+def test_waiting_for_a_peer_the_model_underestimates_is_not_a_slow_link():
+    # Warm-up: four equal documents per micro-batch (sum l^2 never varies, beta unknown). From
+    # iteration 30 rank 0 draws single long documents, far costlier than the model predicts,
+    # and rank 1 waits for it in every all-reduce. Nobody is slow. The baseline validates the
+    # change (it has no workload filter); the wait it must subtract is rank 0's observed extra
+    # compute, not its excess over a prediction that is wrong.
+    short = series(iterations=60, seed=3, pieces=lambda it, rng: 4, comm_s=COMM_S)
+    long = series(iterations=60, seed=3, pieces=lambda it, rng: 1, comm_s=COMM_S)
+    obs = short[:30]
+    for o, heavy in zip(short[30:], long[30:], strict=True):
+        r0, r1 = heavy.ranks[0], o.ranks[1]
+        last = max(sum(r0.mb_s), sum(r1.mb_s))
+        ranks = {
+            0: dataclasses.replace(r0, comm_s=last - sum(r0.mb_s) + COMM_S),
+            1: dataclasses.replace(r1, comm_s=last - sum(r1.mb_s) + COMM_S),
+        }
+        lengths = [heavy.doc_lengths[0], o.doc_lengths[1]]
+        obs.append(
+            dataclasses.replace(o, seconds=last + COMM_S + 0.01, ranks=ranks, doc_lengths=lengths)
+        )
+    det = FailSlowDetector(DetectorConfig(baseline=True))
+    decisions = [det.observe(o) for o in obs]
+    validated = [d for d in decisions if d.verdict in (Verdict.FALSE_ALARM, Verdict.FAIL_SLOW)]
+    assert validated and validated[0].change_iteration == 30
+    assert [d.report for d in decisions if d.report] == []

@@ -16,12 +16,13 @@ every replica's micro-batches and, when available, each rank's `RankTiming`. The
 4. validation localizes: per rank, observed / predicted compute time of its timed
    micro-batches over c..t; the rank with the largest ratio is slow if it exceeds the median of
    the other ranks' ratios by `localize_ratio`; the quotient is the slowdown factor (`what` =
-   compute). Then the communication: per rank, its gradient all-reduce time (`comm_s`)
-   over its warm-up median, minus what waiting for a compute-slowed peer explains; a rank
-   whose own excess explains `comm_explains` of the iteration's excess that the slowest
-   replica's compute does not, and is at least `localize_ratio - 1` of the iteration time, is
-   comm-slow (`what` = comm, factor =
-   all-reduce time over healthy). One such rank: it is named (a rank whose
+   compute). Then the communication: per rank, its gradient all-reduce time (`comm_s`) less
+   its observed wait for the last rank to finish computing (measured, not predicted: a
+   mispredicted workload must not turn waiting into a slow link), over its healthy link time
+   (the warm-up median of the same); a rank whose own excess explains `comm_explains` of the
+   iteration's excess that the slowest replica's compute does not, and is at least
+   `localize_ratio - 1` of the iteration time, is comm-slow (`what` = comm, factor = link time
+   over healthy). One such rank: it is named (a rank whose
    collective returns late, as the `slow ... what=comm` fault does). Several: the collective
    itself is slow on every member (a slow link in a ring) and per-rank timings cannot say
    whose link it is — reported with rank None, at the sync stage. If both a compute outlier
@@ -198,6 +199,14 @@ def mb_samples(observations: Sequence[Observation]) -> list[tuple[Sequence[int],
     return samples
 
 
+def _waits(obs: Observation) -> dict[int, float]:
+    """Seconds each rank waited in the gradient all-reduce of this iteration for the last
+    rank to finish computing: the latest compute end minus its own (all start together)."""
+    done = {r: sum(t.mb_s) for r, t in (obs.ranks or {}).items()}
+    last = max(done.values(), default=0.0)
+    return {r: last - d for r, d in done.items()}
+
+
 def _span(samples: Sequence[tuple[Sequence[int], float]]) -> tuple[float, float]:
     """Smallest and largest sum l^2 / N^2 of micro-batch samples."""
     shares = [sum_sq(d) / sum(d) ** 2 for d, _ in samples]
@@ -294,8 +303,9 @@ class FailSlowDetector:
         )
         comm: dict[int, list[float]] = {}
         for obs in self._warm:
+            waits = _waits(obs)
             for rank, t in (obs.ranks or {}).items():
-                comm.setdefault(rank, []).append(t.comm_s)
+                comm.setdefault(rank, []).append(max(0.0, t.comm_s - waits[rank]))
         self._comm_healthy = {r: statistics.median(v) for r, v in comm.items()}
 
     # -- online ----------------------------------------------------------------------------
@@ -459,7 +469,10 @@ class FailSlowDetector:
         observed: dict[int, float] = {}
         predicted: dict[int, float] = {}
         comm: dict[int, float] = {}
+        waited: dict[int, float] = {}
         for obs in window:
+            for rank, w in _waits(obs).items():
+                waited[rank] = waited.get(rank, 0.0) + w
             for rank, t in (obs.ranks or {}).items():
                 lengths = obs.doc_lengths[rank]
                 observed[rank] = observed.get(rank, 0.0) + sum(t.mb_s)
@@ -478,7 +491,9 @@ class FailSlowDetector:
         slow = max(ratios, key=lambda r: ratios[r])
         peers = statistics.median(v for r, v in ratios.items() if r != slow)
         factor = ratios[slow] / peers
-        found = self._localize_comm(len(window), observed, predicted, comm, observed_s, predicted_s)
+        found = self._localize_comm(
+            len(window), observed, predicted, comm, waited, observed_s, predicted_s
+        )
         if factor >= self.cfg.localize_ratio:
             # A rank that computes slower arrives last at every collective, so it waits in
             # them least while its peers' all-reduce time grows by waiting for it (also for
@@ -502,6 +517,7 @@ class FailSlowDetector:
         observed: Mapping[int, float],
         predicted: Mapping[int, float],
         comm: Mapping[int, float],
+        waited: Mapping[int, float],
         observed_s: float,
         predicted_s: float,
     ) -> tuple[int | None, float, str, float] | None:
@@ -519,17 +535,16 @@ class FailSlowDetector:
         least = max(
             self.cfg.comm_explains * unexplained, (self.cfg.localize_ratio - 1) * observed_s
         )
-        own = {}
-        for r in comm:
-            # Waiting in the all-reduce for a peer that computed longer is not this rank's link.
-            waited = max((late[q] - late[r] for q in late if q != r), default=0.0)
-            own[r] = comm[r] - n * healthy.get(r, 0.0) - max(0.0, waited)
+        # Waiting in the all-reduce for a peer that computed longer is not this rank's link:
+        # what is left of its all-reduce time beyond that wait, over its healthy link time.
+        own = {r: comm[r] - waited.get(r, 0.0) - n * healthy.get(r, 0.0) for r in comm}
         slow = [r for r, e in own.items() if e >= least]
         if not slow:
             return None
         rank = slow[0] if len(slow) == 1 else None
         ranks = slow if rank is None else [rank]
         factor = statistics.fmean(
-            [comm[r] / (n * healthy[r]) for r in ranks if healthy.get(r)] or [float("inf")]
+            [(comm[r] - waited.get(r, 0.0)) / (n * healthy[r]) for r in ranks if healthy.get(r)]
+            or [float("inf")]
         )
         return rank, factor, "comm", max(own[r] for r in ranks)
