@@ -3,7 +3,8 @@
 Owns one rule for every `unbroken.sim` config: a key the dataclass does not declare is an error
 that names the key and the file, a value of the wrong type is an error that names the field, and
 the dataclass's own `__post_init__` checks the invariants. It never guesses a default for a
-misspelled key.
+misspelled key. Also the one reader of a runtime output dir's JSON-lines logs, for `--validate`
+and `--profile-from`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 from unbroken.config.loader import config_from_dict
 from unbroken.errors import UserError
 
-__all__ = ["build", "check_positive", "check_range", "read_json", "read_toml"]
+__all__ = ["build", "check_positive", "check_range", "read_json", "read_run_log", "read_toml"]
 
 T = TypeVar("T")
 
@@ -32,6 +33,27 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{path}: no such file") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{path}: invalid TOML: {exc}") from None
+
+
+def read_run_log(path: Path) -> list[dict[str, Any]]:
+    """Read one JSON-lines log of a runtime output dir (metrics, events, timings).
+
+    Raises:
+        UserError: the file is missing or a line is not JSON.
+    """
+    if not path.exists():
+        hint = (
+            " (written by runtimes with per-rank timings)" if path.name == "timings.jsonl" else ""
+        )
+        raise UserError(f"{path}: missing (is this an `unbroken train`/`demo` output dir?){hint}")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise UserError(f"{path}:{n}: not a JSON object") from None
+    return out
 
 
 def read_json(path: str | Path) -> Any:

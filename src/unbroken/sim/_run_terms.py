@@ -15,11 +15,9 @@ with a line for the profile's `derived` table. Conventions, used throughout:
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 from unbroken.errors import UserError
@@ -30,7 +28,6 @@ __all__ = [
     "dp_terms",
     "ettr_terms",
     "plan_terms",
-    "read_jsonl",
     "spacing",
     "steady_iterations",
 ]
@@ -39,27 +36,6 @@ Iteration = dict[int, dict[str, Any]]
 """One iteration's timing records by rank."""
 
 Record = dict[str, Any]
-
-
-def read_jsonl(path: Path) -> list[Record]:
-    """Read a JSON-lines log of the runtime.
-
-    Raises:
-        UserError: the file is missing or a line is not JSON.
-    """
-    if not path.exists():
-        hint = (
-            " (written by runtimes with per-rank timings)" if path.name == "timings.jsonl" else ""
-        )
-        raise UserError(f"{path}: missing; is this an `unbroken train`/`demo` output dir?{hint}")
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{n}: not a JSON object") from None
-    return out
 
 
 def steady_iterations(records: list[Record], skip: Iterable[int] = ()) -> list[Iteration]:

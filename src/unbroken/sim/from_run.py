@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.errors import UserError
+from unbroken.sim._load import read_run_log
 from unbroken.sim._run_terms import (
     Iteration,
     dp_terms,
     ettr_terms,
     plan_terms,
-    read_jsonl,
     spacing,
     steady_iterations,
 )
@@ -120,9 +120,9 @@ def profile_from_run(run_dir: str | Path) -> RunProfile:
     root = Path(run_dir)
     if not root.is_dir():
         raise UserError(f"{root}: not a directory")
-    timings = read_jsonl(root / "timings.jsonl")
-    metrics = read_jsonl(root / "metrics.jsonl")
-    events = read_jsonl(root / "events.jsonl")
+    timings = read_run_log(root / "timings.jsonl")
+    metrics = read_run_log(root / "metrics.jsonl")
+    events = read_run_log(root / "events.jsonl")
     config_path = root / "config.json"
     if not config_path.exists():
         raise UserError(f"{config_path}: missing (is this an `unbroken train`/`demo` output dir?)")

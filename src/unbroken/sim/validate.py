@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from unbroken.errors import UserError
+from unbroken.sim._load import read_run_log
 from unbroken.sim.des import IterFailure, replay_iterations
 from unbroken.sim.ettr import closed_form
 from unbroken.sim.policy import FailureMix, KindCost, PolicyTerms
@@ -82,20 +83,6 @@ class Validation:
         }
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        raise UserError(f"{path}: missing (is this an `unbroken train`/`demo` output dir?)")
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise UserError(f"{path}:{n}: not a JSON object") from None
-    return out
-
-
 def _completed(metrics: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     done: dict[int, dict[str, Any]] = {}
     for m in metrics:
@@ -116,8 +103,8 @@ def validate_run(run_dir: str | Path) -> Validation:
     root = Path(run_dir)
     if not root.is_dir():
         raise UserError(f"{root}: not a directory")
-    metrics = _jsonl(root / "metrics.jsonl")
-    events = _jsonl(root / "events.jsonl")
+    metrics = read_run_log(root / "metrics.jsonl")
+    events = read_run_log(root / "events.jsonl")
     ref = [m for m in metrics if m.get("run") == "reference"]
     runs = {m.get("run") for m in metrics} - {"reference"}
     if not ref or not runs:
