@@ -23,12 +23,18 @@ def _trainer(seed=0, moe=False, hooks=()):
     return local_trainer(cfg, hooks=hooks)[1]
 
 
-def test_parameters_are_views_of_caller_storage():
+def _tiny_in_flat_storage(std: float, seed: int):
+    """The tiny reference model built on meta, materialized into a flat buffer we own."""
     model = build_model(resolve_args(ModelConfig(preset="tiny")), device="meta")
     layout = FlatLayout.of(model)
     flat = torch.zeros(layout.numel)
     materialize(model, layout, flat)
-    init_parameters(layout, flat, std=0.006, seed=3)
+    init_parameters(layout, flat, std=std, seed=seed)
+    return model, layout, flat
+
+
+def test_parameters_are_views_of_caller_storage():
+    model, layout, flat = _tiny_in_flat_storage(std=0.006, seed=3)
     lo, hi = flat.data_ptr(), flat.data_ptr() + 4 * layout.numel
     for p in model.parameters():
         assert lo <= p.data_ptr() < hi
@@ -142,11 +148,7 @@ def test_chunked_update_equals_one_flat_adamw_step():
 def test_attention_stays_within_each_document():
     from unbroken.data.packing import IGNORE_INDEX, segment_layout
 
-    model = build_model(resolve_args(ModelConfig(preset="tiny")), device="meta")
-    layout = FlatLayout.of(model)
-    flat = torch.zeros(layout.numel)
-    materialize(model, layout, flat)
-    init_parameters(layout, flat, std=0.02, seed=0)
+    model, _, _ = _tiny_in_flat_storage(std=0.02, seed=0)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (24,), generator=gen)
     targets = torch.randint(0, 256, (24,), generator=gen)
