@@ -537,14 +537,14 @@ class FailSlowDetector:
         )
         # Waiting in the all-reduce for a peer that computed longer is not this rank's link:
         # what is left of its all-reduce time beyond that wait, over its healthy link time.
-        own = {r: comm[r] - waited.get(r, 0.0) - n * healthy.get(r, 0.0) for r in comm}
+        link = {r: comm[r] - waited.get(r, 0.0) for r in comm}
+        own = {r: link[r] - n * healthy.get(r, 0.0) for r in comm}
         slow = [r for r, e in own.items() if e >= least]
         if not slow:
             return None
         rank = slow[0] if len(slow) == 1 else None
         ranks = slow if rank is None else [rank]
         factor = statistics.fmean(
-            [(comm[r] - waited.get(r, 0.0)) / (n * healthy[r]) for r in ranks if healthy.get(r)]
-            or [float("inf")]
+            [link[r] / (n * healthy[r]) for r in ranks if healthy.get(r)] or [float("inf")]
         )
         return rank, factor, "comm", max(own[r] for r in ranks)

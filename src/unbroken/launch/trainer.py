@@ -470,8 +470,8 @@ def _train_loop(
             store.set("ckpt/cost_s", repr(ckpt.cost_s))
     healthy: list[float] = []
     total = cfg.train.iterations
-    if cfg.checkpoint.enabled and interval and 0 < start_iter < total:
-        _take_missed_checkpoint(ckpt, state, start_iter, interval, rank, group, events)
+    if cfg.checkpoint.enabled and interval and 0 < start_iter < total and not start_iter % interval:
+        _take_missed_checkpoint(ckpt, state, start_iter, rank, group, events)
     for it in range(start_iter, total):
         result = iterate(it)
         timer.flush()
@@ -546,16 +546,14 @@ def _train_loop(
             )
 
 
-def _take_missed_checkpoint(ckpt, state, start_iter, interval, rank, group, events) -> None:
-    """After an in-place recovery the run resumes at `start_iter`; when that is a checkpoint
-    boundary, its checkpoint was due at the end of the iteration the failure interrupted, which
+def _take_missed_checkpoint(ckpt, state, start_iter, rank, group, events) -> None:
+    """After an in-place recovery the run resumes at `start_iter`, a checkpoint boundary: its
+    checkpoint was due at the end of the iteration the failure interrupted, which
     the recovery finished instead of the loop. Take it now, so the fallback checkpoints keep
     their interval (a restart from a checkpoint resumes at one that exists: nothing to do).
     Rank 0 looks, every rank follows (the save is collective)."""
     import torch.distributed as dist
 
-    if start_iter % interval:
-        return
     missing = [not ckpt.complete(start_iter)] if rank == 0 else [None]
     if group is not None:
         dist.broadcast_object_list(missing, src=0, group=group)
