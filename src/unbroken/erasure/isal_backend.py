@@ -190,7 +190,7 @@ class _Delta:
 
     def __init__(self, old: PageTable, new: PageTable, length: int, step: int) -> None:
         self.block = np.empty((len(old), step), dtype=np.uint8)
-        self.ptrs = self.block.ctypes.data + np.arange(len(old), dtype=np.uint64) * np.uint64(step)
+        self.ptrs = PageTable.from_rows(self.block).ptrs
         self.old_rows, self.new_rows = _rows_view(old, length), _rows_view(new, length)
         if self.old_rows is None or self.new_rows is None:
             self.old_pages, self.new_pages = old.numpy_views(), new.numpy_views()
@@ -213,9 +213,7 @@ class _Sink:
 
     def __init__(self, dests: PageTable, offset: int, length: int, step: int) -> None:
         self.block = np.empty((len(dests), step), dtype=np.uint8)
-        self.ptrs = self.block.ctypes.data + np.arange(len(dests), dtype=np.uint64) * np.uint64(
-            step
-        )
+        self.ptrs = PageTable.from_rows(self.block).ptrs
         self.offset = offset
         self.rows = _rows_view(dests.slice(offset, length), length)
         self.pages = dests.numpy_views() if self.rows is None else None
