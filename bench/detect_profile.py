@@ -2,8 +2,9 @@
 
     PYTHONPATH=src python bench/detect_profile.py TOKENS PRESET [cpu-geometry]   # 8192 125m
 
-Builds the bench's training job in this process (bf16 autocast, varlen attention, PhaseTimer
-with CUDA events), prints per-iteration micro-batch times, then compute / sync / update seconds
+Builds the bench's model and loss in this process (the preset's layers and heads, bf16
+autocast, varlen attention, PhaseTimer with CUDA events; the device-default protection geometry,
+not the bench jobs' pinned 80-page stripes of `detect._jobs._job_config`), prints per-iteration micro-batch times, then compute / sync / update seconds
 measured with synchronization, and `torch.profiler` key averages of one compute phase. The
 N = 8,192 figures in bench/results/detect-h200.md (121 ms of kernels in a 227 ms compute phase;
 0.23 s of update with the CPU protection geometry, 1,160 chunks) came from the scratch version
