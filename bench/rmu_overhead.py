@@ -25,7 +25,7 @@ from unbroken.cli.demo import demo_config
 from unbroken.train import Trainer
 from unbroken.train.build import build_training
 from unbroken.update import PlainUpdater
-from unbroken.update.regions import region_specs
+from unbroken.update.layout import RetainedLayout
 from unbroken.update.rmu import ResumableUpdater, state_from_regions
 
 
@@ -33,7 +33,7 @@ def _trainer(cfg, protected: bool) -> Trainer:
     regions: dict[str, torch.Tensor] = {}
 
     def allocate(layout, geometry, device):
-        for spec in region_specs(geometry, cfg.protection):
+        for spec in RetainedLayout.of(geometry, cfg.protection).regions():
             regions[spec.name] = torch.zeros(spec.nbytes, dtype=torch.uint8)
         return state_from_regions(layout, geometry, regions), True
 

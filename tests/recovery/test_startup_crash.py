@@ -29,8 +29,8 @@ from unbroken.config import (
     TrainConfig,
 )
 from unbroken.erasure import UnrecoverableError
+from unbroken.update.layout import MARKER_PAGE, RetainedLayout
 from unbroken.update.marker import SLOT_BYTES
-from unbroken.update.regions import MARKER_PAGE, region_specs
 
 PROT = ProtectionConfig(page_bytes=4096, stripe_pages=2, parity_pages=3, chunk_bytes=1024)
 WORLD = 2
@@ -61,7 +61,7 @@ def _trainer(cfg: JobConfig, regions: dict | None, rank: int, group):
         if regions is None:
             regions = {
                 s.name: torch.zeros(s.nbytes, dtype=torch.uint8)
-                for s in region_specs(geometry, PROT)
+                for s in RetainedLayout.of(geometry, PROT).regions()
             }
         return state_from_regions(layout, geometry, regions), fresh
 

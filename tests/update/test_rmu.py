@@ -15,8 +15,8 @@ from unbroken.erasure import UnrecoverableError
 from unbroken.train import Phase, Trainer
 from unbroken.train.build import build_training
 from unbroken.update import PlainUpdater
+from unbroken.update.layout import RetainedLayout
 from unbroken.update.marker import Stage
-from unbroken.update.regions import region_specs
 from unbroken.update.rmu import ResumableUpdater, state_from_regions
 
 PROT = ProtectionConfig(page_bytes=4096, stripe_pages=2, parity_pages=3, chunk_bytes=1024)
@@ -45,7 +45,7 @@ def _rig(regions=None, hooks=()):
         if regions is None:
             regions = {
                 s.name: torch.zeros(s.nbytes, dtype=torch.uint8)
-                for s in region_specs(geometry, PROT)
+                for s in RetainedLayout.of(geometry, PROT).regions()
             }
         holder["geometry"] = geometry
         return state_from_regions(layout, geometry, regions), fresh

@@ -31,8 +31,8 @@ from unbroken.state.client import RetainedClient, RetainedRegion
 from unbroken.state.pageloss import punch_pages
 from unbroken.train.state import TrainState
 from unbroken.update.geometry import StateGeometry
+from unbroken.update.layout import RetainedLayout
 from unbroken.update.marker import Stage
-from unbroken.update.regions import region_specs
 from unbroken.update.rmu import RepairReport, ResumableUpdater, state_from_regions
 
 __all__ = ["InconsistentState", "RetainedState", "agree_and_resume"]
@@ -64,7 +64,7 @@ class RetainedState:
         (`unbroken.state.cuda_vmm`): the model state, gradients, both parity tiers and the
         updater's buffers live on the device, where the codec runs; the marker, written after
         every operation and read first on recovery, stays in host memory."""
-        specs = region_specs(geometry, self.cfg.protection)
+        specs = RetainedLayout.of(geometry, self.cfg.protection).regions()
         self.regions = {
             s.name: self.client.allocate(
                 s.name, s.nbytes, **_placement(s, device, geometry.page_bytes)
@@ -88,22 +88,20 @@ class RetainedState:
         """The page-loss injector's target: destroys pages of one protection group for real
         (host: holes punched in the memfd; GPU: the pages' allocations released by the manager
         and by this trainer, so the driver frees them). Recovery never sees what it chose."""
-        prot = self.cfg.protection
-        width = prot.parity_pages + prot.second_tier_pages
+        layout = RetainedLayout.of(geometry, self.cfg.protection)
 
         def punch(fault) -> dict[str, list[int]]:
             assert self.regions is not None
             rng = random.Random(fault.key)
-            d, seg = geometry.stripe_pages, geometry.segment_pages
             if fault.group is not None:
-                chosen = [(fault.group + i) % geometry.groups for i in range(fault.groups)]
+                chosen = [(fault.group + i) % layout.groups for i in range(fault.groups)]
             else:
-                chosen = rng.sample(range(geometry.groups), min(fault.groups, geometry.groups))
+                chosen = rng.sample(range(layout.groups), min(fault.groups, layout.groups))
             pages: dict[str, list[int]] = {"model": [], "model_parity": []}
             for g in chosen:
-                data = [sg * seg + g * d + p for sg in range(3) for p in range(d)]
+                data = layout.group_rows("model", g)
                 pages["model"] += rng.sample(data, min(fault.pages, len(data)))
-                first_tier = [g * width + r for r in range(prot.parity_pages)]
+                first_tier = layout.parity_rows(g, 1)
                 pages["model_parity"] += rng.sample(first_tier, min(fault.parity, len(first_tier)))
             pages = {k: sorted(v) for k, v in pages.items() if v}
             for name, idx in pages.items():

@@ -18,14 +18,17 @@ import torch
 
 from unbroken.config import JobConfig
 from unbroken.erasure import ErasureGeometry, PageTable, ProtectionGroup
+from unbroken.update.geometry import StateGeometry
+from unbroken.update.layout import RetainedLayout
 
 __all__ = ["warm_cuda"]
 
 
-def _warm_codec(page_bytes: int, d: int, h1: int, h2: int, chunk: int, device) -> None:
-    pages = torch.zeros((d + h1 + h2, page_bytes), dtype=torch.uint8, device=device)
+def _warm_codec(geometry: ErasureGeometry, chunk: int, device) -> None:
+    d, h1, h2 = geometry.data_pages, geometry.parity_pages, geometry.second_tier_pages
+    pages = torch.zeros((d + h1 + h2, geometry.page_bytes), dtype=torch.uint8, device=device)
     group = ProtectionGroup(
-        ErasureGeometry(page_bytes=page_bytes, data_pages=d, parity_pages=h1, second_tier_pages=h2),
+        geometry,
         [pages[i] for i in range(d)],
         [pages[d + i] for i in range(h1)],
         [pages[d + h1 + i] for i in range(h2)],
@@ -72,8 +75,13 @@ def warm_cuda(cfg: JobConfig, device: torch.device) -> float:
     if not cfg.model.factory:
         _warm_model(cfg, device)
     p = cfg.protection.resolved(device.type == "cuda")
-    for d in (3 * p.stripe_pages, p.stripe_pages):  # model groups, gradient groups
-        _warm_codec(p.page_bytes, d, p.parity_pages, p.second_tier_pages, p.chunk_bytes, device)
+    # The layout of a one-stripe state: its groups have the job's D / H1 / H2 and page size.
+    geometry = StateGeometry(
+        numel=1, page_bytes=p.page_bytes, stripe_pages=p.stripe_pages, chunk_bytes=p.chunk_bytes
+    )
+    layout = RetainedLayout.of(geometry, p)
+    for kind in ("model", "grads"):
+        _warm_codec(layout.erasure(kind), p.chunk_bytes, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # keep the loaded code and handles, not the scratch pages

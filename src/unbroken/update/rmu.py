@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 import torch
 
 from unbroken.config import ProtectionConfig
-from unbroken.erasure import ErasureGeometry, PageTable, ProtectionGroup, UnrecoverableError
+from unbroken.erasure import PageTable, ProtectionGroup, UnrecoverableError
 from unbroken.train.phases import Phase
 from unbroken.train.state import TrainState
 from unbroken.update.geometry import StateGeometry
 from unbroken.update.kernel import ChunkStep
+from unbroken.update.layout import MARKER_PAGE, SEGMENTS, GroupKind, RetainedLayout
 from unbroken.update.marker import (
     MARKER_BYTES,
     MarkerReplicas,
@@ -39,7 +40,6 @@ from unbroken.update.marker import (
     ProgressMarker,
     Stage,
 )
-from unbroken.update.regions import MARKER_PAGE
 
 __all__ = ["NothingRetained", "RepairReport", "ResumableUpdater", "state_from_regions"]
 
@@ -97,58 +97,55 @@ class ResumableUpdater:
         self.geometry = geometry
         self.step = step
         self.prot = prot
+        self.layout = layout = RetainedLayout.of(geometry, prot)
         self.chunks = geometry.chunks()
         self.hook: Hook = _noop
         g, s = geometry, geometry.page_bytes
-        h1, h2, d = prot.parity_pages, prot.second_tier_pages, g.stripe_pages
+        h1, h2, d = layout.parity_pages, layout.second_tier_pages, layout.stripe
         self.h1, self.h2, self.d = h1, h2, d
-        self.model_pages = regions["model"][: 3 * g.segment_pages * s].view(-1, s)
+        self.model_pages = regions["model"][: SEGMENTS * g.segment_pages * s].view(-1, s)
         self.grad_pages = regions["grads"][: g.segment_pages * s].view(-1, s)
-        par = regions["model_parity"][: g.groups * (h1 + h2) * s].view(g.groups, h1 + h2, s)
-        gpar = regions["grad_parity"][: g.groups * (h1 + h2) * s].view(g.groups, h1 + h2, s)
-        self.model_parity, self.grad_parity = par, gpar
-        model_geo = ErasureGeometry(
-            page_bytes=s, data_pages=3 * d, parity_pages=h1, second_tier_pages=h2
-        )
-        grad_geo = ErasureGeometry(
-            page_bytes=s, data_pages=d, parity_pages=h1, second_tier_pages=h2
-        )
-        seg = g.segment_pages
-        self.groups: list[ProtectionGroup] = []
-        self.grad_groups: list[ProtectionGroup] = []
-        for i in range(g.groups):
-            rows = [sg * seg + i * d + p for sg in range(3) for p in range(d)]
-            self.groups.append(
-                ProtectionGroup(
-                    model_geo,
-                    [self.model_pages[r] for r in rows],
-                    [par[i, r] for r in range(h1)],
-                    [par[i, h1 + r] for r in range(h2)],
-                    name=f"model/g{i}",
-                    backend=backend,
-                )
-            )
-            self.grad_groups.append(
-                ProtectionGroup(
-                    grad_geo,
-                    [self.grad_pages[i * d + p] for p in range(d)],
-                    [gpar[i, r] for r in range(h1)],
-                    [gpar[i, h1 + r] for r in range(h2)],
-                    name=f"grads/g{i}",
-                    backend=backend,
-                )
-            )
+        w = layout.width
+        par = regions["model_parity"][: g.groups * w * s].view(g.groups * w, s)
+        gpar = regions["grad_parity"][: g.groups * w * s].view(g.groups * w, s)
+        self.model_parity = par.view(g.groups, w, s)
+        self.groups = [
+            self._group(layout, "model", i, self.model_pages, par, backend) for i in range(g.groups)
+        ]
+        self.grad_groups = [
+            self._group(layout, "grads", i, self.grad_pages, gpar, backend) for i in range(g.groups)
+        ]
         mk = regions["marker"][: 3 * MARKER_PAGE].view(3, MARKER_PAGE)
         self.marker_group = MarkerReplicas(mk)
         self.marker = ProgressMarker(mk[0][:MARKER_BYTES])
-        c = g.chunk_bytes
-        self.undo = regions["undo"][: 3 * d * c].view(3, d, c)
-        self.scratch = regions["scratch"][: (h1 + h2) * c].view(h1 + h2, c)
-        self.undo_table = PageTable([self.undo[a, b] for a in range(3) for b in range(d)])
+        c, dd = g.chunk_bytes, layout.data_pages("model")
+        self.undo = regions["undo"][: dd * c].view(SEGMENTS, d, c)
+        self.scratch = regions["scratch"][: w * c].view(w, c)
+        self.undo_table = PageTable([self.undo[a, b] for a in range(SEGMENTS) for b in range(d)])
         self.s1_table = PageTable([self.scratch[r] for r in range(h1)])
         self.s2_table = PageTable([self.scratch[h1 + r] for r in range(h2)])
         # uint8 [segment_pages, S] views of the three segments, for chunk copies.
-        self.segments = [self.model_pages[sg * seg : (sg + 1) * seg] for sg in range(3)]
+        seg = g.segment_pages
+        self.segments = [self.model_pages[sg * seg : (sg + 1) * seg] for sg in range(SEGMENTS)]
+
+    @staticmethod
+    def _group(
+        layout: RetainedLayout,
+        kind: GroupKind,
+        i: int,
+        pages: torch.Tensor,
+        parity: torch.Tensor,
+        backend: str,
+    ) -> ProtectionGroup:
+        """Protection group `i` of the model or the gradients over the region views."""
+        return ProtectionGroup(
+            layout.erasure(kind),
+            [pages[r] for r in layout.group_rows(kind, i)],
+            [parity[r] for r in layout.parity_rows(i, 1)],
+            [parity[r] for r in layout.parity_rows(i, 2)],
+            name=f"{kind}/g{i}",
+            backend=backend,
+        )
 
     # -- marker ---------------------------------------------------------------------------
     def _mark(self, **changes) -> MarkerState:
@@ -209,7 +206,7 @@ class ResumableUpdater:
         ref, n = self.chunks[k], len(self.chunks)
         x, c = ref.byte_lo, self.geometry.chunk_bytes
         group = self.groups[ref.group]
-        for sg in range(3):
+        for sg in range(SEGMENTS):
             self.undo[sg].copy_(self._chunk_data(sg, ref))
         self._mark(stage=Stage.CHUNK_UPDATING, group=ref.group, chunk=ref.chunk)
         self.hook(Phase.UPDATE, iteration, k, n)
@@ -280,7 +277,7 @@ class ResumableUpdater:
             if undo_lost:
                 raise UnrecoverableError(group="undo", lost=set(lost["undo"]))
             ref = self.chunks[st.group * self.geometry.chunks_per_group + st.chunk]
-            for sg in range(3):
+            for sg in range(SEGMENTS):
                 self._chunk_data(sg, ref).copy_(self.undo[sg])
             self._mark(stage=Stage.SYNCED)
             report.fixup = f"restored chunk g{st.group}/c{st.chunk} from undo"
@@ -304,19 +301,8 @@ class ResumableUpdater:
     def _reconstruct(
         self, groups: list[ProtectionGroup], data_lost: list[int], parity_lost: list[int], segs: int
     ) -> int:
-        g, d = self.geometry, self.d
-        per_group: dict[int, set[int]] = {}
-        for page in data_lost:
-            sg, p = divmod(page, g.segment_pages)
-            if sg >= segs:
-                continue
-            grp, pos = divmod(p, d)
-            per_group.setdefault(grp, set()).add(sg * d + pos)
-        width = self.h1 + self.h2
-        for page in parity_lost:
-            grp, r = divmod(page, width)
-            if grp < g.groups:
-                per_group.setdefault(grp, set()).add(segs * d + r)
+        kind: GroupKind = "model" if segs == SEGMENTS else "grads"
+        per_group = self.layout.lost_by_group(kind, data_lost, parity_lost)
         for grp, pages in sorted(per_group.items()):
             groups[grp].reconstruct(pages)
         return len(per_group)
