@@ -47,6 +47,7 @@ def run_job(
     search_path: list[str] | None = None,
     quiet: bool = False,
     fresh: bool = True,
+    debug: bool = False,
 ) -> dict[str, Any]:
     """Run a job (and optionally its fault-free reference); returns the summary dict.
 
@@ -56,6 +57,7 @@ def run_job(
         reference: also run the fault-free reference and compare.
         search_path: extra dirs for user modules (default: the config file's dir).
         quiet: no terminal progress.
+        debug: a failed rank's traceback (always in its log) also on the terminal.
 
     Raises:
         UserError: bad config, bad fault spec, missing data.
@@ -115,13 +117,17 @@ def run_job(
             recovery=dataclasses.replace(cfg.recovery, mode="ckpt_restart", shadow_level=0),
         )
         ref = _outcome_dict(
-            Coordinator(ref_cfg, out, "reference", search_path=search, quiet=quiet).run()
+            Coordinator(
+                ref_cfg, out, "reference", search_path=search, quiet=quiet, debug=debug
+            ).run()
         )
         runs["reference"] = ref
         if ref["state"] != "done":
             raise RuntimeError(f"the fault-free reference run did not finish: {ref['state']}")
     name = "faulty" if reference else "train"
-    main = _outcome_dict(Coordinator(cfg, out, name, search_path=search, quiet=quiet).run())
+    main = _outcome_dict(
+        Coordinator(cfg, out, name, search_path=search, quiet=quiet, debug=debug).run()
+    )
     runs[name] = main
     summary = build_summary(ref, main, to_dict(cfg))
     summary["run_dir"] = str(out)

@@ -23,6 +23,7 @@ import torch
 
 from tests.engine.harness import gloo_rank, spawn_ranks
 from unbroken.config import JobConfig
+from unbroken.jobstore import JobStore
 from unbroken.parallel import ParallelPlan
 
 
@@ -83,7 +84,7 @@ def _rank_main(rank: int, world_size: int, store_path: str, job: HookedJob, out:
     injector = RecordingInjector(
         [parse_fault(f) for f in job.faults],
         rank,
-        dist.HashStore(),
+        JobStore(dist.HashStore()),
         lambda kind, **fields: rec.events.append((kind, fields)),
         0.0,
         sleep=stall,

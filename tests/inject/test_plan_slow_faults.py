@@ -13,6 +13,7 @@ from tests.engine.harness import engine_job
 from tests.engine.hooked import HookedJob, run_hooked
 from unbroken.detect.levels import LEVEL_LOSS, Level
 from unbroken.inject import Injector, parse_fault
+from unbroken.jobstore import JobStore
 from unbroken.parallel import ActionKind, make_plan
 from unbroken.train.phases import Phase
 
@@ -66,7 +67,7 @@ def _drive(spec: str, iterations: int = 6):
     inj = Injector(
         [parse_fault(spec)],
         rank=0,
-        store=dist.HashStore(),
+        store=JobStore(dist.HashStore()),
         emit=lambda kind, **f: events.append((kind, f)),
         job_t0=0.0,
         sleep=rank.sleep,

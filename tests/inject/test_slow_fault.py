@@ -15,6 +15,7 @@ from unbroken.detect.levels import LEVEL_LOSS, Level, slow_factor_for, throughpu
 from unbroken.detect.timing import PhaseTimer
 from unbroken.errors import UserError
 from unbroken.inject import Injector, SlowTarget, parse_fault
+from unbroken.jobstore import JobStore
 from unbroken.train import Trainer
 from unbroken.train import loop as loop_module
 from unbroken.train.build import build_training
@@ -90,7 +91,7 @@ def _drive(spec: str, iterations: int = 8):
     inj = Injector(
         [parse_fault(spec)],
         rank=1,
-        store=dist.HashStore(),
+        store=JobStore(dist.HashStore()),
         emit=lambda kind, **f: events.append((kind, f)),
         job_t0=0.0,
         sleep=clock.sleep,
@@ -216,7 +217,7 @@ def test_slow_faults_never_change_the_training_state(monkeypatch):
     def run(faults):
         log: list = []
         inj = Injector(
-            [parse_fault(f) for f in faults], 0, dist.HashStore(), lambda *a, **k: None, 0.0
+            [parse_fault(f) for f in faults], 0, JobStore(dist.HashStore()), lambda *a, **k: None, 0.0
         )
         trainer = _trainer(monkeypatch, [inj], log, bucket=40_000)
         for it in range(3):

@@ -1,11 +1,28 @@
-"""The recovery state machine, driven by agent decisions."""
+"""The recovery state machine, driven by agent decisions, without processes: its transition
+table, its typed actions, and the restore mode each restart carries."""
 
-from unbroken.recovery import FATAL_EXIT, RecoveryMachine, RecoveryState
+import itertools
+
+import pytest
+
+from unbroken.recovery import (
+    ALLOWED,
+    FATAL_EXIT,
+    Fail,
+    Finish,
+    IllegalTransition,
+    RecoveryMachine,
+    RecoveryState,
+    RestoreMode,
+    Start,
+    Stop,
+)
 
 
 def _running(world=2, **kw):
-    m = RecoveryMachine(world_size=world, max_restarts=5, mode="inplace", **kw)
-    assert m.begin().op == "start"
+    m = RecoveryMachine(world_size=world, max_restarts=5, retains_state=True, **kw)
+    first = m.begin()
+    assert isinstance(first, Start) and first.restore is RestoreMode.FRESH
     m.on_started(0)
     assert m.state is RecoveryState.RUNNING
     return m
@@ -14,42 +31,50 @@ def _running(world=2, **kw):
 def test_failure_stops_then_restarts_in_place_and_ignores_the_old_generation():
     m = _running()
     m.note_progress(progressed=True, injected=True)
-    assert m.on_rank_exit(1, 0, -9).op == "stop"
+    assert isinstance(m.on_rank_exit(1, 0, -9), Stop)
     assert m.on_rank_exit(0, 0, 1) is None  # the survivor of the torn-down generation
     a = m.on_stopped(0)
-    assert (a.op, a.generation, a.recovery, a.resume) == ("start", 1, "inplace", True)
+    assert a == Start(1, RestoreMode.IN_PLACE, "inplace")
     m.on_started(1)
     assert m.on_rank_exit(0, 1, 0) is None
-    assert m.on_rank_exit(1, 1, 0).op == "finish"
+    assert isinstance(m.on_rank_exit(1, 1, 0), Finish)
     assert m.state is RecoveryState.DONE
-    assert [t[1] for t in m.transitions][-1] == "done"
+    assert [t[1] for t in m.transitions] == ["running", "stopping", "restarting", "running", "done"]
+
+
+def test_a_job_without_retained_state_restarts_from_checkpoints():
+    m = RecoveryMachine(world_size=1, max_restarts=3, retains_state=False)
+    m.begin()
+    m.on_started(0)
+    m.on_rank_hung(0, 0, 2.0)
+    assert m.on_stopped(0).restore is RestoreMode.CHECKPOINT
 
 
 def test_fatal_exit_falls_back_to_checkpoint_restart_once():
     m = _running()
-    assert m.on_rank_exit(0, 0, -9).op == "stop"
+    assert isinstance(m.on_rank_exit(0, 0, -9), Stop)
     m.on_started(m.on_stopped(0).generation)
-    assert m.on_rank_exit(1, 1, FATAL_EXIT).op == "stop"
+    assert isinstance(m.on_rank_exit(1, 1, FATAL_EXIT), Stop)
     a = m.on_stopped(1)
-    assert a.recovery == "ckpt_restart"
+    assert a.restore is RestoreMode.CHECKPOINT
     m.on_started(2)
     m.on_rank_hung(0, 2, 3.0)
-    assert m.on_stopped(2).recovery == "inplace"  # the fallback was for one recovery only
+    assert m.on_stopped(2).restore is RestoreMode.IN_PLACE  # the fallback was for one recovery
 
 
 def test_a_fatal_exit_after_stalled_failures_still_gets_its_checkpoint_fallback():
     m = _running()
     for g in range(2):  # two stalled, uninjected failures (e.g. killed mid-takeover)
         m.note_progress(progressed=False, injected=False)
-        assert m.on_rank_exit(0, g, -9).op == "stop"
+        assert isinstance(m.on_rank_exit(0, g, -9), Stop)
         m.on_started(m.on_stopped(g).generation)
     m.note_progress(progressed=False, injected=False)
-    assert m.on_rank_exit(0, 2, FATAL_EXIT).op == "stop"  # not a crash loop: fall back
-    assert m.on_stopped(2).recovery == "ckpt_restart"
+    assert isinstance(m.on_rank_exit(0, 2, FATAL_EXIT), Stop)  # not a crash loop: fall back
+    assert m.on_stopped(2).restore is RestoreMode.CHECKPOINT
     m.on_started(3)
     m.note_progress(progressed=False, injected=False)
     a = m.on_rank_exit(1, 3, 1)  # the fallback made no progress either: now it is a loop
-    assert a.op == "fail" and "crash loop" in a.reason
+    assert isinstance(a, Fail) and "crash loop" in a.reason
 
 
 def test_crash_loop_and_max_restarts_fail_with_a_reason():
@@ -57,11 +82,34 @@ def test_crash_loop_and_max_restarts_fail_with_a_reason():
     for g in range(3):
         m.note_progress(progressed=False, injected=False)
         a = m.on_rank_exit(0, g, 1)
-        if a.op == "fail":
+        if isinstance(a, Fail):
             break
         m.on_started(m.on_stopped(g).generation)
     assert m.state is RecoveryState.FAILED and "crash loop" in a.reason
     m = RecoveryMachine(world_size=1, max_restarts=0)
     m.begin()
     m.on_started(0)
-    assert m.on_rank_exit(0, 0, -9).op == "fail"
+    assert isinstance(m.on_rank_exit(0, 0, -9), Fail)
+
+
+def test_a_node_loss_fails_the_job_once_and_nothing_moves_after_it():
+    m = _running()
+    assert isinstance(m.on_node_lost("beats stopped"), Fail)
+    assert m.on_node_lost("again") is None
+    assert m.on_rank_exit(0, 0, 1) is None and m.on_stopped(0) is None
+    assert m.state is RecoveryState.FAILED
+
+
+def test_the_transition_table_is_enforced():
+    """Every pair of states: the machine's `_go` accepts exactly the listed transitions, and
+    the terminal states have none."""
+    assert ALLOWED[RecoveryState.DONE] == ALLOWED[RecoveryState.FAILED] == frozenset()
+    for old, new in itertools.product(RecoveryState, RecoveryState):
+        m = RecoveryMachine(world_size=1, max_restarts=1, state=old)
+        if new in ALLOWED[old]:
+            m._go(new, "test")
+            assert m.state is new and m.transitions == [(old.value, new.value, "test")]
+        else:
+            with pytest.raises(IllegalTransition, match=f"{old.value} -> {new.value}"):
+                m._go(new, "test")
+            assert m.state is old and m.transitions == []

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     cfg = dataclasses.replace(cfg, parallel=parallel)
     t0 = time.time()
-    summary = run_job(cfg, args.out, reference=True)
+    summary = run_job(cfg, args.out, reference=True, debug=args.debug)
     if args.json:
         print(json.dumps(summary, indent=1))
     else:

@@ -26,7 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="unbroken",
         description="Fault-tolerant runtime for hybrid-parallel LLM training.",
     )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show tracebacks: of user errors, and of a training rank that fails (always in "
+        "its log)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         try:

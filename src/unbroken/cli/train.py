@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         reference=reference,
         search_path=[str(Path(args.config).resolve().parent)],
         quiet=args.quiet,
+        debug=args.debug,
     )
     print(json.dumps(summary, indent=1) if args.json else format_table(summary))
     ok = (

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from unbroken.jobstore import JobStore
 from unbroken.launch.ranks import run_ranks
 
 __all__ = ["BenchJob", "BenchSetup", "run_jobs"]
@@ -188,7 +189,7 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
         injector = Injector(
             [parse_fault(f) for f in job.faults],
             rank,
-            dist.PrefixStore(f"job{job.index}", store),
+            JobStore(dist.PrefixStore(f"job{job.index}", store)),
             events.emit,
             time.time(),
         )

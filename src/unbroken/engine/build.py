@@ -28,7 +28,14 @@ from unbroken.train import AdamW, BatchSource, TrainState
 from unbroken.train.build import state_geometry
 from unbroken.update import ChunkStep, PlainUpdater, StateGeometry
 
-__all__ = ["EngineRank", "build_worker", "full_initial_params", "make_source", "plan_from_config"]
+__all__ = [
+    "EngineRank",
+    "build_worker",
+    "full_initial_params",
+    "job_plan",
+    "make_source",
+    "plan_from_config",
+]
 
 
 @dataclass(slots=True)
@@ -60,6 +67,13 @@ def plan_from_config(cfg: JobConfig) -> ParallelPlan:
         schedule=_SCHEDULE_NAMES.get(p.schedule, p.schedule),
         virtual_stages=p.virtual_stages,
     )
+
+
+def job_plan(cfg: JobConfig) -> ParallelPlan | None:
+    """The plan the job runs: `plan_from_config` when `parallel.tp`/`pp` > 1, else None (the
+    data-parallel trainer). The one reading of `parallel.planned` for building and watching a
+    job (trainers, the coordinator's fail-slow watch)."""
+    return plan_from_config(cfg) if cfg.parallel.planned else None
 
 
 def make_source(cfg: JobConfig, replicas: int) -> Sampler:

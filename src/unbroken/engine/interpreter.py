@@ -76,7 +76,8 @@ from unbroken.engine.stage import MicroBatchInputs, StageModel
 from unbroken.engine.transfer import run_batch
 from unbroken.engine.wgrad import WeightGradSink
 from unbroken.parallel import Action, ActionKind, ParallelPlan
-from unbroken.train import BatchSource, IterationResult, Phase, PhaseHook, TrainState, lr_at
+from unbroken.train import BatchSource, IterationResult, Phase, PhaseHook, TrainState
+from unbroken.train.tail import Updater, finish_iteration
 
 __all__ = ["PlanWorker"]
 
@@ -125,7 +126,7 @@ class PlanWorker:
         source: BatchSource,
         cfg: TrainConfig,
         groups: PlanGroups,
-        updater: Any,
+        updater: Updater,
         device: torch.device,
         hooks: Sequence[PhaseHook] = (),
         autocast_dtype: torch.dtype | None = None,
@@ -421,15 +422,9 @@ class PlanWorker:
         self._reduce_grads(iteration)
         self._record("REDUCE_GRAD", t)
         t = time.perf_counter()
-        self._hook(Phase.PROTECT, iteration)
-        self.updater.protect(iteration)
-        loss, norm, scale = self._sync(iteration)
-        lr = lr_at(self.cfg, iteration)
-        self.updater.record_sync(iteration, loss=loss, grad_norm=norm, grad_scale=scale, lr=lr)
-        with torch.no_grad():
-            self.updater.update(iteration, lr=lr, grad_scale=scale, hook=self._hook)
-        self._hook(Phase.BOUNDARY, iteration)
-        self.updater.boundary(iteration)
+        stats = finish_iteration(
+            self.updater, self._hook, self.cfg, iteration, lambda: self._sync(iteration)
+        )
         step_s = time.perf_counter() - t - self._blocked["sync"]
         self._record("OPT_STEP", t)
         self._record("ITERATION", t_iter)
@@ -440,9 +435,9 @@ class PlanWorker:
         ids = tuple(sorted(self._mb_inputs))
         return IterationResult(
             iteration=iteration,
-            loss=loss,
-            grad_norm=norm,
-            lr=lr,
+            loss=stats.loss,
+            grad_norm=stats.grad_norm,
+            lr=stats.lr,
             tokens=self._tokens,
             doc_lengths=tuple(
                 tuple(int(x) for x in getattr(self._microbatch(iteration, mb), "doc_lengths", ()))

@@ -51,10 +51,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch.distributed as dist
 
 from unbroken.detect.levels import comm_factor_for, slow_factor_for
 from unbroken.inject.faults import FaultKind, FaultSpec, InjectedFault, SlowTarget
+from unbroken.jobstore import JobStore
 from unbroken.train.phases import Phase
 
 __all__ = ["HISTORY", "Injector"]
@@ -69,7 +69,8 @@ class Injector:
     Args:
         faults: the job's fault schedule (faults of other ranks are ignored).
         rank: this trainer's rank.
-        store: the job store (not a generation prefix), shared by all generations.
+        store: the job store (not a generation prefix), shared by all generations: a fault
+            fires once per job (`JobStore.mark_fault_fired`).
         emit: appends an event to the job's event log.
         job_t0: wall time the job's first iteration started (for `at=` triggers).
         sleep: how a `slow` fault stalls (tests pass a recorder; the stall must be real).
@@ -83,7 +84,7 @@ class Injector:
         self,
         faults: list[FaultSpec],
         rank: int,
-        store: dist.Store,
+        store: JobStore,
         emit: Callable[..., None],
         job_t0: float,
         sleep: Callable[[float], None] = time.sleep,
@@ -135,7 +136,7 @@ class Injector:
         return self.device is not None and self.device.type == "cuda"
 
     def _fired(self, fault: FaultSpec) -> bool:
-        return self.store.check([f"inject/{fault.key}"])
+        return self.store.fault_fired(fault.key)
 
     def _matches(self, fault: FaultSpec, phase: Phase, it: int, step: int, n: int) -> bool:
         if fault.at_s is not None:
@@ -301,7 +302,7 @@ class Injector:
         )
 
     def _fire(self, fault: FaultSpec, phase: Phase, iteration: int, step: int) -> None:
-        self.store.set(f"inject/{fault.key}", str(time.time()))
+        self.store.mark_fault_fired(fault.key, time.time())
         if fault.kind is FaultKind.MEMSPIKE:
             self._memspike(fault, phase, iteration)  # not a failure unless memory runs out
             return

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import os
 import selectors
 import signal
@@ -24,9 +23,30 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from unbroken.launch.protocol import COORDINATOR_OPS, Channel, ProtocolError
+from unbroken.launch.protocol import FROM_COORDINATOR, Channel, ProtocolError
+from unbroken.messages import (
+    Hello,
+    MemoryReport,
+    MessageError,
+    NodeBeat,
+    Promote,
+    RankBeat,
+    RankExited,
+    RankHung,
+    RankStatus,
+    ReclaimAnswer,
+    ReclaimRequest,
+    ShadowLaunch,
+    Shutdown,
+    Started,
+    StartGeneration,
+    StopGeneration,
+    Stopped,
+    decode_json,
+    encode_json,
+)
 
 __all__ = ["main"]
 
@@ -56,10 +76,25 @@ class TrainerProc:
     spawned: float
     last_beat: float | None = None
     reported: bool = False
-    info: dict = field(default_factory=dict)
+    beat: RankBeat | None = None
+    """Its last heartbeat."""
     log: str | None = None
     cpu_mark: int | None = None
     """CPU ticks when heartbeats were first found late (None while beats are on time)."""
+
+    @property
+    def completed(self) -> int:
+        return self.beat.completed if self.beat is not None else -1
+
+    def traceback(self) -> str:
+        """The last traceback the trainer wrote to its log ("" if none)."""
+        if not self.log or not os.path.exists(self.log):
+            return ""
+        with open(self.log, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(self.log) - 65536))
+            text = fh.read().decode(errors="replace")
+        at = text.rfind("Traceback (most recent call last):")
+        return text[at:] if at >= 0 else ""
 
     def last_words(self) -> str:
         """The last line the trainer wrote to its log (why it died, if it said)."""
@@ -72,11 +107,21 @@ class TrainerProc:
 
 
 class Agent:
-    def __init__(self, channel: Channel, node: int, hb: socket.socket, hb_addr: str) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        node: int,
+        hb: socket.socket,
+        hb_addr: str,
+        rc: socket.socket,
+        rc_addr: str,
+    ) -> None:
         self.channel = channel
         self.node = node
         self.hb = hb
         self.hb_addr = hb_addr
+        self.rc = rc
+        self.rc_addr = rc_addr
         self.trainers: dict[int, TrainerProc] = {}
         self.shadows: dict[int, TrainerProc] = {}
         """Pre-initialized trainers for the next generation (see unbroken.shadow)."""
@@ -103,7 +148,7 @@ class Agent:
         self._last_node_beat = 0.0
         self.running = True
         self.sel = selectors.DefaultSelector()
-        self._last_start: dict = {}
+        self._last_start: StartGeneration | None = None
 
     # -- commands -------------------------------------------------------------------------
     def ensure_state_managers(self, sockets: dict[str, str]) -> None:
@@ -124,11 +169,13 @@ class Agent:
                         preexec_fn=self._preexec(0) if self.memory else None,
                     )
 
-    def _spawn(self, msg: dict, rank: int, generation: int, spec: str, shadow_level: int):
+    def _spawn(
+        self, msg: StartGeneration, rank: int, generation: int, spec: str, shadow_level: int
+    ):
         cmd = [sys.executable, "-m", "unbroken.launch.trainer", "--spec", spec]
-        cmd += ["--rank", str(rank), "--heartbeat", self.hb_addr]
-        if rank in msg.get("ranks", ()):  # one GPU per local rank on a multi-GPU node
-            cmd += ["--local-rank", str(sorted(msg["ranks"]).index(rank))]
+        cmd += ["--rank", str(rank), "--heartbeat", self.hb_addr, "--reclaim", self.rc_addr]
+        if rank in msg.ranks:  # one GPU per local rank on a multi-GPU node
+            cmd += ["--local-rank", str(sorted(msg.ranks).index(rank))]
         if shadow_level:
             cmd += ["--shadow", str(shadow_level), "--attempt", str(self._shadow_attempt)]
         stdin = subprocess.PIPE if shadow_level else subprocess.DEVNULL
@@ -138,10 +185,10 @@ class Agent:
         preexec = self._preexec(nice)
 
         log_path = None
-        if msg.get("log_dir"):
-            os.makedirs(msg["log_dir"], exist_ok=True)
+        if msg.log_dir:
+            os.makedirs(msg.log_dir, exist_ok=True)
             kind = "shadow" if shadow_level else "gen"
-            log_path = os.path.join(msg["log_dir"], f"{kind}{generation}-rank{rank}.log")
+            log_path = os.path.join(msg.log_dir, f"{kind}{generation}-rank{rank}.log")
         if shadow_level and self._forkserver_ready():
             procs = self.memory.budget.procs_file if self.memory else None
             proc = self.forkserver.spawn(cmd[3:], log_path, nice, cgroup_procs=procs)
@@ -186,7 +233,8 @@ class Agent:
         self._pending_shadows = None
         self._shadow_attempt += 1
         for r in ranks:
-            self.shadows[r] = self._spawn(msg, r, generation, msg["next_spec"], level)
+            assert msg.shadows is not None
+            self.shadows[r] = self._spawn(msg, r, generation, msg.shadows.next_spec, level)
 
     def _shadows_alive(self, generation: int, ranks: list[int]) -> bool:
         """Every rank has a live shadow for `generation`. It need not have reached its level
@@ -201,7 +249,8 @@ class Agent:
 
     def _shadows_ready(self, ranks: list[int]) -> int:
         return sum(
-            str(self.shadows[r].info.get("phase", "")).startswith("shadow-ready") for r in ranks
+            (b := self.shadows[r].beat) is not None and b.status is RankStatus.SHADOW_READY
+            for r in ranks
         )
 
     def kill_shadows(self) -> None:
@@ -213,14 +262,14 @@ class Agent:
             t.proc.wait()
         self.shadows.clear()
 
-    def start(self, msg: dict) -> None:
+    def start(self, msg: StartGeneration) -> None:
         """Start a generation: promote its shadows when every rank has a ready one (no process
         start, no rendezvous), else spawn trainers; then pre-initialize the next shadows."""
-        self.heartbeat_timeout_s = float(msg["heartbeat_timeout_s"])
-        self.node_beat_s = float(msg.get("node_heartbeat_s", self.node_beat_s))
-        if msg.get("state_managers"):
-            self.ensure_state_managers(msg["state_managers"])
-        gen, ranks = msg["generation"], msg["ranks"]
+        self.heartbeat_timeout_s = msg.heartbeat_timeout_s
+        self.node_beat_s = msg.node_heartbeat_s
+        if msg.state_managers:
+            self.ensure_state_managers(msg.state_managers)
+        gen, ranks = msg.generation, msg.ranks
         self._setup_memory(msg)
         self._last_start = msg
         promoted = self._shadows_alive(gen, ranks)
@@ -231,16 +280,16 @@ class Agent:
                 with contextlib.suppress(OSError):  # full priority now (needs privilege)
                     os.setpriority(os.PRIO_PROCESS, t.proc.pid, 0)
                 assert t.proc.stdin is not None
-                t.proc.stdin.write((json.dumps({"spec": msg["spec"]}) + "\n").encode())
+                t.proc.stdin.write(encode_json(Promote(spec=msg.spec)) + b"\n")
                 t.proc.stdin.flush()
                 t.last_beat = time.time()
                 self.trainers[r] = t
         else:
             self.kill_shadows()
             for r in ranks:
-                self.trainers[r] = self._spawn(msg, r, gen, msg["spec"], 0)
+                self.trainers[r] = self._spawn(msg, r, gen, msg.spec, 0)
         self._relaunch_after = None  # this start brings its own shadows
-        level = int(msg.get("shadow_level") or 0)
+        level = msg.shadows.level if msg.shadows is not None else 0
         if level and self._device_policy is not None:
             self._device_policy.at_recovery(None, len(ranks))  # a recovery resets the cap
         if level and self.memory is not None:
@@ -255,9 +304,9 @@ class Agent:
                     reason="at recovery: the level the observed peak memory leaves room for",
                 )
             level = chosen
-        levels = {}
-        if level and msg.get("next_spec"):
-            if self.forkserver is None and msg.get("shadow_start", "fork") == "fork":
+        launched = None
+        if level and msg.shadows is not None:
+            if self.forkserver is None and msg.shadows.start == "fork":
                 from unbroken.launch.trainer import TRAINER_IMPORTS
                 from unbroken.shadow.forkserver import ShadowForkServer
 
@@ -266,31 +315,36 @@ class Agent:
             self._spawn_pending_shadows()
             fs = self.forkserver
             start = "fork" if fs is not None and fs.failed is None else "exec"
-            levels = {"level": level, "generation": gen + 1, "start": start}
             self._shadow_level_now = level
-            if fs is not None and fs.failed:
-                levels["fork_failed"] = fs.failed
+            launched = ShadowLaunch(
+                level=level,
+                generation=gen + 1,
+                start=start,
+                fork_failed=fs.failed if fs is not None and fs.failed else None,
+            )
         self.channel.send(
-            "started",
-            generation=gen,
-            t=time.time(),
-            promoted=promoted,
-            shadows_ready=ready,
-            shadows=levels,
+            Started(
+                generation=gen,
+                t=time.time(),
+                promoted=promoted,
+                shadows_ready=ready,
+                shadows=launched,
+            )
         )
 
     # -- memory budget (unbroken.shadow.memory / controller) ----------------------------------
-    def _setup_memory(self, msg: dict) -> None:
-        budget_mb = int(msg.get("memory_budget_mb") or 0)
+    def _setup_memory(self, msg: StartGeneration) -> None:
+        budget_mb = msg.memory_budget_mb
         if not budget_mb or self.memory is not None:
             return
         from unbroken.shadow.controller import ReclaimController
         from unbroken.shadow.memory import MemoryBudget
         from unbroken.shadow.policy import LevelPolicy
 
-        reclaim = bool(msg.get("memory_reclaim", True))
+        reclaim = msg.memory_reclaim
         budget = MemoryBudget(f"unbroken-agent{os.getpid()}", budget_mb << 20, reclaim)
-        policy = LevelPolicy(configured=int(msg.get("shadow_level") or 0), budget=budget.limit)
+        configured = msg.shadows.level if msg.shadows is not None else 0
+        policy = LevelPolicy(configured=configured, budget=budget.limit)
         self.memory = ReclaimController(budget, policy)
         if budget.eventfd is not None:
             self.sel.register(budget.eventfd, selectors.EVENT_READ, "oom")
@@ -299,7 +353,7 @@ class Agent:
         )
 
     def _memory_event(self, event: str, **fields) -> None:
-        self.channel.send("memory", event=event, t=time.time(), **fields)
+        self.channel.send(MemoryReport(event=event, t=time.time(), fields=fields))
 
     def _on_oom(self) -> None:
         """An allocation is waiting on the budget: reclaim the shadows (Leto §6)."""
@@ -331,54 +385,55 @@ class Agent:
             self._pending_shadows = (self._last_start, generation, level, sorted(self.trainers))
             self._spawn_pending_shadows()
 
-    def _on_reclaim_request(self, req: dict) -> None:
+    def _on_reclaim_request(self, req: ReclaimRequest) -> None:
         """A trainer's allocation failed (its allocator's OOM): reclaim the shadows, wait until
         they are gone, answer; relaunch them at a level the policy allows (Leto §6)."""
         from unbroken.shadow.policy import LevelPolicy
 
         t0 = time.monotonic()
         live = [t for t in self.shadows.values() if t.proc.poll() is None]
-        answer: dict = {"reclaimed": len(live)}
+        answer = ReclaimAnswer(reclaimed=len(live))
         if live:
             level_from = self._shadow_level_now
             pending = self._pending_shadows
             self.kill_shadows()
             if self._device_policy is None:
+                shadows = self._last_start.shadows if self._last_start else None
                 self._device_policy = LevelPolicy(
-                    configured=int(self._last_start.get("shadow_level") or 0),
-                    budget=int(req.get("total") or 0) or (1 << 62),
+                    configured=shadows.level if shadows is not None else 0,
+                    budget=req.total or (1 << 62),
                 )
-            level = self._device_policy.after_reclaim(
-                active=int(req.get("used") or 0), shadows=len(live)
+            level = self._device_policy.after_reclaim(active=req.used or 0, shadows=len(live))
+            answer = ReclaimAnswer(
+                reclaimed=len(live), level_to=level, wait_s=time.monotonic() - t0
             )
-            answer.update(level_to=level, wait_s=time.monotonic() - t0)
             self._memory_event(
                 "shadows_reclaimed",
-                cause=f"allocation failure in rank {req['rank']}: {req.get('reason', '')}",
-                t_oom=req.get("t"),
+                cause=f"allocation failure in rank {req.rank}: {req.reason}",
+                t_oom=req.t,
                 shadows=len(live),
                 level_from=level_from,
                 level_to=level,
-                wait_s=answer["wait_s"],
-                device_used_mb=(req.get("used") or 0) / (1 << 20),
+                wait_s=answer.wait_s,
+                device_used_mb=(req.used or 0) / (1 << 20),
             )
-            if pending is None and req.get("iteration") is None:
+            if pending is None and req.iteration is None:
                 self._relaunch_shadows(level, live[0].generation)
             elif pending is None:
-                self._relaunch_after = (req["rank"], req["iteration"], level, live[0].generation)
+                self._relaunch_after = (req.rank, req.iteration, level, live[0].generation)
         else:
             self._memory_event(
                 "oom",
-                reason=f"allocation failure in rank {req['rank']} with no shadow to reclaim",
+                reason=f"allocation failure in rank {req.rank} with no shadow to reclaim",
             )
         with contextlib.suppress(OSError):  # a trainer that died meanwhile needs no answer
-            self.hb.sendto(json.dumps(answer).encode(), req["reply"].replace("@", "\0", 1))
+            self.rc.sendto(encode_json(answer), req.reply.replace("@", "\0", 1))
 
     def _sample_memory(self) -> None:
         if self.memory is None or not self.running:
             return
         shadows = {
-            t.proc.pid: (t.proc.poll() is None, t.info.get("footprint"))
+            t.proc.pid: (t.proc.poll() is None, t.beat.footprint if t.beat else None)
             for t in self.shadows.values()
         }
         self.memory.sample(shadows)
@@ -407,11 +462,11 @@ class Agent:
         if self.memory is not None:
             self.memory.budget.close()
 
-    def stop(self, msg: dict) -> None:
+    def stop(self, msg: StopGeneration) -> None:
         t0 = time.time()
         self.kill_all()
         self.channel.send(
-            "stopped", generation=msg["generation"], t=time.time(), took_s=time.time() - t0
+            Stopped(generation=msg.generation, t=time.time(), took_s=time.time() - t0)
         )
 
     # -- supervision ----------------------------------------------------------------------
@@ -422,26 +477,37 @@ class Agent:
             except BlockingIOError:
                 return
             try:
-                beat = json.loads(data)
-                if beat.get("op") == "reclaim":
-                    self._on_reclaim_request(beat)
-                    continue
-                t = self.trainers.get(int(beat["rank"]))
-            except (ValueError, KeyError, TypeError, AttributeError):
+                beat = decode_json(data, (RankBeat,))
+            except MessageError:
                 continue  # a garbled datagram is ignored, never fatal
-            if t is None or beat.get("generation") != t.generation:
-                t = self.shadows.get(int(beat["rank"]))
-            if t is not None and beat.get("generation") == t.generation:
+            assert isinstance(beat, RankBeat)
+            t = self.trainers.get(beat.rank)
+            if t is None or beat.generation != t.generation:
+                t = self.shadows.get(beat.rank)
+            if t is not None and beat.generation == t.generation:
                 t.last_beat = time.time()
-                t.info = beat
+                t.beat = beat
                 t.cpu_mark = None
             self._maybe_relaunch(beat)
 
-    def _maybe_relaunch(self, beat: dict) -> None:
+    def drain_reclaim_requests(self) -> None:
+        while True:
+            try:
+                data = self.rc.recv(4096)
+            except BlockingIOError:
+                return
+            try:
+                req = decode_json(data, (ReclaimRequest,))
+            except MessageError:
+                continue  # a garbled datagram is ignored, never fatal
+            assert isinstance(req, ReclaimRequest)
+            self._on_reclaim_request(req)
+
+    def _maybe_relaunch(self, beat: RankBeat) -> None:
         after = self._relaunch_after
-        if after is None or beat.get("rank") != after[0]:
+        if after is None or beat.rank != after[0]:
             return
-        if int(beat.get("iter", -1)) > after[1]:
+        if beat.iteration > after[1]:
             self._relaunch_after = None
             self._relaunch_shadows(after[2], after[3])
 
@@ -458,28 +524,36 @@ class Agent:
                     # one the coordinator may shut down and read nothing more.
                     self._memory_event("memory_report", **self.memory.report())
                 self.channel.send(
-                    "rank_exit",
-                    rank=t.rank,
-                    generation=t.generation,
-                    returncode=code,
-                    t=now,
-                    said=t.last_words() if code > 0 else "",
+                    RankExited(
+                        rank=t.rank,
+                        generation=t.generation,
+                        returncode=code,
+                        t=now,
+                        said=t.last_words() if code > 0 else "",
+                        completed=t.completed,
+                        iteration=t.beat.iteration if t.beat else -1,
+                        phase=t.beat.phase if t.beat else "",
+                        traceback=t.traceback() if code > 0 and self._debug() else "",
+                    )
                 )
                 continue
             last = t.last_beat if t.last_beat is not None else t.spawned
-            if t.last_beat is None or t.info.get("phase") == "exiting":
+            if t.last_beat is None or (t.beat is not None and t.beat.status is RankStatus.EXITING):
                 limit = STARTUP_TIMEOUT_S
             else:
                 limit = self.heartbeat_timeout_s
             if now - last > limit and not self._still_working(t):
                 t.reported = True
                 self.channel.send(
-                    "rank_hung",
-                    rank=t.rank,
-                    generation=t.generation,
-                    silent_s=now - last,
-                    last=t.info,
-                    t=now,
+                    RankHung(
+                        rank=t.rank,
+                        generation=t.generation,
+                        silent_s=now - last,
+                        t=now,
+                        phase=t.beat.phase if t.beat else "",
+                        iteration=t.beat.iteration if t.beat else -1,
+                        completed=t.completed,
+                    )
                 )
 
     @staticmethod
@@ -506,13 +580,15 @@ class Agent:
             return True
         return False
 
-    def handle(self, msg: dict) -> None:
-        op = msg["op"]
-        if op == "start":
+    def _debug(self) -> bool:
+        return self._last_start is not None and self._last_start.debug
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, StartGeneration):
             self.start(msg)
-        elif op == "stop":
+        elif isinstance(msg, StopGeneration):
             self.stop(msg)
-        elif op == "shutdown":
+        elif isinstance(msg, Shutdown):
             self.shutdown_all()
             self.running = False
 
@@ -520,12 +596,15 @@ class Agent:
         sel = self.sel
         sel.register(self.channel.sock, selectors.EVENT_READ, "ctl")
         sel.register(self.hb, selectors.EVENT_READ, "hb")
+        sel.register(self.rc, selectors.EVENT_READ, "rc")
         for msg in self.channel.take_pending():
             self.handle(msg)
         while self.running:
             for key, _ in sel.select(timeout=TICK_S):
                 if key.data == "hb":
                     self.drain_heartbeats()
+                elif key.data == "rc":
+                    self.drain_reclaim_requests()
                 elif key.data == "oom":
                     self._on_oom()
                 else:
@@ -544,7 +623,16 @@ class Agent:
                 # The node's liveness for the coordinator: a decision-free beat, one per interval
                 # (raw trainer heartbeats never leave the node).
                 self._last_node_beat = now
-                self.channel.send("beat", t=now, trainers=len(self.trainers))
+                self.channel.send(NodeBeat(t=now, trainers=len(self.trainers)))
+
+
+def _datagram_socket(kind: str) -> tuple[socket.socket, str]:
+    """A non-blocking Unix datagram socket at a fresh abstract address ("@..." form)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    addr = f"\0unbroken-{kind}-{os.getpid()}-{os.urandom(4).hex()}"
+    sock.bind(addr)
+    sock.setblocking(False)
+    return sock, addr.replace("\0", "@")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -559,13 +647,11 @@ def main(argv: list[str] | None = None) -> int:
     host, _, port = args.coordinator.rpartition(":")
     sock = socket.create_connection((host, int(port)))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    channel = Channel(sock, bytes.fromhex(secret), COORDINATOR_OPS)
-    hb = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    hb_addr = f"\0unbroken-hb-{os.getpid()}-{os.urandom(4).hex()}"
-    hb.bind(hb_addr)
-    hb.setblocking(False)
-    channel.send("hello", node=args.node, pid=os.getpid())
-    agent = Agent(channel, args.node, hb, hb_addr.replace("\0", "@"))
+    channel = Channel(sock, bytes.fromhex(secret), FROM_COORDINATOR)
+    hb, hb_addr = _datagram_socket("hb")
+    rc, rc_addr = _datagram_socket("reclaim")
+    channel.send(Hello(node=args.node, pid=os.getpid(), host=socket.gethostname()))
+    agent = Agent(channel, args.node, hb, hb_addr, rc, rc_addr)
     try:
         agent.serve()
     except ProtocolError as exc:

@@ -11,35 +11,37 @@ Order after a failure (a replacement trainer, generation > 0):
      rank passed the global synchronization of iteration t, every rank finishes t's update from
      its last committed chunk with the recorded statistics; otherwise iteration t is redone;
   5. continue at the agreed iteration.
-A rank that cannot repair (beyond parity tolerance, lost undo buffer …) makes every rank exit
-with `FATAL_EXIT`, and the coordinator falls back to checkpoint-restart.
+Steps 1-3 are here (`allocate`, `repair_locally`); steps 4-5 are the one recovery decision
+(`unbroken.recovery.decide_restore`), executed by `unbroken.launch.restore`. A rank that cannot
+repair (beyond parity tolerance, lost undo buffer …) makes every rank exit with
+`RankExit.FALLBACK`, and the coordinator falls back to checkpoint-restart.
 """
 
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from unbroken.config import JobConfig
+from unbroken.erasure import UnrecoverableError
 from unbroken.model.flat import FlatLayout
+from unbroken.recovery import RetainedSummary
 from unbroken.state.client import RetainedClient, RetainedRegion
 from unbroken.state.pageloss import punch_pages
 from unbroken.train.state import TrainState
 from unbroken.update.geometry import StateGeometry
 from unbroken.update.layout import RetainedLayout
-from unbroken.update.marker import Stage
-from unbroken.update.rmu import RepairReport, ResumableUpdater, state_from_regions
+from unbroken.update.rmu import (
+    NothingRetained,
+    RepairReport,
+    ResumableUpdater,
+    state_from_regions,
+)
 
-__all__ = ["InconsistentState", "RetainedState", "agree_and_resume"]
-
-
-class InconsistentState(Exception):
-    """Ranks' retained progress cannot be brought to one iteration boundary."""
+__all__ = ["RetainedState"]
 
 
 @dataclass(slots=True)
@@ -53,6 +55,8 @@ class RetainedState:
     localize_ms: float = 0.0
     remap_ms: float = 0.0
     lost: dict[str, list[int]] | None = None
+    nothing: str = ""
+    """Why this rank retained nothing ("" when it retained something; see `repair_locally`)."""
 
     def allocate(
         self, layout: FlatLayout, geometry: StateGeometry, device: torch.device
@@ -115,6 +119,31 @@ class RetainedState:
 
         return punch
 
+    def repair_locally(
+        self, updater: ResumableUpdater, rank: int, events
+    ) -> tuple[RetainedSummary, RepairReport | None]:
+        """Step 3: repair this rank's retained state (no collective), or find it holds nothing;
+        returns its summary for the decision and the repair's report (None: not repaired)."""
+        if self.fresh:
+            self.nothing = "this rank's retained state is gone (its regions are new)"
+        elif self.regions is not None and self.regions["marker"].fresh:
+            self.nothing = "this rank's marker region is new"  # died allocating the regions
+        if self.nothing:
+            return RetainedSummary(held=False, repaired=False, progress=False), None
+        try:
+            report = updater.repair(self.lost or {})
+        except NothingRetained as exc:
+            self.nothing = f"this rank retained nothing: {exc}"
+            return RetainedSummary(held=False, repaired=False, progress=False), None
+        except UnrecoverableError as exc:
+            events.emit("inplace_unrecoverable", rank=rank, reason=str(exc))
+            return RetainedSummary(held=True, repaired=False, progress=True), None
+        marker = updater.marker.state
+        summary = RetainedSummary(
+            held=True, repaired=True, progress=marker.done_iter >= 0, marker=marker
+        )
+        return summary, report
+
     def tensors(self) -> dict[str, torch.Tensor]:
         assert self.regions is not None
         return {name: r.tensor for name, r in self.regions.items()}
@@ -128,78 +157,3 @@ def _placement(spec, device: torch.device, page_bytes: int) -> dict[str, Any]:
         return {"page_bytes": spec.page_bytes, "protected": spec.protected}
     page = spec.page_bytes if spec.protected else page_bytes
     return {"page_bytes": page, "protected": spec.protected, "device": device.index or 0}
-
-
-def _marker_row(upd: ResumableUpdater, ok: bool) -> list[float]:
-    st = upd.marker.state if ok else None
-    if st is None:
-        return [0.0] * 8
-    return [
-        1.0,
-        float(st.stage),
-        float(st.iteration),
-        float(st.done_iter),
-        st.loss,
-        st.grad_norm,
-        st.grad_scale,
-        st.lr,
-    ]
-
-
-def agree_and_resume(
-    upd: ResumableUpdater,
-    report: RepairReport | None,
-    group: dist.ProcessGroup | None,
-    hook,
-) -> tuple[int, dict[str, Any]]:
-    """Steps 4-5 of the module docstring. Returns (next iteration, decision record).
-
-    Raises:
-        InconsistentState: some rank could not repair, or ranks disagree beyond repair.
-    """
-    t0 = time.perf_counter()
-    row = torch.tensor(_marker_row(upd, report is not None), dtype=torch.float64)
-    world = dist.get_world_size(group) if group is not None else 1
-    if group is not None:
-        from unbroken.launch.restore import collective_device
-
-        row = row.to(collective_device(group))
-        rows = [torch.zeros_like(row) for _ in range(world)]
-        dist.all_gather(rows, row, group=group)
-    else:
-        rows = [row]
-    table = torch.stack(rows).cpu()
-    if bool((table[:, 0] == 0).any()):
-        bad = [i for i in range(world) if table[i, 0] == 0]
-        raise InconsistentState(f"rank(s) {bad} could not repair their retained state")
-    stages = table[:, 1].long().tolist()
-    iters = table[:, 2].long().tolist()
-    done = table[:, 3].long().tolist()
-    synced = [i for i in range(world) if stages[i] == Stage.SYNCED]
-    st = upd.marker.state
-    decision: dict[str, Any] = {"stages": stages, "done": done}
-    if synced:
-        t = iters[synced[0]]
-        if any(iters[i] != t for i in synced):
-            raise InconsistentState(f"ranks synced different iterations: {iters}")
-        src = table[synced[0]]
-        loss, norm, scale, lr = (float(x) for x in src[4:8])
-        if st.stage is Stage.SYNCED and st.iteration == t:
-            decision["action"] = f"finish update of {t} from chunk g{st.group}/c{st.chunk}"
-        elif st.stage is Stage.GRADS_PROTECTED and st.iteration == t:
-            upd.record_sync(t, loss=loss, grad_norm=norm, grad_scale=scale, lr=lr)
-            decision["action"] = f"finish update of {t} from the start (statistics of a peer)"
-        elif st.stage is Stage.IDLE and st.done_iter == t:
-            decision["action"] = f"update of {t} already complete"
-        else:
-            raise InconsistentState(f"rank marker {st} cannot join the update of {t}")
-        if upd.marker.state.stage is Stage.SYNCED:
-            upd.update(t, lr=upd.marker.state.lr, grad_scale=upd.marker.state.grad_scale, hook=hook)
-        nxt = t + 1
-    else:
-        if len(set(done)) != 1:
-            raise InconsistentState(f"ranks completed different iterations: {done}")
-        nxt = done[0] + 1
-        decision["action"] = f"redo iteration {nxt}" if max(stages) else "resume at boundary"
-    decision["agree_ms"] = (time.perf_counter() - t0) * 1e3
-    return nxt, decision

@@ -1,7 +1,10 @@
 """Recovery breakdown and ETTR from a run's event and metric logs (Leto §8.1 definitions).
 
-For a failure at t_fault interrupting iteration k: t_j is when training resumes (start of the
-first iteration attempt after the failure), t_k when iteration k completes again, t_remain the
+One row per failure the recovery state machine handled (each `failure_detected` event), with
+the injected fault behind it when there was one. For a failure at t_fault interrupting
+iteration k (an injected fault's own time; for a real failure its last sign of life: the
+agent's exit observation, or the last heartbeat of a hang): t_j is when training resumes (start
+of the first iteration attempt after the failure), t_k when iteration k completes again, t_remain the
 fault-free remaining time of iteration k at the failure (median healthy iteration time minus the
 time iteration k had already run). Then detection = t_detected − t_fault, initialization
 I = t_j − t_fault, recomputation R = t_k − t_j − t_remain, recovery = I + R.
@@ -37,8 +40,16 @@ class RecoveryBreakdown:
     """Failure to every rank having a ready shadow again (the next generation's shadows all at
     their level); None without shadows or when the run ended first."""
     fault: str = ""
-    """The injected fault's kind (kill, hang, exception, pageloss, ckptcorrupt); `kind` is its
-    class (hof: the process failed, the hardware did not)."""
+    """The injected fault's kind (kill, hang, exception, pageloss, ckptcorrupt), "" for a
+    failure nobody injected; `kind` is its class (hof: the process failed, the hardware did
+    not)."""
+    injected: bool = True
+    """False for a real failure: its time is its last sign of life (the agent sees an exit
+    within a tick; a hang was silent for its timeout), so `detect_s` is that silence."""
+    cause: str = ""
+    """How it was detected: exit, hang (`unbroken.detect.FailStopCause`)."""
+    detected_t: float = 0.0
+    """When it was detected (its `failure_detected` event's `t_detected`)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,12 +85,50 @@ def healthy_iter_s(metrics: list[dict[str, Any]]) -> float:
     return statistics.median(times) if times else 0.0
 
 
+_HOF_FAULTS = ("kill", "hang", "exception", "pageloss", "ckptcorrupt")
+
+
+def _failures(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """Each detected failure (`failure_detected`, one per recovery the state machine made) with
+    the injected fault that caused it, if one fired since the previous detection."""
+    detected = sorted((e for e in events if e["kind"] == "failure_detected"), key=lambda e: e["t"])
+    injected = sorted(
+        (e for e in events if e["kind"] == "failure_injected" and e.get("fault") != "slow"),
+        key=lambda e: e["t"],
+    )
+    out, prev = [], float("-inf")
+    for det in detected:
+        inj = [e for e in injected if prev < e["t"] <= det["t"]]
+        out.append((det, inj[-1] if inj else None))
+        prev = det["t"]
+    return out
+
+
+def _origin(
+    det: dict[str, Any], inj: dict[str, Any] | None, metrics: list[dict[str, Any]]
+) -> tuple[float, int, str, float]:
+    """(t_fault, interrupted iteration, phase, seconds it had run) of one failure. An injected
+    fault knows its own time; a real one is dated by its last sign of life (an exit is seen by
+    the agent within a tick; a hang was silent for `silent_s` before it was declared)."""
+    if inj is not None:
+        t_fault = inj["t"]
+        return t_fault, inj["iter"], inj["phase"], t_fault - inj.get("iter_t_start", t_fault)
+    t_fault = det.get("t_detected", det["t"]) - (det.get("silent_s") or 0.0)
+    before = [m for m in metrics if m["t_end"] <= t_fault]
+    k = det.get("iter", -1)
+    if k is None or k < 0:
+        k = before[-1]["iter"] + 1 if before else 0
+    ran = t_fault - before[-1]["t_end"] if before else 0.0
+    return t_fault, k, det.get("phase") or "", ran
+
+
 def analyze_run(
     metrics: list[dict[str, Any]],
     events: list[dict[str, Any]],
     healthy_s: float | None = None,
 ) -> list[RecoveryBreakdown]:
-    """Per-failure recovery breakdown of one run (its own metrics and events)."""
+    """Per-failure recovery breakdown of one run (its own metrics and events): one row per
+    failure the state machine recovered from, injected or not."""
     healthy = healthy_s if healthy_s is not None else healthy_iter_s(metrics)
     shadow_ready: dict[int, list[float]] = {}
     for e in events:
@@ -87,14 +136,8 @@ def analyze_run(
             shadow_ready.setdefault(e["generation"], []).append(e["t"])
     n_ranks = len({e["rank"] for e in events if e["kind"] == "shadow_ready"})
     out = []
-    injected = sorted((e for e in events if e["kind"] == "failure_injected"), key=lambda e: e["t"])
-    for ev in injected:
-        t_fault, k = ev["t"], ev["iter"]
-        if ev.get("fault") == "slow":
-            continue  # fail-slow is not a failure to recover from
-        detected = next(
-            (e for e in events if e["kind"] == "failure_detected" and e["t"] >= t_fault), None
-        )
+    for det, inj in _failures(events):
+        t_fault, k, phase, ran = _origin(det, inj, metrics)
         after = [m for m in metrics if m["t_start"] > t_fault]
         ready = next(
             (e for e in events if e["kind"] == "trainer_ready" and e["t"] >= t_fault), None
@@ -108,7 +151,6 @@ def analyze_run(
             if not after or redone is None:
                 continue  # not recovered (the summary counts it as unrecovered)
             t_j = after[0]["t_start"]
-            ran = t_fault - ev.get("iter_t_start", t_fault)
             t_remain = max(0.0, healthy - ran)
             recompute = max(0.0, redone["t_end"] - t_j - t_remain)
         init = t_j - t_fault
@@ -127,17 +169,18 @@ def analyze_run(
             nxt = shadow_ready.get(promoted["generation"] + 1, [])
             if n_ranks and len(nxt) >= n_ranks:
                 protected_again = max(nxt) - t_fault
+        fault = inj.get("fault", "") if inj is not None else ""
         out.append(
             RecoveryBreakdown(
-                kind="hof"
-                if ev.get("fault") in ("kill", "hang", "exception", "pageloss", "ckptcorrupt")
-                else ev["fault"],
-                fault=ev.get("fault", ""),
+                kind="hof" if inj is None or fault in _HOF_FAULTS else fault,
+                fault=fault,
+                injected=inj is not None,
+                cause=det.get("cause", ""),
                 mode=ready.get("recovery", "unknown") if ready else "unknown",
-                rank=ev["rank"],
+                rank=det["rank"] if det.get("rank") is not None else inj["rank"],
                 iteration=k,
-                phase=ev["phase"],
-                detect_s=(detected["t"] - t_fault) if detected else float("nan"),
+                phase=phase,
+                detect_s=det.get("t_detected", det["t"]) - t_fault,
                 init_s=init,
                 recompute_s=recompute,
                 total_s=init + recompute,
@@ -145,6 +188,7 @@ def analyze_run(
                 shadow_level=promoted["level"] if promoted else 0,
                 shadows_ready=promoted.get("ready", 0) if promoted else 0,
                 protected_again_s=protected_again,
+                detected_t=det.get("t_detected", det["t"]),
             )
         )
     return out

@@ -1,10 +1,47 @@
-"""The recovery state machine: classify a failure, choose the recovery, drive it to completion.
+"""Recovery decisions: the coordinator's state machine (`fsm`) and the one decision of how a
+generation obtains its state and where the job resumes (`decision`). Pure: no processes, no
+collectives — `unbroken.launch` executes what these decide."""
 
-States and transitions are explicit (`RecoveryState`); every transition is logged as a
-`state` event with the reason. The coordinator feeds it agent decisions and executes its
-actions; the machine itself does no I/O.
-"""
+from unbroken.recovery.decision import (
+    RankAction,
+    RankExit,
+    RestoreDecision,
+    RestoreMode,
+    RestorePath,
+    RetainedSummary,
+    decide_restore,
+    restore_mode,
+)
+from unbroken.recovery.fsm import (
+    ALLOWED,
+    FATAL_EXIT,
+    Action,
+    Fail,
+    Finish,
+    IllegalTransition,
+    RecoveryMachine,
+    RecoveryState,
+    Start,
+    Stop,
+)
 
-from unbroken.recovery.fsm import FATAL_EXIT, Action, RecoveryMachine, RecoveryState
-
-__all__ = ["FATAL_EXIT", "Action", "RecoveryMachine", "RecoveryState"]
+__all__ = [
+    "ALLOWED",
+    "FATAL_EXIT",
+    "Action",
+    "Fail",
+    "Finish",
+    "IllegalTransition",
+    "RankAction",
+    "RankExit",
+    "RecoveryMachine",
+    "RecoveryState",
+    "RestoreDecision",
+    "RestoreMode",
+    "RestorePath",
+    "RetainedSummary",
+    "Start",
+    "Stop",
+    "decide_restore",
+    "restore_mode",
+]

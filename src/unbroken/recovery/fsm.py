@@ -1,25 +1,28 @@
-"""Coordinator-side recovery state machine for one run.
+"""Coordinator-side recovery state machine for one run: states, an explicit transition table,
+and typed actions for the coordinator to execute.
 
-    STARTING --all trainers started--> RUNNING --every rank exited 0--> DONE
-    RUNNING --rank exit != 0 / rank hung--> STOPPING (kill the whole generation)
-    STOPPING --agents report stopped--> RESTARTING (start generation+1 with resume)
-    RESTARTING --all started--> RUNNING
-    any --max_restarts exceeded / node lost--> FAILED
+    STARTING   --every node started its trainers-->      RUNNING
+    RUNNING    --every rank exited DONE-->               DONE
+    STARTING/RUNNING/RESTARTING --a live rank failed-->  STOPPING (stop the whole generation)
+    STOPPING   --every node stopped its trainers-->      RESTARTING (start generation + 1)
+    RESTARTING --every node started its trainers-->      RUNNING
+    any live state --restart budget spent, crash loop, node lost--> FAILED
 
-Two recovery modes. `inplace` (the default for hardware-operable failures): new trainer
-processes reattach to the state their state managers retained, repair it and finish or redo the
-interrupted iteration — no checkpoint, no recomputation of completed iterations. `ckpt_restart`
-(the baseline, and the fallback): every rank restarts from the newest complete checkpoint and
-recomputes. A trainer that finds its retained state beyond repair exits with `FATAL_EXIT`; the
-machine then falls back to `ckpt_restart` for that recovery. Failures reported for an older
-generation (the other ranks of a generation being torn down) are ignored: one failure, one
-recovery. A generation that fails without an injected fault and without completing an iteration,
-three times in a row, is a crash loop: FAILED instead of restarting forever.
+Any other transition raises `IllegalTransition` (`ALLOWED` lists them): the machine cannot
+wander into a state nobody designed. Each transition is recorded with its reason for the event
+log. The machine is pure — no processes, no clock — so it is tested alone.
+
+How the next generation obtains its state is `unbroken.recovery.decision.restore_mode`: in
+place when the job retains state, from a checkpoint otherwise or when a rank of the failed
+generation exited with `RankExit.FALLBACK` (its retained state beyond repair; that fallback
+holds for one recovery). Failures reported for an older generation (the other ranks of a
+generation being torn down) are ignored: one failure, one recovery. A generation that fails
+without an injected fault and without completing an iteration, three times in a row, is a
+crash loop: FAILED instead of restarting forever.
 
 Detected failures arrive through the detectors' one interface, `unbroken.detect.DetectionEvent`
 (`on_detection`): fail-stop events (a rank's exit, a hung rank, a lost node) drive the
-transitions above; fail-slow reports change no state yet (the planner that re-plans around a
-slow rank will consume them).
+transitions above; fail-slow reports change no state (the planner consumes them).
 """
 
 from __future__ import annotations
@@ -29,11 +32,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.detect.events import DetectionEvent, DetectionKind, FailStopCause
+from unbroken.recovery.decision import RankExit, RestoreMode, restore_mode
 
-__all__ = ["FATAL_EXIT", "Action", "RecoveryMachine", "RecoveryState"]
+__all__ = [
+    "ALLOWED",
+    "FATAL_EXIT",
+    "Action",
+    "Fail",
+    "Finish",
+    "IllegalTransition",
+    "RecoveryMachine",
+    "RecoveryState",
+    "Start",
+    "Stop",
+]
 
-FATAL_EXIT = 3
+FATAL_EXIT = int(RankExit.FALLBACK)
 """Exit status of a trainer whose retained state cannot be repaired in place."""
+
+CRASH_LOOP = 3
+"""Stalled, uninjected failures in a row that make a crash loop."""
 
 
 class RecoveryState(enum.StrEnum):
@@ -45,23 +63,69 @@ class RecoveryState(enum.StrEnum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True, slots=True)
-class Action:
-    """What the coordinator must do next: `op` in {start, stop, finish, fail}."""
+_S = RecoveryState
+ALLOWED: dict[RecoveryState, frozenset[RecoveryState]] = {
+    _S.STARTING: frozenset({_S.RUNNING, _S.STOPPING, _S.DONE, _S.FAILED}),
+    _S.RUNNING: frozenset({_S.STOPPING, _S.DONE, _S.FAILED}),
+    _S.STOPPING: frozenset({_S.RESTARTING, _S.FAILED}),
+    _S.RESTARTING: frozenset({_S.RUNNING, _S.STOPPING, _S.DONE, _S.FAILED}),
+    _S.DONE: frozenset(),
+    _S.FAILED: frozenset(),
+}
+"""Every transition the machine may take."""
 
-    op: str
+_LIVE = frozenset({_S.STARTING, _S.RUNNING, _S.RESTARTING})
+"""States with a generation whose failures count."""
+
+
+class IllegalTransition(RuntimeError):
+    """A transition `ALLOWED` does not list (a bug in the machine or its caller)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Start `generation`, whose trainers obtain their state by `restore`."""
+
     generation: int
-    resume: bool = False
+    restore: RestoreMode
     reason: str = ""
-    recovery: str = "fresh"
-    """How the started generation obtains its state: fresh, inplace or ckpt_restart."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Stop every trainer of `generation` (a failure is being recovered)."""
+
+    generation: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The job is done: shut the nodes down."""
+
+    generation: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """The job cannot go on: shut the nodes down and report `reason`."""
+
+    generation: int
+    reason: str = ""
+
+
+Action = Start | Stop | Finish | Fail
 
 
 @dataclass(slots=True)
 class RecoveryMachine:
+    """Args: world_size (ranks that must finish), max_restarts (recoveries allowed), retains_state
+    (in-place recovery: the job's state survives in state managers)."""
+
     world_size: int
     max_restarts: int
-    mode: str = "ckpt_restart"
+    retains_state: bool = False
     state: RecoveryState = RecoveryState.STARTING
     generation: int = 0
     restarts: int = 0
@@ -71,40 +135,42 @@ class RecoveryMachine:
     transitions: list[tuple[str, str, str]] = field(default_factory=list)
 
     def _go(self, new: RecoveryState, reason: str) -> None:
+        if new not in ALLOWED[self.state]:
+            raise IllegalTransition(f"{self.state.value} -> {new.value} ({reason})")
         self.transitions.append((self.state.value, new.value, reason))
         self.state = new
 
-    def begin(self) -> Action:
-        return Action("start", self.generation, resume=False, reason="job start")
+    def _live(self, generation: int) -> bool:
+        return generation == self.generation and self.state in _LIVE
+
+    @property
+    def over(self) -> bool:
+        return self.state in (_S.DONE, _S.FAILED)
+
+    def begin(self) -> Start:
+        return Start(self.generation, restore_mode(self.retains_state, 0, False), "job start")
 
     def on_started(self, generation: int) -> None:
-        if generation == self.generation and self.state in (
-            RecoveryState.STARTING,
-            RecoveryState.RESTARTING,
-        ):
-            self._go(RecoveryState.RUNNING, f"generation {generation} started")
+        if generation == self.generation and self.state in (_S.STARTING, _S.RESTARTING):
+            self._go(_S.RUNNING, f"generation {generation} started")
 
     def on_rank_exit(self, rank: int, generation: int, returncode: int) -> Action | None:
-        if generation != self.generation or self.state not in (
-            RecoveryState.RUNNING,
-            RecoveryState.STARTING,
-            RecoveryState.RESTARTING,
-        ):
+        if not self._live(generation):
             return None
-        if returncode == 0:
+        if returncode == RankExit.DONE:
             self.finished_ranks.add(rank)
             if len(self.finished_ranks) == self.world_size:
-                self._go(RecoveryState.DONE, "every rank finished")
-                return Action("finish", generation)
+                self._go(_S.DONE, "every rank finished")
+                return Finish(generation, "every rank finished")
             return None
-        if returncode == FATAL_EXIT:
+        if returncode == RankExit.FALLBACK:
             self.fallback = True
             return self._failure(f"rank {rank}: retained state beyond repair; checkpoint fallback")
         return self._failure(f"rank {rank} exited with status {returncode}")
 
     def on_detection(self, event: DetectionEvent) -> Action | None:
         """A detected failure. Fail-stop: the transition of its cause (exit, hang, node lost);
-        stale generations are ignored as in `on_rank_exit`. Fail-slow: no action yet.
+        stale generations are ignored as in `on_rank_exit`. Fail-slow: no action.
 
         Raises:
             ValueError: a fail-stop event without a known cause or its cause's fields.
@@ -123,11 +189,7 @@ class RecoveryMachine:
         return self.on_rank_hung(event.rank, event.generation, event.silent_s or 0.0)
 
     def on_rank_hung(self, rank: int, generation: int, silent_s: float) -> Action | None:
-        if generation != self.generation or self.state not in (
-            RecoveryState.RUNNING,
-            RecoveryState.STARTING,
-            RecoveryState.RESTARTING,
-        ):
+        if not self._live(generation):
             return None
         return self._failure(f"rank {rank} hung (no heartbeat for {silent_s:.2f}s)")
 
@@ -139,29 +201,31 @@ class RecoveryMachine:
     def _failure(self, reason: str) -> Action:
         # A trainer that asked for the checkpoint fallback gets it even after stalled failures:
         # it is a different recovery, not the same one looping. If that fails too, it is a loop.
-        if self.stalled_failures >= 3 and not self.fallback:
-            self._go(RecoveryState.FAILED, f"{reason}; crash loop (no progress three times)")
-            return Action("fail", self.generation, reason=f"crash loop: {reason}")
+        if self.stalled_failures >= CRASH_LOOP and not self.fallback:
+            self._go(_S.FAILED, f"{reason}; crash loop (no progress three times)")
+            return Fail(self.generation, f"crash loop: {reason}")
         if self.restarts >= self.max_restarts:
-            self._go(RecoveryState.FAILED, f"{reason}; max_restarts={self.max_restarts} reached")
-            return Action("fail", self.generation, reason=reason)
-        self._go(RecoveryState.STOPPING, reason)
-        return Action("stop", self.generation, reason=reason)
+            self._go(_S.FAILED, f"{reason}; max_restarts={self.max_restarts} reached")
+            return Fail(self.generation, reason)
+        self._go(_S.STOPPING, reason)
+        return Stop(self.generation, reason)
 
-    def on_stopped(self, generation: int) -> Action | None:
-        if self.state is not RecoveryState.STOPPING or generation != self.generation:
+    def on_stopped(self, generation: int) -> Start | None:
+        if self.state is not _S.STOPPING or generation != self.generation:
             return None
         self.restarts += 1
         self.generation += 1
         self.finished_ranks.clear()
-        mode = "ckpt_restart" if self.fallback else self.mode
+        mode = restore_mode(self.retains_state, self.generation, self.fallback)
         self.fallback = False
-        self._go(RecoveryState.RESTARTING, f"{mode}: start generation {self.generation}")
-        return Action("start", self.generation, resume=True, reason=mode, recovery=mode)
+        self._go(_S.RESTARTING, f"{mode.value}: start generation {self.generation}")
+        return Start(self.generation, mode, mode.value)
 
-    def on_node_lost(self, reason: str) -> Action:
-        self._go(RecoveryState.FAILED, f"node lost: {reason}")
-        return Action("fail", self.generation, reason=reason)
+    def on_node_lost(self, reason: str) -> Fail | None:
+        if self.over:
+            return None
+        self._go(_S.FAILED, f"node lost: {reason}")
+        return Fail(self.generation, reason)
 
     def snapshot(self) -> dict[str, Any]:
         return {"state": self.state.value, "generation": self.generation, "restarts": self.restarts}

@@ -6,18 +6,20 @@ that they are gone; then it retries. On a CPU node under a memory budget the ker
 allocator's part (`unbroken.shadow.memory`); this path is for allocators that fail instead of
 waiting — CUDA's caching allocator, or an injected `oom` fault.
 
-Request and answer are Unix datagrams on the agent's heartbeat socket (the trainer binds its own
-abstract address for the answer). Whether a retry is safe is the trainer's call: only an
-allocation failure before the gradient all-reduce (forward/backward) — the model state is
-untouched there, the iteration is simply computed again with the same inputs.
+Request and answer are typed datagrams (`unbroken.messages.ReclaimRequest` / `ReclaimAnswer`)
+on the agent's reclamation socket (not its heartbeat socket); the trainer binds its own abstract
+address for the answer. Whether a retry is safe is the trainer's call: only an allocation
+failure before the gradient all-reduce (forward/backward) — the model state is untouched there,
+the iteration is simply computed again with the same inputs.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
+
+from unbroken.messages import ReclaimAnswer, ReclaimRequest, decode_json, encode_json
 
 __all__ = ["ReclaimClient"]
 
@@ -42,23 +44,24 @@ class ReclaimClient:
         used: int | None = None,
         total: int | None = None,
         iteration: int | None = None,
-    ) -> dict:
-        """Ask for the shadows' memory; returns the agent's answer ({"reclaimed": n shadows,
-        "level_to", "wait_s"}). `iteration` is the one being retried: the agent relaunches
-        shadows only once this trainer has got past it. Raises TimeoutError if the agent does
-        not answer."""
-        msg = {
-            "op": "reclaim",
-            "rank": self.rank,
-            "iteration": iteration,
-            "generation": self.generation,
-            "reply": self._reply_name,
-            "reason": reason,
-            "used": used,
-            "total": total,
-            "t": time.time(),
-        }
-        self._sock.sendto(json.dumps(msg).encode(), self.agent_addr)
+    ) -> ReclaimAnswer:
+        """Ask for the shadows' memory; returns the agent's answer. `iteration` is the one
+        being retried: the agent relaunches shadows only once this trainer has got past it.
+
+        Raises:
+            TimeoutError: the agent did not answer in `timeout_s`.
+        """
+        msg = ReclaimRequest(
+            rank=self.rank,
+            generation=self.generation,
+            reply=self._reply_name,
+            reason=reason,
+            t=time.time(),
+            iteration=iteration,
+            used=used,
+            total=total,
+        )
+        self._sock.sendto(encode_json(msg), self.agent_addr)
         self._sock.settimeout(self.timeout_s)
         try:
             data = self._sock.recv(65536)
@@ -66,4 +69,6 @@ class ReclaimClient:
             raise TimeoutError(
                 f"the agent did not answer a reclamation request in {self.timeout_s} s"
             ) from None
-        return json.loads(data)
+        answer = decode_json(data, (ReclaimAnswer,))
+        assert isinstance(answer, ReclaimAnswer)
+        return answer

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from unbroken.config import TrainConfig
-from unbroken.train.optim import lr_at
 from unbroken.train.phases import Phase, PhaseHook
 from unbroken.train.rng import seed_microbatch
 from unbroken.train.state import TrainState
+from unbroken.train.tail import Updater, finish_iteration
 
 __all__ = ["BatchSource", "IterationResult", "LossFn", "Trainer", "reference_loss"]
 
@@ -106,7 +106,7 @@ class Trainer:
         device: torch.device,
         autocast_dtype: torch.dtype | None = None,
         hooks: Sequence[PhaseHook] = (),
-        updater: Any,
+        updater: Updater,
         loss_fn: LossFn = reference_loss,
         reduce_bucket: int = _REDUCE_BUCKET,
     ) -> None:
@@ -183,29 +183,19 @@ class Trainer:
         scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
         return float(loss_t), norm, scale
 
-    def update(self, iteration: int, lr: float, grad_scale: float) -> None:
-        """AdamW chunk by chunk over the flat state (through the updater)."""
-        self.updater.update(iteration, lr=lr, grad_scale=grad_scale, hook=self._hook)
-
     def run_iteration(self, iteration: int) -> IterationResult:
         t0 = time.time()
         local_loss, tokens, lengths = self.compute(iteration)
-        self._hook(Phase.PROTECT, iteration)
-        self.updater.protect(iteration)
-        loss, norm, scale = self.sync(iteration, local_loss)
-        lr = lr_at(self.cfg, iteration)
-        self.updater.record_sync(iteration, loss=loss, grad_norm=norm, grad_scale=scale, lr=lr)
-        with torch.no_grad():
-            self.update(iteration, lr, scale)
-        self._hook(Phase.BOUNDARY, iteration)
-        self.updater.boundary(iteration)
+        stats = finish_iteration(
+            self.updater, self._hook, self.cfg, iteration, lambda: self.sync(iteration, local_loss)
+        )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return IterationResult(
             iteration=iteration,
-            loss=loss,
-            grad_norm=norm,
-            lr=lr,
+            loss=stats.loss,
+            grad_norm=stats.grad_norm,
+            lr=stats.lr,
             tokens=tokens * self.dp,
             doc_lengths=lengths,
             t_start=t0,

@@ -1,0 +1,115 @@
+"""The job's key-value store, typed: every key the processes of a job share, in one place.
+
+The store itself is torch.distributed's `TCPStore`, hosted by the coordinator (never by a
+trainer, so a dead trainer cannot take it along) and shared by every generation of trainers.
+Process groups rendezvous under a prefix per generation (`generation_store`); everything else a
+job shares through the store is one of the typed entries below:
+
+    job/t0                 wall time the job's first trainer started (fault `at=` triggers)
+    ckpt/cost_s            the measured cost of one checkpoint (Young's interval)
+    ckpt/interval          the checkpoint interval, decided once (by rank 0) for the whole job
+    inject/<fault key>     wall time a scheduled fault fired (each fires once per job)
+
+Reading an entry another process has not written yet returns None, except where a method
+says it waits (`job_t0`, `wait_checkpoint_interval`). The
+store has no authentication (see docs: who can reach it).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["JobStore"]
+
+_T0 = "job/t0"
+_CKPT_COST = "ckpt/cost_s"
+_CKPT_INTERVAL = "ckpt/interval"
+_FAULT = "inject/"
+
+
+class JobStore:
+    """Typed access to a job's store.
+
+    Args:
+        store: the job's `TCPStore` (or any `dist.Store`, e.g. a `HashStore` in tests).
+    """
+
+    def __init__(self, store: dist.Store) -> None:
+        self.raw = store
+
+    @classmethod
+    def host(cls, host: str, timeout_s: float, port: int = 0) -> JobStore:
+        """Start the job's store server (the coordinator does, once per run)."""
+        store = dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        return cls(store)
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout_s: float) -> JobStore:
+        """Connect to the job's store from a trainer."""
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        return cls(store)
+
+    @property
+    def port(self) -> int:
+        return self.raw.port
+
+    def generation_store(self, generation: int, shadow_attempt: int | None = None) -> dist.Store:
+        """The prefix under which generation `generation`'s process group rendezvouses. A set of
+        shadows (attempt a) rendezvouses under its own, so fresh processes started instead of
+        them never meet their keys."""
+        prefix = f"gen{generation}" + ("" if shadow_attempt is None else f"-shadow{shadow_attempt}")
+        return dist.PrefixStore(prefix, self.raw)
+
+    def num_keys(self) -> int:
+        return self.raw.num_keys()
+
+    def _get(self, key: str) -> str | None:
+        if not self.raw.check([key]):
+            return None
+        return self.raw.get(key).decode()
+
+    # -- job ------------------------------------------------------------------------------
+    def job_t0(self, now: float | None = None) -> float:
+        """The job's start time; the first caller passing `now` sets it (rank 0 does)."""
+        if now is not None and not self.raw.check([_T0]):
+            self.raw.set(_T0, repr(now))
+        return float(self.raw.get(_T0).decode())  # blocks until rank 0 has set it
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def checkpoint_cost(self) -> float | None:
+        value = self._get(_CKPT_COST)
+        return None if value is None else float(value)
+
+    def set_checkpoint_cost(self, seconds: float) -> None:
+        self.raw.set(_CKPT_COST, repr(seconds))
+
+    def checkpoint_interval(self) -> int | None:
+        value = self._get(_CKPT_INTERVAL)
+        return None if value is None else int(value)
+
+    def wait_checkpoint_interval(self) -> int:
+        """The interval, waiting (up to the store's timeout) until rank 0 has decided it."""
+        return int(self.raw.get(_CKPT_INTERVAL).decode())
+
+    def set_checkpoint_interval(self, iterations: int) -> None:
+        self.raw.set(_CKPT_INTERVAL, str(iterations))
+
+    # -- fault injection ------------------------------------------------------------------
+    def fault_fired(self, key: str) -> bool:
+        return self.raw.check([_FAULT + key])
+
+    def fault_fired_at(self, key: str) -> float | None:
+        """When the scheduled fault `key` fired (None: not yet)."""
+        value = self._get(_FAULT + key)
+        return None if value is None else float(value)
+
+    def mark_fault_fired(self, key: str, t: float) -> None:
+        self.raw.set(_FAULT + key, repr(t))

@@ -1,0 +1,371 @@
+"""The coordinator's core: the recovery state machine (`unbroken.recovery.RecoveryMachine`) and
+the executor of its actions, fed by typed messages from the node agents.
+
+It is the `DetectionSink` of every failure decision: an agent's `RankExited` and `RankHung`
+and its own node-loss decisions become `DetectionEvent(kind=FAIL_STOP)`, the fail-slow watch's
+reports arrive as `FAIL_SLOW`; each is written to the event log and handed to the machine. Its
+actions become commands to the nodes of the `NodeLayout` (each node gets its own ranks) and
+generation specs that carry the recovery decision (`RestoreMode`) and the job's endpoints.
+
+Every decision is taken from messages and the job store, never from a log the run writes: the
+crash-loop rule reads the failing rank's last completed iteration from its `RankExited` and
+whether a scheduled fault fired from the store (`JobStore.fault_fired_at`). No sockets, no
+processes: `send` is the only way out, so the core is tested by feeding it messages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from unbroken.config import JobConfig, to_dict
+from unbroken.detect.events import DetectionEvent, DetectionKind, FailStopCause
+from unbroken.inject import parse_fault
+from unbroken.jobstore import JobStore
+from unbroken.launch.coordinator.monitor import RunMonitor
+from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
+from unbroken.launch.spec import GenerationSpec
+from unbroken.messages import (
+    Hello,
+    MemoryReport,
+    Message,
+    NodeBeat,
+    RankExited,
+    RankHung,
+    ShadowPlan,
+    Shutdown,
+    Started,
+    StartGeneration,
+    StopGeneration,
+    Stopped,
+)
+from unbroken.metrics.log import JsonlLog
+from unbroken.recovery import (
+    Action,
+    Fail,
+    Finish,
+    RecoveryMachine,
+    RecoveryState,
+    RestoreMode,
+    Start,
+    Stop,
+)
+
+__all__ = ["CoordinatorCore"]
+
+
+class CoordinatorCore:
+    """Args: cfg, run_dir, run_name, layout (ranks per node), endpoints (where the store
+    listens), send (`(node, message)` to an agent), events (the run's event log), monitor
+    (the run monitor, told of each detected failure), store (the job store; None in tests
+    without fault injection), search_path, debug (tracebacks of failed ranks on the terminal)."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        run_dir: Path,
+        run_name: str,
+        *,
+        layout: NodeLayout,
+        endpoints: Endpoints,
+        send: Callable[[int, Message], None],
+        events: JsonlLog,
+        monitor: RunMonitor,
+        store: JobStore | None,
+        search_path: list[str] | None = None,
+        debug: bool = False,
+    ) -> None:
+        self.cfg, self.run_dir, self.run_name = cfg, run_dir, run_name
+        self.layout, self.endpoints = layout, endpoints
+        self.send, self.events, self.monitor, self.store = send, events, monitor, store
+        self.search_path = search_path or []
+        self.debug = debug
+        self.retains_state = cfg.recovery.mode == "inplace"
+        self.fsm = RecoveryMachine(
+            world_size=layout.world_size,
+            max_restarts=cfg.recovery.max_restarts,
+            retains_state=self.retains_state,
+        )
+        self.joined: dict[int, float] = {}
+        """node -> when it was last heard from."""
+        self.done_reason = ""
+        self._begun = False
+        self._started: dict[int, set[int]] = {}
+        self._stopped: dict[int, set[int]] = {}
+        self._last_failure_t = 0.0
+        self._faults = [parse_fault(s) for s in cfg.inject]
+
+    # -- nodes ----------------------------------------------------------------------------
+    def handle(self, node: int, msg: Message) -> None:
+        """A validated message from `node`'s agent.
+
+        Raises:
+            ValueError: `node` is not in the job's layout.
+        """
+        if node not in self.layout.node_ids:
+            raise ValueError(f"node {node} is not in the job's layout {self.layout.node_ids}")
+        self.joined[node] = time.time()
+        if isinstance(msg, Hello):
+            self._hello(node, msg)
+        elif isinstance(msg, NodeBeat):
+            return
+        elif isinstance(msg, Started):
+            self._started_on(node, msg)
+        elif isinstance(msg, RankExited):
+            self._rank_exited(node, msg)
+        elif isinstance(msg, RankHung):
+            self._rank_hung(node, msg)
+        elif isinstance(msg, Stopped):
+            self._stopped_on(node, msg)
+        elif isinstance(msg, MemoryReport):
+            self._memory(msg)
+
+    def _hello(self, node: int, msg: Hello) -> None:
+        self.events.emit("agent_joined", node=node, pid=msg.pid, host=msg.host)
+        if not self._begun and set(self.joined) >= set(self.layout.node_ids):
+            self._begun = True
+            self.execute(self.fsm.begin())
+
+    def node_lost(self, node: int, reason: str, silent_s: float | None = None) -> None:
+        self.emit(
+            DetectionEvent(
+                kind=DetectionKind.FAIL_STOP,
+                cause=FailStopCause.NODE_LOST,
+                rank=None,
+                node=node,
+                reason=reason,
+                silent_s=silent_s,
+            )
+        )
+
+    def _started_on(self, node: int, msg: Started) -> None:
+        if msg.promoted:
+            self.events.emit(
+                "shadows_promoted",
+                node=node,
+                generation=msg.generation,
+                ready=msg.shadows_ready,
+                level=self.cfg.recovery.shadow_level,
+            )
+        if msg.shadows is not None:
+            s = msg.shadows
+            fields = {"level": s.level, "generation": s.generation, "start": s.start}
+            if s.fork_failed:
+                fields["fork_failed"] = s.fork_failed
+            self.events.emit("shadows_spawned", node=node, **fields)
+        started = self._started.setdefault(msg.generation, set())
+        started.add(node)
+        if started >= set(self.layout.node_ids):
+            self.fsm.on_started(msg.generation)
+            self._log_transitions()
+
+    def _stopped_on(self, node: int, msg: Stopped) -> None:
+        stopped = self._stopped.setdefault(msg.generation, set())
+        stopped.add(node)
+        if stopped >= set(self.layout.node_ids):
+            self.execute(self.fsm.on_stopped(msg.generation))
+
+    def _live(self, generation: int) -> bool:
+        """A failure report concerns the running generation (not one being torn down)."""
+        return generation == self.fsm.generation and self.fsm.state in (
+            RecoveryState.RUNNING,
+            RecoveryState.STARTING,
+            RecoveryState.RESTARTING,
+        )
+
+    def _rank_exited(self, node: int, msg: RankExited) -> None:
+        if msg.returncode == 0 or not self._live(msg.generation):
+            self.execute(self.fsm.on_rank_exit(msg.rank, msg.generation, msg.returncode))
+            return
+        if msg.traceback and self.debug:
+            self.monitor.say(f"rank {msg.rank} traceback:\n{msg.traceback.rstrip()}")
+        self.emit(
+            DetectionEvent(
+                kind=DetectionKind.FAIL_STOP,
+                cause=FailStopCause.EXIT,
+                rank=msg.rank,
+                generation=msg.generation,
+                node=node,
+                returncode=msg.returncode,
+                iteration=msg.iteration,
+                t=msg.t,
+                reason=f"exited with status {msg.returncode}"
+                + (f": {msg.said}" if msg.said else ""),
+            ),
+            progressed=msg.completed >= 0,
+            phase=msg.phase,
+        )
+
+    def _rank_hung(self, node: int, msg: RankHung) -> None:
+        if not self._live(msg.generation):
+            return
+        self.emit(
+            DetectionEvent(
+                kind=DetectionKind.FAIL_STOP,
+                cause=FailStopCause.HANG,
+                rank=msg.rank,
+                generation=msg.generation,
+                node=node,
+                silent_s=msg.silent_s,
+                iteration=msg.iteration,
+                t=msg.t,
+                reason=f"hung (silent {msg.silent_s:.2f}s)",
+            ),
+            progressed=msg.completed >= 0,
+            phase=msg.phase,
+        )
+
+    def _memory(self, msg: MemoryReport) -> None:
+        """The node's memory budget and reclamation controller (unbroken.shadow): logged as
+        events; a reclamation changes no recovery state."""
+        fields = msg.fields
+        self.events.emit(msg.event, t=msg.t, **fields)
+        if msg.event == "shadows_reclaimed":
+            freed = fields.get("freed_mb")
+            self.monitor.say(
+                f"memory: reclaimed {fields.get('shadows')} shadow(s)"
+                + (f", {freed:.0f} MiB" if isinstance(freed, int | float) else "")
+                + f" in {float(fields.get('wait_s') or 0) * 1e3:.0f} ms; relaunching at "
+                f"L{fields.get('level_to')}"
+            )
+        elif msg.event == "oom":
+            self.monitor.say(f"memory: out of budget with nothing to reclaim ({fields})")
+
+    # -- detection ------------------------------------------------------------------------
+    def emit(self, event: DetectionEvent, progressed: bool = True, phase: str = "") -> None:
+        """`DetectionSink`: log a detected failure, then let the recovery machine act on it."""
+        if event.kind is DetectionKind.FAIL_STOP:
+            self._log_fail_stop(event, progressed, phase)
+        action = self.fsm.on_detection(event)
+        if event.cause == FailStopCause.NODE_LOST:
+            self.done_reason = event.reason  # its agent is gone: nothing to tell it
+            self._log_transitions()
+        else:
+            self.execute(action)
+
+    def _injected_since_last_failure(self) -> tuple[float, str] | None:
+        """(time, spec) of the newest scheduled fault that fired since the previous failure,
+        from the job store (the injector marks a fault there before it acts)."""
+        if self.store is None:
+            return None
+        fired = []
+        for fault in self._faults:
+            t = self.store.fault_fired_at(fault.key)
+            if t is not None and t > self._last_failure_t:
+                fired.append((t, fault.text()))
+        return max(fired) if fired else None
+
+    def _log_fail_stop(self, event: DetectionEvent, progressed: bool, phase: str) -> None:
+        common = {"detection": event.kind.value, "cause": event.cause}
+        if event.cause == FailStopCause.NODE_LOST:
+            extra = {} if event.silent_s is None else {"silent_s": event.silent_s}
+            self.events.emit("node_lost", node=event.node, reason=event.reason, **common, **extra)
+            return
+        injected = self._injected_since_last_failure()
+        detect_s = (event.t - injected[0]) if injected else None
+        self.events.emit(
+            "failure_detected",
+            rank=event.rank,
+            node=event.node,
+            generation=event.generation,
+            reason=event.reason,
+            detect_s=detect_s,
+            t_detected=event.t,
+            returncode=event.returncode,
+            silent_s=event.silent_s,
+            iter=event.iteration,
+            phase=phase,
+            injected=injected[1] if injected else None,
+            **common,
+        )
+        self._last_failure_t = event.t
+        self.fsm.note_progress(progressed=progressed, injected=injected is not None)
+        self.monitor.say(
+            f"failure detected: rank {event.rank} {event.reason}"
+            + (f" ({detect_s * 1000:.0f} ms after injection)" if detect_s is not None else "")
+        )
+        self.monitor.failure_detected(event.t)
+
+    # -- actions --------------------------------------------------------------------------
+    def _state_sockets(self) -> dict[str, str]:
+        if not self.retains_state:
+            return {}
+        root = self.run_dir / "rmp"
+        root.mkdir(exist_ok=True)
+        return {
+            str(r): str(root / f"{self.run_name}-rank{r}.sock")
+            for r in range(self.layout.world_size)
+        }
+
+    def write_spec(self, generation: int, restore: RestoreMode) -> Path:
+        spec = GenerationSpec(
+            config=to_dict(self.cfg),
+            run_dir=str(self.run_dir),
+            run_name=self.run_name,
+            store_host=self.endpoints.host,
+            store_port=self.endpoints.store_port,
+            generation=generation,
+            world_size=self.layout.world_size,
+            restore=restore,
+            retains_state=self.retains_state,
+            search_path=self.search_path,
+            state_sockets=self._state_sockets(),
+            debug=self.debug,
+        )
+        path = self.run_dir / "specs" / f"{self.run_name}-gen{generation}.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(spec.to_json())
+        return path
+
+    def execute(self, action: Action | None) -> None:
+        if isinstance(action, Start):
+            self._start(action)
+        elif isinstance(action, Stop):
+            for node in self.layout.node_ids:
+                self.send(node, StopGeneration(generation=action.generation))
+        elif isinstance(action, Finish | Fail):
+            self.done_reason = action.reason
+            for node in self.layout.node_ids:
+                self.send(node, Shutdown())
+        self._log_transitions()
+
+    def _start(self, action: Start) -> None:
+        spec = self.write_spec(action.generation, action.restore)
+        if action.generation > 0:
+            self.events.emit(
+                "recovery_start", mode=action.restore.value, generation=action.generation
+            )
+        shadows = None
+        if self.retains_state and self.cfg.recovery.shadow_level:
+            nxt = self.write_spec(action.generation + 1, RestoreMode.IN_PLACE)
+            shadows = ShadowPlan(
+                level=self.cfg.recovery.shadow_level,
+                start=self.cfg.recovery.shadow_start,
+                next_spec=str(nxt),
+            )
+        sockets = self._state_sockets()
+        rec = self.cfg.recovery
+        for node in self.layout.node_ids:
+            ranks = self.layout.ranks_of(node)
+            self.send(
+                node,
+                StartGeneration(
+                    generation=action.generation,
+                    spec=str(spec),
+                    ranks=list(ranks),
+                    heartbeat_timeout_s=rec.heartbeat_timeout_s,
+                    node_heartbeat_s=rec.node_heartbeat_s,
+                    shadows=shadows,
+                    memory_budget_mb=rec.memory_budget_mb,
+                    memory_reclaim=rec.memory_reclaim,
+                    state_managers={str(r): sockets[str(r)] for r in ranks if str(r) in sockets},
+                    log_dir=str(self.run_dir / "logs" / self.run_name),
+                    debug=self.debug,
+                ),
+            )
+
+    def _log_transitions(self) -> None:
+        while self.fsm.transitions:
+            old, new, reason = self.fsm.transitions.pop(0)
+            self.events.emit("state", old=old, new=new, reason=reason, **self.fsm.snapshot())

@@ -1,0 +1,107 @@
+"""The coordinator's run monitor: watches a run through what its processes write — the metrics
+rank 0 appends per iteration, every rank's timings, the event log — and turns it into progress
+lines, fail-slow reports (`SlowWatch`) and, once a failure is recovered, its breakdown
+(`recovery_done`).
+
+An observer only: it reads the logs incrementally (`JsonlTail`) and never takes a control
+decision from them; the core tells it of each failure it detected (`failure_detected`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from unbroken.launch.progress import Progress
+from unbroken.launch.slowwatch import SlowWatch
+from unbroken.metrics.analysis import analyze_run
+from unbroken.metrics.log import JsonlLog, JsonlTail
+from unbroken.parallel import ParallelPlan
+
+__all__ = ["RunMonitor"]
+
+
+class RunMonitor:
+    """Args: run_dir, run_name, world_size, iterations, events (the run's event log), plan
+    (the plan the job runs, if any), quiet (no terminal output)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        run_name: str,
+        world_size: int,
+        iterations: int,
+        events: JsonlLog,
+        *,
+        plan: ParallelPlan | None = None,
+        quiet: bool = False,
+    ) -> None:
+        self.run_name = run_name
+        self.progress = Progress(run_name, iterations, quiet=quiet)
+        self.slow_watch = SlowWatch(world_size, events, self.progress.say, plan=plan)
+        self.events = events
+        self.rows: list[dict[str, Any]] = []
+        """This run's metrics rows, in order."""
+        self.seen_events: list[dict[str, Any]] = []
+        """This run's events so far."""
+        self._metrics = JsonlTail(run_dir / "metrics.jsonl")
+        self._timings = JsonlTail(run_dir / "timings.jsonl")
+        self._events = JsonlTail(run_dir / "events.jsonl")
+        self._pending: list[float] = []
+        """Times of detected failures not yet recovered."""
+
+    def say(self, text: str) -> None:
+        self.progress.say(text)
+
+    def failure_detected(self, t: float) -> None:
+        """The core detected a failure at `t`: report its breakdown once it is recovered."""
+        self._pending.append(t)
+
+    def poll(self) -> None:
+        """Read what the run's processes appended since the last poll."""
+        self._read_events()
+        for t in self._timings.read_new():
+            if t.get("run") == self.run_name:
+                self.slow_watch.add_timing(t)
+        for m in self._metrics.read_new():
+            if m.get("run") != self.run_name:
+                continue
+            self.rows.append(m)
+            self.progress.iteration(m)
+            self.slow_watch.add_metric(m)
+            if self._pending and m["t_start"] > self._pending[0]:
+                self._read_events()  # the recovery's own events precede its first iteration
+                self._report_recovered()
+        self.slow_watch.pump()
+
+    def _read_events(self) -> None:
+        self.seen_events += [e for e in self._events.read_new() if e.get("run") == self.run_name]
+
+    def _report_recovered(self) -> None:
+        """Log the breakdown of every pending failure the rows show recovered."""
+        done = {r.detected_t: r for r in analyze_run(self.rows, self.seen_events)}
+        while self._pending and self._pending[0] in done:
+            r = done[self._pending.pop(0)]
+            self.events.emit(
+                "recovery_done",
+                mode=r.mode,
+                rank=r.rank,
+                fault=r.fault,
+                injected=r.injected,
+                detect_s=r.detect_s,
+                init_s=r.init_s,
+                recompute_s=r.recompute_s,
+                total_s=r.total_s,
+                resumed_iter=r.iteration,
+                restored_iter=r.restored_iter,
+            )
+            self.say(
+                f"recovered ({r.mode}) at iteration {r.restored_iter}: "
+                f"detect {r.detect_s:.3f}s, init {r.init_s:.2f}s, "
+                f"recompute {r.recompute_s:.2f}s, total {r.total_s:.2f}s"
+            )
+
+    def finish(self) -> None:
+        """Read what was appended after the last poll (a failed run's last rows)."""
+        self._read_events()
+        self.rows += [m for m in self._metrics.read_new() if m.get("run") == self.run_name]

@@ -1,0 +1,217 @@
+"""The coordinator of one run: starts the job's services (the store, the control server, the
+local node's agent), then loops — messages to the core, the logs to the monitor, node liveness
+— until the recovery state machine is DONE or FAILED.
+
+It never runs training code and never holds a process group, so a dead or hung trainer cannot
+take the rendezvous or the control plane with it. Each generation of trainers joins the store
+under its own prefix (`JobStore.generation_store`).
+
+The parts: `ControlServer` (sockets, authentication, typed messages), `CoordinatorCore` (the
+recovery state machine and its actions), `RunMonitor` (progress, fail-slow watch, recovery
+breakdowns from the run's logs). Node identity and addresses are data (`NodeLayout`,
+`Endpoints`): the embedded default is one node on 127.0.0.1 whose agent this process starts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unbroken.config import JobConfig
+from unbroken.jobstore import JobStore
+from unbroken.launch.coordinator.core import CoordinatorCore
+from unbroken.launch.coordinator.monitor import RunMonitor
+from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
+from unbroken.launch.coordinator.server import ControlServer, Dropped, Received
+from unbroken.metrics.log import JsonlLog
+
+__all__ = ["Coordinator", "RunOutcome"]
+
+HELLO_TIMEOUT_S = 60.0
+"""How long the nodes' agents have to connect."""
+
+
+@dataclass(slots=True)
+class RunOutcome:
+    run_name: str
+    state: str
+    generations: int
+    restarts: int
+    final_state_hash: str | None
+    reason: str = ""
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Coordinator:
+    """Runs one job (one "run") to completion through failures.
+
+    Args:
+        cfg: the job config.
+        run_dir: output dir (events.jsonl, metrics.jsonl, checkpoints/RUN).
+        run_name: label of this run in the logs ("reference", "faulty", "train").
+        search_path: dirs trainers add to sys.path (user model/dataset modules).
+        quiet: no terminal progress.
+        debug: failed ranks' tracebacks on the terminal.
+        endpoints: where the job's services listen (default: loopback).
+    """
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        run_dir: str | Path,
+        run_name: str = "train",
+        *,
+        search_path: list[str] | None = None,
+        quiet: bool = False,
+        debug: bool = False,
+        endpoints: Endpoints | None = None,
+    ) -> None:
+        from unbroken.engine.build import job_plan
+
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_name = run_name
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.events = JsonlLog(self.run_dir / "events.jsonl", run=run_name)
+        self.layout = NodeLayout.single(cfg.parallel.world_size)
+        self.endpoints = endpoints or Endpoints()
+        self.search_path = search_path or []
+        self.debug = debug
+        self.secret = os.urandom(32)
+        self.monitor = RunMonitor(
+            self.run_dir,
+            run_name,
+            cfg.parallel.world_size,
+            cfg.train.iterations,
+            self.events,
+            plan=job_plan(cfg),
+            quiet=quiet,
+        )
+        self.agent_proc: subprocess.Popen | None = None
+
+    # -- services -------------------------------------------------------------------------
+    def _start_services(self) -> CoordinatorCore:
+        host = self.endpoints.host
+        store = JobStore.host(host, self.cfg.recovery.collective_timeout_s)
+        self.server = ControlServer(host, self.secret)
+        self.endpoints = Endpoints(host=host, store_port=store.port)
+        (self.run_dir / f"coordinator-{self.run_name}.json").write_text(
+            f'{{"host": "{host}", "port": {self.server.port}, "pid": {os.getpid()}}}\n'
+        )
+        core = CoordinatorCore(
+            self.cfg,
+            self.run_dir,
+            self.run_name,
+            layout=self.layout,
+            endpoints=self.endpoints,
+            send=self.server.send,
+            events=self.events,
+            monitor=self.monitor,
+            store=store,
+            search_path=self.search_path,
+            debug=self.debug,
+        )
+        self.store = store
+        self.monitor.slow_watch.detector.sink = core
+        env = dict(os.environ, UNBROKEN_JOB_SECRET=self.secret.hex())
+        self.agent_proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "unbroken.launch.agent",
+                "--coordinator",
+                f"{host}:{self.server.port}",
+                "--node",
+                str(self.layout.node_ids[0]),
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        return core
+
+    # -- main loop ------------------------------------------------------------------------
+    def run(self) -> RunOutcome:
+        core = self.core = self._start_services()
+        self.events.emit(
+            "job_start", world_size=self.cfg.parallel.world_size, port=self.server.port
+        )
+        self.monitor.say(
+            f"starting {self.cfg.parallel.world_size} ranks "
+            f"(recovery: {self.cfg.recovery.mode}, faults: {len(self.cfg.inject)})"
+        )
+        t_hello = time.time()
+        try:
+            while not core.fsm.over:
+                for item in self.server.poll(timeout=0.05):
+                    self._dispatch(core, item)
+                self.monitor.poll()
+                self._check_nodes(core, t_hello)
+            self.monitor.poll()
+        finally:
+            self._shutdown()
+        self.monitor.finish()
+        self.events.emit(
+            "job_end",
+            state=core.fsm.state.value,
+            reason=core.done_reason,
+            detector_s=self.monitor.slow_watch.overhead_s,
+        )
+        events = self.monitor.seen_events
+        final = next(
+            (e["final_state_hash"] for e in reversed(events) if e["kind"] == "trainer_done"), None
+        )
+        return RunOutcome(
+            run_name=self.run_name,
+            state=core.fsm.state.value,
+            generations=core.fsm.generation + 1,
+            restarts=core.fsm.restarts,
+            final_state_hash=final,
+            reason=core.done_reason,
+            metrics=self.monitor.rows,
+            events=events,
+        )
+
+    def _dispatch(self, core: CoordinatorCore, item: Received | Dropped) -> None:
+        if isinstance(item, Dropped):
+            self.events.emit("control_rejected", peer=item.peer, reason=item.reason)
+            self.monitor.say(f"control channel: rejected {item.peer}: {item.reason}")
+            if item.node is not None:
+                core.node_lost(item.node, item.reason)
+            return
+        assert item.node is not None
+        try:
+            core.handle(item.node, item.message)
+        except ValueError as exc:  # a message that contradicts the job (an unknown node)
+            self.events.emit("control_rejected", peer=f"node {item.node}", reason=str(exc))
+
+    def _check_nodes(self, core: CoordinatorCore, t_hello: float) -> None:
+        now = time.time()
+        if core.fsm.over:
+            return
+        missing = set(self.layout.node_ids) - set(core.joined)
+        if missing and now - t_hello > HELLO_TIMEOUT_S:
+            core.node_lost(min(missing), "no agent connected")
+            return
+        for node, seen in list(core.joined.items()):
+            silent = now - seen
+            if node in self.server.nodes and silent > self.cfg.recovery.node_timeout_s:
+                core.node_lost(node, f"beats stopped (agent silent for {silent:.1f}s)", silent)
+                return
+        if self.agent_proc is not None and self.agent_proc.poll() is not None:
+            code = self.agent_proc.returncode
+            core.node_lost(self.layout.node_ids[0], f"agent exited with status {code}")
+
+    def _shutdown(self) -> None:
+        if self.agent_proc is not None:
+            try:
+                self.agent_proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.agent_proc.kill()
+                self.agent_proc.wait()
+        self.server.close()

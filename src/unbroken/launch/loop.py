@@ -1,0 +1,122 @@
+"""A generation's training loop on one rank: iterations from the restored start to the end,
+with what each iteration leaves behind — the fail-slow timings, checkpoints when the policy
+says so, the state hash, rank 0's metrics row, and a heartbeat that says it completed.
+
+`with_reclamation` wraps the executor's iteration in Leto's allocation-failure path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from unbroken.checkpoint.policy import CheckpointPolicy
+from unbroken.config import JobConfig
+from unbroken.launch.executor import Executor
+from unbroken.metrics.log import JsonlLog
+from unbroken.train import IterationResult
+
+__all__ = ["TrainingLoop", "with_reclamation"]
+
+
+@dataclass(slots=True)
+class TrainingLoop:
+    """Args: cfg, generation, executor, checkpoints (the policy), timings (the job's
+    `timings.jsonl`), metrics (`metrics.jsonl`, rank 0 only), iterate (the executor's
+    `run_iteration`, possibly wrapped), heartbeat (None without an agent)."""
+
+    cfg: JobConfig
+    generation: int
+    executor: Executor
+    checkpoints: CheckpointPolicy
+    timings: JsonlLog
+    metrics: JsonlLog | None
+    iterate: Callable[[int], IterationResult]
+    heartbeat: Any = None
+
+    def run(self, start: int) -> None:
+        state = self.executor.state
+        self.checkpoints.before_loop(state, start)
+        for it in range(start, self.cfg.train.iterations):
+            result = self.iterate(it)
+            record = self.executor.timing_record(it, result)
+            if record is not None:
+                # Per-rank compute timings and workload, for fail-slow validation.
+                self.timings.write({**record, "generation": self.generation})
+            ckpt_s = self.checkpoints.after_iteration(state, it, result.seconds)
+            digest = self._hash(it)
+            if self.metrics is not None:
+                self._write_metrics(result, digest, ckpt_s)
+            if self.heartbeat is not None:
+                self.heartbeat.completed(it)
+
+    def _hash(self, it: int) -> str | None:
+        """The state hash at hashed iterations (`train.hash_every`; the last one always).
+        Rank 0 writes it; a plan's hash is a collective every rank joins (the condition is
+        the same on every rank)."""
+        every = self.cfg.train.hash_every
+        hashed = bool(every) and (it % every == 0 or it == self.cfg.train.iterations - 1)
+        if hashed and (self.metrics is not None or self.executor.collective_hash):
+            return self.executor.state_hash()
+        return None
+
+    def _write_metrics(self, result: IterationResult, digest: str | None, ckpt_s: float) -> None:
+        assert self.metrics is not None
+        t_end = time.time()
+        self.metrics.write(
+            {
+                "iter": result.iteration,
+                "generation": self.generation,
+                "t_start": result.t_start,
+                "t_end": t_end,
+                "iter_s": t_end - result.t_start,
+                "loss": result.loss,
+                "grad_norm": result.grad_norm,
+                "lr": result.lr,
+                "tokens": result.tokens,
+                "tokens_per_s": result.tokens / max(1e-9, t_end - result.t_start),
+                "state_hash": digest,
+                "ckpt_s": ckpt_s,
+                "doc_lengths": [list(x) for x in result.doc_lengths],
+            }
+        )
+
+
+def with_reclamation(executor: Executor, client, heartbeat, events, rank: int, device):
+    """`executor.run_iteration` with Leto's allocation-failure path: an OOM in forward/backward
+    (the model state untouched, gradients re-zeroed by the retry) asks the agent to reclaim the
+    shadows and computes the iteration again; anything else, or nothing left to reclaim, is
+    raised (a crash, recovered in place)."""
+    import torch
+
+    def iterate(it: int) -> IterationResult:
+        while True:
+            try:
+                return executor.run_iteration(it)
+            except (torch.OutOfMemoryError, MemoryError) as exc:
+                phase = heartbeat.phase
+                if heartbeat.iteration != it or phase not in ("forward", "backward"):
+                    raise
+                used = total = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    free, total = torch.cuda.mem_get_info(device)
+                    used = total - free
+                t0 = time.time()
+                answer = client.request(
+                    f"{type(exc).__name__} in {phase}", used, total, iteration=it
+                )
+                events.emit(
+                    "oom_retry",
+                    rank=rank,
+                    iter=it,
+                    phase=phase,
+                    reclaimed=answer.reclaimed,
+                    wait_s=time.time() - t0,
+                )
+                if not answer.reclaimed:
+                    raise
+
+    return iterate

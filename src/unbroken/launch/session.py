@@ -1,0 +1,378 @@
+"""A rank session: the life of one trainer process, stage by stage.
+
+    STARTED ─▶ IMPORTED (L1) ─▶ RUNTIME (L2) ─▶ GROUPED (L3) ─▶ ATTACHED ─▶ RESTORED ─▶ TRAINED
+
+- IMPORTED: the interpreter is up with every trainer import (`TRAINER_IMPORTS`).
+- RUNTIME: deterministic mode, threads, the device and its runtime (CUDA context, the shadow's
+  kernel warm-up), the corpus in memory.
+- GROUPED: the job store and this generation's process group.
+- ATTACHED: the retained state mapped (localized and remapped after a failure), the executor
+  built on it once (`build_executor`), the fault injector armed.
+- RESTORED: the state obtained as the spec's `RestoreMode` says (`unbroken.launch.restore`).
+- TRAINED: the generation's iterations done (`TrainingLoop`), the final state hash written.
+
+A shadow trainer (`level` L > 0, Leto §6) runs the stages up to level L, then parks until the
+agent promotes it with the final spec of its generation (`Promote` on stdin), and continues from
+where it parked. Each stage may be entered only from the one before it (`IllegalStage`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unbroken.launch.spec import GenerationSpec
+
+__all__ = ["IllegalStage", "RankArgs", "RankSession", "SessionStage"]
+
+
+class SessionStage(enum.IntEnum):
+    STARTED = 0
+    IMPORTED = 1
+    RUNTIME = 2
+    GROUPED = 3
+    ATTACHED = 4
+    RESTORED = 5
+    TRAINED = 6
+
+
+class IllegalStage(RuntimeError):
+    """A stage entered out of order (a bug)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankArgs:
+    """How the agent started this trainer."""
+
+    rank: int
+    heartbeat: str | None = None
+    """The agent's heartbeat socket (None: no agent, e.g. in tests)."""
+    reclaim: str | None = None
+    """The agent's reclamation socket."""
+    shadow: int = 0
+    """Pre-initialize to this level and park (0: an active trainer)."""
+    attempt: int = 0
+    """Which set of shadows of its generation (each rendezvouses under its own prefix)."""
+
+
+def steps_footprint(steps: dict[str, float]) -> dict[int, int]:
+    """Level -> private bytes measured when the shadow reached it (from `steps`)."""
+    return {lv: int(steps[f"bytes-L{lv}"]) for lv in (1, 2, 3) if f"bytes-L{lv}" in steps}
+
+
+@dataclass(slots=True)
+class RankSession:
+    spec: GenerationSpec
+    args: RankArgs
+    stage: SessionStage = SessionStage.STARTED
+    t_start: float = field(default_factory=time.time)
+    steps: dict[str, float] = field(default_factory=dict)
+    """When each part of the pre-initialization was done (and a shadow's bytes per level)."""
+    cfg: Any = None
+    events: Any = None
+    hb: Any = None
+    device: Any = None
+    store: Any = None
+    group: Any = None
+    t_group: float = 0.0
+    retained: Any = None
+    injector: Any = None
+    executor: Any = None
+    checkpoints: Any = None
+
+    @property
+    def rank(self) -> int:
+        return self.args.rank
+
+    def _enter(self, stage: SessionStage) -> None:
+        if stage != self.stage + 1:
+            raise IllegalStage(f"rank {self.rank}: {self.stage.name} -> {stage.name}")
+        self.stage = stage
+        if stage <= self.args.shadow:  # a shadow measures what each level holds
+            from unbroken.shadow.memory import private_bytes
+
+            self.steps[f"bytes-L{int(stage)}"] = private_bytes(os.getpid())
+        if stage == self.args.shadow:
+            self.spec = self._await_promotion(int(stage))
+
+    # -- the stages -----------------------------------------------------------------------
+    def run(self) -> int:
+        """Every stage in order; returns the process's exit status (`RankExit`)."""
+        from unbroken.recovery import RankExit
+
+        self.imports()
+        self.runtime()
+        self.join_group()
+        self.attach()
+        start = self.restore()
+        if start is None:
+            return RankExit.FALLBACK
+        self.train(start)
+        return RankExit.DONE
+
+    def imports(self) -> None:
+        """L1: the config, the job's logs and the heartbeat (every import is done by now)."""
+        from unbroken.config import JobConfig, config_from_dict
+        from unbroken.launch.heartbeat import Heartbeat
+        from unbroken.metrics.log import JsonlLog
+
+        spec = self.spec
+        self.steps["imports"] = time.time()
+        self.cfg = config_from_dict(JobConfig, spec.config, "<spec>")
+        self.events = JsonlLog(Path(spec.run_dir) / "events.jsonl", run=spec.run_name)
+        if self.args.heartbeat:
+            self.hb = Heartbeat(
+                self.args.heartbeat,
+                self.rank,
+                spec.generation,
+                self.cfg.recovery.heartbeat_interval_s,
+            )
+            self.hb.start()
+        self._enter(SessionStage.IMPORTED)
+
+    def runtime(self) -> None:
+        """L2: deterministic mode, threads, the device runtime, the corpus in memory."""
+        import torch
+
+        cfg = self.cfg
+        # cuBLAS needs a fixed workspace to be deterministic; set before the first CUDA call.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.set_num_threads(cfg.train.threads)
+        self.device = device = _device(cfg)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            torch.empty(1, device=device)  # the CUDA context, part of the device runtime (L2)
+        if not cfg.data.dataset:
+            from unbroken.data import load_corpus
+
+            load_corpus(
+                cfg.data.corpus,
+                jsonl_field=cfg.data.jsonl_field,
+                max_documents=cfg.data.max_documents,
+            )
+        if self.args.shadow >= 2 and device.type == "cuda" and self.spec.retains_state:
+            from unbroken.shadow.warm import warm_cuda
+
+            warm_cuda(cfg, device)  # library handles and codec kernels, loaded before promotion
+            self.steps["warm"] = time.time()
+        self.steps["runtime"] = time.time()
+        self._enter(SessionStage.RUNTIME)
+
+    def join_group(self) -> None:
+        """L3: the job store and this generation's process group (a shadow set's own: a mirror
+        world, so fresh processes started instead of it never meet its keys)."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from unbroken.jobstore import JobStore
+
+        spec, cfg, device = self.spec, self.cfg, self.device
+        timeout_s = cfg.recovery.collective_timeout_s
+        self.store = JobStore.connect(spec.store_host, spec.store_port, timeout_s)
+        self.steps["store"] = time.time()
+        backend = cfg.parallel.backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        attempt = self.args.attempt if self.args.shadow else None
+        dist.init_process_group(
+            backend,
+            store=self.store.generation_store(spec.generation, attempt),
+            rank=self.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+        self.group = dist.group.WORLD
+        self.t_group = self.steps["communicators"] = time.time()
+        self._enter(SessionStage.GROUPED)
+
+    def attach(self) -> None:
+        """The retained state (in-place recovery), the fault injector, and the executor built
+        once on the retained buffers (attaching maps them and localizes lost pages first)."""
+        import torch
+
+        from unbroken.inject import Injector, parse_fault
+        from unbroken.launch.executor import build_executor
+
+        spec, cfg, rank = self.spec, self.cfg, self.rank
+        if spec.retains_state:
+            from unbroken.launch.retained import RetainedState
+            from unbroken.state.client import RetainedClient
+
+            client = RetainedClient(spec.state_sockets[str(rank)], timeout_s=60)
+            self.retained = RetainedState(cfg, client)
+        job_t0 = self.store.job_t0(time.time() if rank == 0 else None)
+        faults = [parse_fault(f) for f in cfg.inject]
+        self.injector = Injector(faults, rank, self.store, self.events.emit, job_t0)
+        self.injector.device = self.device
+        autocast = None
+        if self.device.type == "cuda" and cfg.train.precision in ("auto", "bf16"):
+            autocast = torch.bfloat16
+        # The heartbeat first: it records the phase a failure (an injected one too) happened in.
+        hooks = ([self.hb] if self.hb else []) + [self.injector]
+        self.executor = build_executor(
+            cfg,
+            rank=rank,
+            group=self.group,
+            device=self.device,
+            retained=self.retained,
+            hooks=hooks,
+            autocast=autocast,
+            search=spec.search_path,
+        )
+        if self.retained is not None:
+            self.injector.page_loss = self.retained.page_loss_target(self.executor.geometry)
+        self._enter(SessionStage.ATTACHED)
+
+    def restore(self) -> int | None:
+        """The state as the spec's `RestoreMode` says; the first iteration to run, or None when
+        it cannot be resumed in place (the process then exits `RankExit.FALLBACK`)."""
+        from unbroken.checkpoint.policy import CheckpointPolicy
+        from unbroken.launch.restore import restore_state
+
+        spec, cfg, rank = self.spec, self.cfg, self.rank
+        root = cfg.checkpoint.dir or Path(spec.run_dir) / "checkpoints" / spec.run_name
+        self.checkpoints = CheckpointPolicy(
+            cfg.checkpoint,
+            Path(root),
+            iterations=cfg.train.iterations,
+            board=self.store,
+            rank=rank,
+            group=self.group,
+            emit=self.events.emit,
+            shard=self.executor.checkpoint_shard,
+            rng_seed=cfg.train.seed,
+        )
+        start = restore_state(
+            spec=spec,
+            cfg=cfg,
+            rank=rank,
+            executor=self.executor,
+            retained=self.retained,
+            group=self.group,
+            events=self.events,
+            hook=self.executor.hook,
+            checkpoints=self.checkpoints,
+        )
+        if start is None:
+            return None
+        self.injector.checkpoint_root = self.checkpoints.root
+        if rank == 0:
+            self.events.emit(
+                "trainer_ready",
+                generation=spec.generation,
+                restored_iter=start,
+                recovery=spec.restore.value,
+                group_s=self.t_group,
+            )
+        self._enter(SessionStage.RESTORED)
+        return start
+
+    def train(self, start: int) -> None:
+        """The generation's iterations, then the final state hash (rank 0 writes it)."""
+        import torch.distributed as dist
+
+        from unbroken.launch.loop import TrainingLoop, with_reclamation
+        from unbroken.metrics.log import JsonlLog
+
+        spec, cfg, rank = self.spec, self.cfg, self.rank
+        run_dir = Path(spec.run_dir)
+        iterate = self.executor.run_iteration
+        if self.args.reclaim and self.hb is not None and cfg.recovery.shadow_level:
+            from unbroken.shadow.client import ReclaimClient
+
+            client = ReclaimClient(self.args.reclaim, rank, spec.generation)
+            iterate = with_reclamation(
+                self.executor, client, self.hb, self.events, rank, self.device
+            )
+        TrainingLoop(
+            cfg=cfg,
+            generation=spec.generation,
+            executor=self.executor,
+            checkpoints=self.checkpoints,
+            timings=JsonlLog(run_dir / "timings.jsonl", run=spec.run_name),
+            metrics=JsonlLog(run_dir / "metrics.jsonl", run=spec.run_name) if rank == 0 else None,
+            iterate=iterate,
+            heartbeat=self.hb,
+        ).run(start)
+        dist.barrier(group=self.group)
+        final_hash = (
+            self.executor.state_hash() if rank == 0 or self.executor.collective_hash else None
+        )
+        if rank == 0:
+            self.events.emit(
+                "trainer_done", generation=spec.generation, final_state_hash=final_hash
+            )
+        if self.hb:
+            self.hb.exiting()  # on purpose: the agent allows the slow teardown of the group
+        dist.destroy_process_group()
+        self._enter(SessionStage.TRAINED)
+
+    # -- shadows --------------------------------------------------------------------------
+    def _await_promotion(self, level: int) -> GenerationSpec:
+        """A shadow parks here, pre-initialized to `level`, until the agent promotes it with
+        the final spec of its generation (Leto §6: in-place preinitialization)."""
+        from unbroken.messages import Promote, decode_json
+
+        spec = self.spec
+        # What this shadow held at each level it passed (what reclaiming it at that level would
+        # return): the agent's reclamation controller chooses levels by these.
+        footprint = steps_footprint(self.steps)
+        if self.hb is not None:
+            self.hb.shadow_ready(level, footprint)
+        t0 = self.t_start
+        self.events.emit(
+            "shadow_ready",
+            rank=self.rank,
+            pid=os.getpid(),
+            level=level,
+            generation=spec.generation,
+            prepare_s=time.time() - t0,
+            steps_s={
+                k: round(v - t0, 4) for k, v in self.steps.items() if not k.startswith("bytes")
+            },
+            footprint_mb={lv: round(b / (1 << 20), 2) for lv, b in footprint.items()},
+        )
+        line = sys.stdin.readline()
+        if not line:
+            raise SystemExit(0)  # the agent let the shadow go
+        t_promoted = time.time()
+        with contextlib.suppress(OSError):  # back to normal priority (needs privilege to raise it)
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+        promote = decode_json(line, (Promote,))
+        assert isinstance(promote, Promote)
+        final = GenerationSpec.from_json(Path(promote.spec).read_text())
+        if final.generation != spec.generation:
+            raise RuntimeError(
+                f"promoted into generation {final.generation}, prepared {spec.generation}"
+            )
+        if self.hb is not None:
+            self.hb.promoted(final.generation)
+        self.events.emit(
+            "shadow_promoted",
+            rank=self.rank,
+            level=level,
+            generation=spec.generation,
+            t_promoted=t_promoted,
+        )
+        return final
+
+
+def _device(cfg) -> Any:
+    import torch
+
+    want = cfg.train.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")

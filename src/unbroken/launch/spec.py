@@ -1,0 +1,51 @@
+"""`GenerationSpec`: everything a trainer of one generation needs, written as JSON by the
+coordinator before the generation starts (and before its shadows pre-initialize), read by each
+trainer at start or at promotion. Addresses are data here: a trainer connects where the spec
+says, never to an assumed host."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from unbroken.recovery import RestoreMode
+
+__all__ = ["GenerationSpec"]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationSpec:
+    config: dict[str, Any]
+    run_dir: str
+    run_name: str
+    store_host: str
+    store_port: int
+    generation: int
+    world_size: int
+    restore: RestoreMode
+    """How this generation's trainers obtain their state (the coordinator's one decision,
+    `unbroken.recovery.restore_mode`)."""
+    retains_state: bool
+    """The job keeps its state in state managers (in-place recovery): trainers attach it."""
+    search_path: list[str] = field(default_factory=list)
+    state_sockets: dict[str, str] = field(default_factory=dict)
+    """rank -> state manager socket (when `retains_state`)."""
+    debug: bool = False
+    """The job runs with --debug (tracebacks on the terminal)."""
+
+    @property
+    def resume(self) -> bool:
+        """A restart after a failure (not the job's first generation)."""
+        return self.restore is not RestoreMode.FRESH
+
+    def to_json(self) -> str:
+        fields = {s: getattr(self, s) for s in self.__slots__}
+        fields["restore"] = self.restore.value
+        return json.dumps(fields, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> GenerationSpec:
+        fields = json.loads(text)
+        fields["restore"] = RestoreMode(fields["restore"])
+        return cls(**fields)

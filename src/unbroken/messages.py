@@ -1,0 +1,381 @@
+"""Every message that crosses a process boundary, as frozen typed values, and their one codec.
+
+Three boundaries carry them:
+
+- the control channel between the coordinator and each node agent (TCP, HMAC-authenticated:
+  `unbroken.launch.protocol.Channel` decodes and validates every frame into one of these types
+  before anyone reads it): `Hello`, `NodeBeat`, `Started`, `RankExited`, `RankHung`,
+  `Stopped`, `MemoryReport` from agents; `StartGeneration`, `StopGeneration`, `Shutdown` to
+  them;
+- node-local datagrams from trainers and shadows to their agent (Unix sockets): `RankBeat` on
+  the heartbeat socket, `ReclaimRequest` on the reclamation socket, `ReclaimAnswer` back;
+- the promotion of a parked shadow: `Promote`, one line on its stdin.
+
+Wire form: a JSON object `{"op": <the type's OP>, <field>: <value>, ...}`. `decode` accepts
+only the types the receiver names, requires every field without a default, rejects unknown
+fields, and checks each value against the field's annotation (int, float, str, bool, enums,
+lists and dicts of those, `X | None`, nested message parts). A message that fails is a
+`MessageError` naming the op and the field; the receiver logs it and drops it (or the
+connection), never acts on it.
+
+Hand-written (≈ 100 lines over `dataclasses` and `typing`) rather than msgspec or pydantic: the
+GPU machines' image carries neither and cannot install packages, and every process of a job —
+trainers included — speaks these messages; the records are flat JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = [
+    "MEMORY_EVENTS",
+    "Hello",
+    "MemoryReport",
+    "Message",
+    "MessageError",
+    "NodeBeat",
+    "Promote",
+    "RankBeat",
+    "RankExited",
+    "RankHung",
+    "RankStatus",
+    "ReclaimAnswer",
+    "ReclaimRequest",
+    "ShadowLaunch",
+    "ShadowPlan",
+    "Shutdown",
+    "StartGeneration",
+    "Started",
+    "StopGeneration",
+    "Stopped",
+    "decode",
+    "decode_json",
+    "encode",
+    "encode_json",
+]
+
+
+class MessageError(ValueError):
+    """A message that does not match its type (the text names the op and the field)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    """Base of every message; `OP` is its name on the wire."""
+
+    OP: ClassVar[str] = ""
+
+
+# -- agent -> coordinator ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello(Message):
+    """An agent introduces its node (first message on a connection)."""
+
+    OP: ClassVar[str] = "hello"
+    node: int
+    pid: int
+    host: str = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeBeat(Message):
+    """The node is alive (the second level of heartbeats; raw rank beats never leave a node)."""
+
+    OP: ClassVar[str] = "beat"
+    t: float
+    trainers: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShadowLaunch:
+    """The shadows an agent started with a generation."""
+
+    level: int
+    generation: int
+    start: str
+    """"fork" (from the node's fork server) or "exec"."""
+    fork_failed: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Started(Message):
+    OP: ClassVar[str] = "started"
+    generation: int
+    t: float
+    promoted: bool
+    """The generation's trainers are promoted shadows (no process start)."""
+    shadows_ready: int
+    shadows: ShadowLaunch | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankExited(Message):
+    OP: ClassVar[str] = "rank_exit"
+    rank: int
+    generation: int
+    returncode: int
+    t: float
+    said: str = ""
+    """The last line the trainer wrote to its log (why it died, if it said)."""
+    completed: int = -1
+    """The last iteration the rank reported complete in this generation (-1: none)."""
+    iteration: int = -1
+    """The iteration its last heartbeat was in (-1: it never reached one)."""
+    phase: str = ""
+    """The phase its last heartbeat was in."""
+    traceback: str = ""
+    """The trainer's traceback from its log, when the job runs with --debug."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankHung(Message):
+    OP: ClassVar[str] = "rank_hung"
+    rank: int
+    generation: int
+    silent_s: float
+    t: float
+    phase: str = ""
+    iteration: int = -1
+    completed: int = -1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stopped(Message):
+    OP: ClassVar[str] = "stopped"
+    generation: int
+    t: float
+    took_s: float
+
+
+MEMORY_EVENTS = frozenset(
+    {"memory_budget", "shadows_reclaimed", "shadow_level", "oom", "memory_report"}
+)
+"""What an agent's `MemoryReport` may log (see unbroken.shadow.memory and .policy)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryReport(Message):
+    """A node's memory budget and reclamation controller: logged as an event."""
+
+    OP: ClassVar[str] = "memory"
+    event: str
+    t: float
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.event not in MEMORY_EVENTS:
+            raise MessageError(f"memory: unknown event {self.event!r}")
+
+
+# -- coordinator -> agent ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShadowPlan:
+    """Shadows to prepare for the next generation."""
+
+    level: int
+    start: str
+    """"fork" or "exec" (recovery.shadow_start)."""
+    next_spec: str
+    """The spec file of the generation they will join."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartGeneration(Message):
+    OP: ClassVar[str] = "start"
+    generation: int
+    spec: str
+    ranks: list[int]
+    """The ranks this node runs (its local ranks in this order)."""
+    heartbeat_timeout_s: float
+    node_heartbeat_s: float
+    shadows: ShadowPlan | None = None
+    memory_budget_mb: int = 0
+    memory_reclaim: bool = True
+    state_managers: dict[str, str] = field(default_factory=dict)
+    """rank -> state manager socket (in-place mode)."""
+    log_dir: str = ""
+    debug: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopGeneration(Message):
+    OP: ClassVar[str] = "stop"
+    generation: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shutdown(Message):
+    OP: ClassVar[str] = "shutdown"
+
+
+# -- trainer <-> agent, inside a node ----------------------------------------------------------
+class RankStatus(enum.StrEnum):
+    STARTING = "starting"
+    """Pre-initializing or joining; not yet at an iteration."""
+    SHADOW_READY = "shadow_ready"
+    """A shadow parked at its level (`RankBeat.level`), waiting for promotion."""
+    TRAINING = "training"
+    """Inside iterations; `RankBeat.phase` is the phase it is in."""
+    EXITING = "exiting"
+    """Done, tearing down on purpose (its group teardown may be slow)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankBeat(Message):
+    OP: ClassVar[str] = "rank_beat"
+    rank: int
+    generation: int
+    pid: int
+    t: float
+    status: RankStatus
+    iteration: int = -1
+    phase: str = ""
+    """The `unbroken.train.Phase` it is in (TRAINING)."""
+    completed: int = -1
+    """The last iteration it completed in this generation (-1: none)."""
+    level: int = 0
+    """Its shadow level (SHADOW_READY)."""
+    footprint: dict[str, int] = field(default_factory=dict)
+    """A shadow's private bytes at each level it passed ("1", "2", "3")."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReclaimRequest(Message):
+    """A trainer's allocation failed: reclaim the node's shadows (Leto §6, OOM callback)."""
+
+    OP: ClassVar[str] = "reclaim"
+    rank: int
+    generation: int
+    reply: str
+    """The trainer's datagram address for the `ReclaimAnswer`."""
+    reason: str
+    t: float
+    iteration: int | None = None
+    """The iteration being retried: shadows come back once the trainer is past it."""
+    used: int | None = None
+    total: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReclaimAnswer(Message):
+    OP: ClassVar[str] = "reclaimed"
+    reclaimed: int
+    level_to: int | None = None
+    wait_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Promote(Message):
+    """A parked shadow becomes the trainer of its generation, from this final spec."""
+
+    OP: ClassVar[str] = "promote"
+    spec: str
+
+
+# -- codec -------------------------------------------------------------------------------------
+def encode(msg: Message) -> dict[str, Any]:
+    """The wire form of `msg` (a JSON-ready dict with its op)."""
+    return {"op": msg.OP, **_fields(msg)}
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            value = _fields(value)
+        out[f.name] = value
+    return out
+
+
+def encode_json(msg: Message) -> bytes:
+    return json.dumps(encode(msg)).encode()
+
+
+def decode(obj: Any, accept: typing.Iterable[type[Message]]) -> Message:
+    """The message `obj` (a decoded JSON object) holds, if it is one of `accept`.
+
+    Raises:
+        MessageError: not an object, an op not in `accept`, or a field missing, unknown or of
+            the wrong type.
+    """
+    ops = {cls.OP: cls for cls in accept}
+    if not isinstance(obj, dict) or not isinstance(obj.get("op"), str):
+        raise MessageError("malformed message (no 'op')")
+    cls = ops.get(obj["op"])
+    if cls is None:
+        raise MessageError(f"unknown op {obj['op']!r}")
+    body = {k: v for k, v in obj.items() if k not in ("op", "seq")}
+    return _build(cls, body, cls.OP)
+
+
+def decode_json(data: bytes | str, accept: typing.Iterable[type[Message]]) -> Message:
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise MessageError("malformed message (not JSON)") from None
+    return decode(obj, accept)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(cls: type, body: dict[str, Any], where: str) -> Any:
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(body) - names)
+    if unknown:
+        raise MessageError(f"{where}: unknown field(s) {unknown}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in body:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise MessageError(f"{where}: missing field {f.name!r}")
+            continue
+        values[f.name] = _check(body[f.name], hints[f.name], f"{where}.{f.name}")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise MessageError(f"{where}: {exc}") from None
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check(value, inner, where)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise MessageError(f"{where}: expected an object, got {type(value).__name__}")
+        return _build(hint, value, where)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            raise MessageError(f"{where}: {value!r} is not a {hint.__name__}") from None
+    if origin is list:
+        if not isinstance(value, list):
+            raise MessageError(f"{where}: expected a list, got {type(value).__name__}")
+        return [_check(v, args[0], f"{where}[]") for v in value]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise MessageError(f"{where}: expected an object with string keys")
+        return {k: _check(v, args[1], f"{where}.{k}") for k, v in value.items()}
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool) and type(value) is hint:
+        return value
+    raise MessageError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {value!r}")

@@ -1,0 +1,222 @@
+"""The one recovery decision: how a generation obtains its state, and where the job resumes.
+
+Two levels, both pure functions:
+
+- **The coordinator's choice** for a new generation (`RestoreMode`): the first generation
+  starts `FRESH`; after a failure it restarts `IN_PLACE` when the job retains state
+  (`recovery.mode = "inplace"`), else from a `CHECKPOINT`; a rank that found its retained state
+  beyond repair exits with `RankExit.FALLBACK`, and the next generation (only the next) restarts
+  from a checkpoint (`restore_mode`). The choice travels in the generation's spec; trainers read
+  nothing else to decide it.
+- **The ranks' agreement** inside an in-place restart (`decide_restore`): every rank repairs
+  what it retained on its own (no collective), summarizes it as a `RetainedSummary` (its progress
+  marker and what it held), the summaries are all-gathered once, and every rank evaluates this
+  same function on the same table, so every rank takes the same path — Leto §5.2's rule: if any
+  rank passed the global synchronization of iteration t, every rank finishes t's update (with
+  the recorded statistics); otherwise the iteration after the last completed one is (re)done.
+  When some rank retained nothing (new regions, or a marker never written: its trainer died in
+  its start-up) the ranks start over from where the job stands if no rank completed an
+  iteration, else fall back to a checkpoint.
+
+`unbroken.launch.restore` runs the collectives and executes the decision.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from unbroken.update.marker import MarkerState, Stage
+
+__all__ = [
+    "RankAction",
+    "RankExit",
+    "RestoreDecision",
+    "RestoreMode",
+    "RestorePath",
+    "RetainedSummary",
+    "decide_restore",
+    "restore_mode",
+]
+
+
+class RestoreMode(enum.StrEnum):
+    """How a generation's trainers obtain their state."""
+
+    FRESH = "fresh"
+    """The job's first generation: the initial state (and the iteration-0 checkpoint)."""
+    IN_PLACE = "inplace"
+    """Reattach the retained state, repair it, agree on one boundary, continue."""
+    CHECKPOINT = "ckpt_restart"
+    """The newest complete checkpoint (or the initial state when there is none), recomputing
+    what came after it: the baseline, and the fallback."""
+
+
+class RankExit(enum.IntEnum):
+    """A trainer's exit status, as the coordinator reads it."""
+
+    DONE = 0
+    FAILED = 1
+    FALLBACK = 3
+    """The retained state is beyond in-place repair on some rank: restart from a checkpoint."""
+
+
+def restore_mode(retains_state: bool, generation: int, fallback: bool) -> RestoreMode:
+    """The coordinator's choice for `generation`.
+
+    Args:
+        retains_state: the job keeps its state in state managers (in-place recovery).
+        generation: the generation about to start.
+        fallback: a rank of the previous generation exited with `RankExit.FALLBACK`.
+    """
+    if generation == 0:
+        return RestoreMode.FRESH
+    return RestoreMode.IN_PLACE if retains_state and not fallback else RestoreMode.CHECKPOINT
+
+
+@dataclass(frozen=True, slots=True)
+class RetainedSummary:
+    """What one rank found in its retained state, before any collective.
+
+    Attributes:
+        held: the rank retained something (its regions were not new and its marker was
+            written at least once).
+        repaired: its repair succeeded (False: beyond parity tolerance, a lost undo buffer...).
+        progress: a completed iteration could be lost without it (its marker records one, or
+            it could not tell because the repair failed).
+        marker: its progress marker after the repair (None unless repaired).
+    """
+
+    held: bool
+    repaired: bool
+    progress: bool
+    marker: MarkerState | None = None
+
+    ROW = 10
+    """Floats per row of the gathered table."""
+
+    def to_row(self) -> list[float]:
+        m = self.marker or MarkerState()
+        return [
+            float(self.held),
+            float(self.repaired),
+            float(self.progress),
+            float(m.stage),
+            float(m.iteration),
+            float(m.done_iter),
+            m.loss,
+            m.grad_norm,
+            m.grad_scale,
+            m.lr,
+        ]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> RetainedSummary:
+        held, repaired, progress = (bool(x) for x in row[:3])
+        marker = None
+        if repaired:
+            marker = MarkerState(
+                stage=Stage(int(row[3])),
+                iteration=int(row[4]),
+                done_iter=int(row[5]),
+                loss=float(row[6]),
+                grad_norm=float(row[7]),
+                grad_scale=float(row[8]),
+                lr=float(row[9]),
+            )
+        return cls(held=held, repaired=repaired, progress=progress, marker=marker)
+
+
+class RestorePath(enum.StrEnum):
+    RESUME = "resume"
+    """Continue in place at `RestoreDecision.next_iteration`."""
+    START_OVER = "start_over"
+    """No rank retained progress: start where the job stands (initial state or checkpoint) in
+    this generation; nothing is lost."""
+    FALLBACK = "fallback"
+    """Progress cannot be recovered in place: every rank exits `RankExit.FALLBACK`."""
+
+
+class RankAction(enum.StrEnum):
+    """What one rank does to reach the agreed boundary (RESUME only)."""
+
+    FINISH_UPDATE = "finish the update from its last committed chunk"
+    FINISH_WITH_PEER_STATS = "finish the update from the start with a peer's statistics"
+    UPDATE_DONE = "its update is already complete"
+    REDO = "redo the interrupted iteration"
+    AT_BOUNDARY = "resume at the boundary"
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreDecision:
+    path: RestorePath
+    reason: str
+    next_iteration: int = 0
+    """RESUME: the first iteration the loop runs."""
+    finish: int | None = None
+    """RESUME: the iteration whose update every rank finishes first (a rank passed its sync)."""
+    stats: MarkerState | None = None
+    """RESUME with `finish`: the synchronized statistics of that iteration (from a rank that
+    recorded them), for ranks that had not recorded them yet."""
+    actions: tuple[RankAction, ...] = ()
+    """RESUME: each rank's action, by rank."""
+
+
+def _fallback(reason: str) -> RestoreDecision:
+    return RestoreDecision(RestorePath.FALLBACK, reason)
+
+
+def _finish_action(m: MarkerState, t: int) -> RankAction | None:
+    if m.stage is Stage.SYNCED and m.iteration == t:
+        return RankAction.FINISH_UPDATE
+    if m.stage is Stage.GRADS_PROTECTED and m.iteration == t:
+        return RankAction.FINISH_WITH_PEER_STATS
+    if m.stage is Stage.IDLE and m.done_iter == t:
+        return RankAction.UPDATE_DONE
+    return None
+
+
+def decide_restore(rows: Sequence[RetainedSummary]) -> RestoreDecision:
+    """The path every rank takes after an in-place restart, from every rank's summary (in rank
+    order). Pure: every rank computes it from the same gathered table."""
+    nothing = [r for r, s in enumerate(rows) if not s.held]
+    if nothing:
+        if any(s.progress for s in rows):
+            return _fallback(f"rank(s) {nothing} retained nothing and peers made progress")
+        return RestoreDecision(
+            RestorePath.START_OVER, f"rank(s) {nothing} retained nothing; no rank made progress"
+        )
+    broken = [r for r, s in enumerate(rows) if not s.repaired]
+    if broken:
+        return _fallback(f"rank(s) {broken} could not repair their retained state")
+    markers = [s.marker for s in rows]
+    assert all(m is not None for m in markers)
+    synced = [r for r, m in enumerate(markers) if m.stage is Stage.SYNCED]
+    if synced:
+        t = markers[synced[0]].iteration
+        if any(markers[r].iteration != t for r in synced):
+            return _fallback(f"ranks synced different iterations: {[m.iteration for m in markers]}")
+        actions = [_finish_action(m, t) for m in markers]
+        if None in actions:
+            bad = actions.index(None)
+            return _fallback(f"rank {bad}'s marker {markers[bad]} cannot join the update of {t}")
+        return RestoreDecision(
+            RestorePath.RESUME,
+            f"rank {synced[0]} passed the sync of {t}: every rank finishes its update",
+            next_iteration=t + 1,
+            finish=t,
+            stats=markers[synced[0]],
+            actions=tuple(actions),
+        )
+    done = {m.done_iter for m in markers}
+    if len(done) != 1:
+        return _fallback(f"ranks completed different iterations: {[m.done_iter for m in markers]}")
+    action = RankAction.REDO if any(m.stage for m in markers) else RankAction.AT_BOUNDARY
+    nxt = done.pop() + 1
+    return RestoreDecision(
+        RestorePath.RESUME,
+        f"{action.value} {nxt}" if action is RankAction.REDO else f"resume at iteration {nxt}",
+        next_iteration=nxt,
+        actions=tuple(RankAction.REDO if m.stage else RankAction.AT_BOUNDARY for m in markers),
+    )

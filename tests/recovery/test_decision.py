@@ -1,0 +1,93 @@
+"""The one recovery decision, as a pure function of every rank's retained summary: the path
+every rank takes and each rank's action, for every branch (Leto §5.2's rule)."""
+
+import pytest
+
+from unbroken.recovery import (
+    RankAction,
+    RestoreMode,
+    RestorePath,
+    RetainedSummary,
+    decide_restore,
+    restore_mode,
+)
+from unbroken.update.marker import MarkerState, Stage
+
+
+def _rank(stage=Stage.IDLE, iteration=5, done=4, **stats) -> RetainedSummary:
+    marker = MarkerState(stage=stage, iteration=iteration, done_iter=done, **stats)
+    return RetainedSummary(held=True, repaired=True, progress=done >= 0, marker=marker)
+
+
+NOTHING = RetainedSummary(held=False, repaired=False, progress=False)
+BROKEN = RetainedSummary(held=True, repaired=False, progress=True)
+
+
+def test_every_rank_at_a_boundary_resumes_there():
+    d = decide_restore([_rank(), _rank()])
+    assert (d.path, d.next_iteration, d.finish) == (RestorePath.RESUME, 5, None)
+    assert d.actions == (RankAction.AT_BOUNDARY, RankAction.AT_BOUNDARY)
+
+
+def test_a_rank_that_protected_its_gradients_redoes_the_iteration_with_the_others():
+    d = decide_restore([_rank(Stage.GRADS_PROTECTED), _rank()])
+    assert (d.path, d.next_iteration) == (RestorePath.RESUME, 5)
+    assert d.actions == (RankAction.REDO, RankAction.AT_BOUNDARY)
+    assert d.reason == "redo the interrupted iteration 5"
+
+
+def test_one_synced_rank_makes_every_rank_finish_that_update_with_its_statistics():
+    synced = _rank(Stage.SYNCED, loss=2.5, grad_norm=1.25, grad_scale=0.5, lr=1e-3)
+    d = decide_restore([_rank(Stage.GRADS_PROTECTED), synced, _rank(Stage.IDLE, 6, 5)])
+    assert (d.path, d.finish, d.next_iteration) == (RestorePath.RESUME, 5, 6)
+    assert d.actions == (
+        RankAction.FINISH_WITH_PEER_STATS,
+        RankAction.FINISH_UPDATE,
+        RankAction.UPDATE_DONE,
+    )
+    assert (d.stats.loss, d.stats.grad_norm, d.stats.grad_scale, d.stats.lr) == (
+        2.5,
+        1.25,
+        0.5,
+        1e-3,
+    )
+
+
+@pytest.mark.parametrize(
+    ("rows", "reason"),
+    [
+        ([_rank(Stage.SYNCED, 5), _rank(Stage.SYNCED, 6, 5)], "synced different iterations"),
+        ([_rank(Stage.SYNCED, 5), _rank(Stage.IDLE, 4, 3)], "cannot join the update of 5"),
+        ([_rank(Stage.IDLE, 5, 4), _rank(Stage.IDLE, 6, 5)], "completed different iterations"),
+        ([_rank(), BROKEN], "rank(s) [1] could not repair"),
+        ([NOTHING, _rank()], "rank(s) [0] retained nothing and peers made progress"),
+    ],
+)
+def test_inconsistent_or_lost_progress_falls_back_to_checkpoints(rows, reason):
+    d = decide_restore(rows)
+    assert d.path is RestorePath.FALLBACK and reason in d.reason
+
+
+def test_nothing_retained_and_no_progress_starts_over_in_this_generation():
+    fresh_start = _rank(Stage.IDLE, 0, -1)
+    d = decide_restore([NOTHING, fresh_start])
+    assert d.path is RestorePath.START_OVER and "[0] retained nothing" in d.reason
+
+
+def test_a_summary_survives_its_row_form_and_an_unrepaired_one_has_no_marker():
+    s = _rank(Stage.SYNCED, 7, 6, loss=1.5, grad_norm=2.0, grad_scale=0.25, lr=3e-4)
+    row = s.to_row()
+    assert len(row) == RetainedSummary.ROW
+    back = RetainedSummary.from_row(row)
+    assert back.marker.stage is Stage.SYNCED and (back.marker.iteration, back.marker.lr) == (
+        7,
+        3e-4,
+    )
+    assert RetainedSummary.from_row(BROKEN.to_row()) == BROKEN
+
+
+def test_the_coordinator_restore_mode():
+    assert restore_mode(True, 0, False) is RestoreMode.FRESH
+    assert restore_mode(True, 3, False) is RestoreMode.IN_PLACE
+    assert restore_mode(True, 3, True) is RestoreMode.CHECKPOINT
+    assert restore_mode(False, 3, False) is RestoreMode.CHECKPOINT
