@@ -11,7 +11,8 @@ import time
 import pytest
 
 from unbroken.api import run_job
-from unbroken.launch.protocol import AGENT_OPS, Channel, ProtocolError
+from unbroken.launch.protocol import FROM_AGENT, Channel, ProtocolError
+from unbroken.messages import Hello, RankExited
 from unbroken.metrics.log import read_jsonl
 
 from .conftest import tiny_job
@@ -19,22 +20,22 @@ from .conftest import tiny_job
 
 def _pair(secret=b"k" * 32):
     a, b = socket.socketpair()
-    return Channel(a, secret, AGENT_OPS), Channel(b, secret, AGENT_OPS), b
+    return Channel(a, secret, FROM_AGENT), Channel(b, secret, FROM_AGENT), b
 
 
-def test_authenticated_messages_round_trip():
+def test_authenticated_messages_round_trip_as_typed_values():
     tx, rx, sock_b = _pair()
-    tx.send("hello", node=0)
-    tx.send("rank_exit", rank=1, generation=0, returncode=-9, t=1.0)
-    msgs = rx.feed(sock_b.recv(65536))
-    assert [m["op"] for m in msgs] == ["hello", "rank_exit"]
+    sent = [Hello(node=0, pid=7), RankExited(rank=1, generation=0, returncode=-9, t=1.0)]
+    for msg in sent:
+        tx.send(msg)
+    assert rx.feed(sock_b.recv(65536)) == sent
 
 
 def test_wrong_secret_is_rejected():
     a, b = socket.socketpair()
-    Channel(a, b"x" * 32, AGENT_OPS).send("hello", node=0)
+    Channel(a, b"x" * 32, FROM_AGENT).send(Hello(node=0, pid=1))
     with pytest.raises(ProtocolError, match="authentication"):
-        Channel(b, b"y" * 32, AGENT_OPS).feed(b.recv(65536))
+        Channel(b, b"y" * 32, FROM_AGENT).feed(b.recv(65536))
 
 
 @pytest.mark.parametrize(
@@ -64,15 +65,20 @@ def test_authenticated_but_malformed_or_replayed_is_rejected():
         (b"not json", "not JSON"),
         (b'{"seq": 1}', "no 'op'"),
         (b'{"op": "format_disk", "seq": 1}', "unknown op"),
-        (b'{"op": "hello", "seq": "x"}', "sequence"),
+        (b'{"op": "stop", "seq": 1, "generation": 0}', "unknown op"),  # not from an agent
+        (b'{"op": "hello", "seq": "x", "node": 0, "pid": 1}', "sequence"),
+        (b'{"op": "hello", "seq": 1, "pid": 1}', "missing field 'node'"),
+        (b'{"op": "hello", "seq": 1, "node": "0", "pid": 1}', "hello.node: expected int"),
+        (b'{"op": "hello", "seq": 1, "node": 0, "pid": 1, "root": true}', "unknown field"),
+        (b'{"op": "memory", "seq": 1, "event": "rm -rf", "t": 1.0}', "unknown event"),
     ]:
         _, rx, _ = _pair(secret)
         with pytest.raises(ProtocolError, match=reason):
             rx.feed(frame(body))
     _, rx, _ = _pair(secret)
-    rx.feed(frame(b'{"op": "hello", "seq": 5}'))
+    rx.feed(frame(b'{"op": "hello", "seq": 5, "node": 0, "pid": 1}'))
     with pytest.raises(ProtocolError, match="replay"):
-        rx.feed(frame(b'{"op": "hello", "seq": 5}'))
+        rx.feed(frame(b'{"op": "hello", "seq": 5, "node": 0, "pid": 1}'))
 
 
 def test_coordinator_rejects_intruders_and_finishes_the_job(tmp_path):

@@ -217,7 +217,11 @@ def test_slow_faults_never_change_the_training_state(monkeypatch):
     def run(faults):
         log: list = []
         inj = Injector(
-            [parse_fault(f) for f in faults], 0, JobStore(dist.HashStore()), lambda *a, **k: None, 0.0
+            [parse_fault(f) for f in faults],
+            0,
+            JobStore(dist.HashStore()),
+            lambda *a, **k: None,
+            0.0,
         )
         trainer = _trainer(monkeypatch, [inj], log, bucket=40_000)
         for it in range(3):

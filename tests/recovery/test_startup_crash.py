@@ -110,31 +110,43 @@ class _Events:
 
 def _generation_1(cfg: JobConfig, regions: dict, rank: int, group, tmp: Path) -> dict:
     """The next generation's restore on `regions`; then the iterations, if it resumed."""
+    from unbroken.checkpoint.policy import CheckpointPolicy
     from unbroken.launch.restore import restore_state
+    from unbroken.launch.retained import RetainedState
+    from unbroken.recovery import RestoreMode
 
     _, built, upd, tr = _trainer(cfg, regions, rank, group)
-    retained = SimpleNamespace(
-        fresh=False,
+    retained = RetainedState(
+        cfg,
+        client=None,
         regions={n: SimpleNamespace(tensor=t, fresh=False) for n, t in regions.items()},
+        fresh=False,
         lost={},
-        localize_ms=0.0,
-        remap_ms=0.0,
     )
     spec = SimpleNamespace(
-        recovery="inplace", resume=True, generation=1, run_dir=str(tmp), run_name="t"
+        restore=RestoreMode.IN_PLACE, resume=True, generation=1, run_dir=str(tmp), run_name="t"
     )
     events = _Events()
-    outcome = restore_state(
+    start = restore_state(
         spec=spec,
         cfg=cfg,
         rank=rank,
-        built=built,
-        updater=upd,
+        executor=SimpleNamespace(updater=upd, state=built.state, reinit=None),
         retained=retained,
         group=group,
         events=events,
         hook=tr._hook,
+        checkpoints=CheckpointPolicy(
+            cfg.checkpoint,
+            Path(cfg.checkpoint.dir),
+            iterations=ITERATIONS,
+            board=None,
+            rank=rank,
+            group=group,
+            emit=events.emit,
+        ),
     )
+    outcome = None if start is None else (start,)
     result = {"start": None if outcome is None else outcome[0], "events": events.seen}
     if outcome is not None:
         for it in range(outcome[0], ITERATIONS):

@@ -29,7 +29,7 @@ from typing import Any
 
 from unbroken.launch.spec import GenerationSpec
 
-__all__ = ["IllegalStage", "RankArgs", "RankSession", "SessionStage"]
+__all__ = ["WORK", "IllegalStage", "RankArgs", "RankSession", "SessionStage"]
 
 
 class SessionStage(enum.IntEnum):
@@ -40,6 +40,18 @@ class SessionStage(enum.IntEnum):
     ATTACHED = 4
     RESTORED = 5
     TRAINED = 6
+
+
+WORK = {
+    SessionStage.STARTED: "imports",
+    SessionStage.IMPORTED: "runtime",
+    SessionStage.RUNTIME: "group",
+    SessionStage.GROUPED: "attach",
+    SessionStage.ATTACHED: "restore",
+    SessionStage.RESTORED: "training",
+    SessionStage.TRAINED: "exit",
+}
+"""What a session reached `stage` is doing next (where a failure happened)."""
 
 
 class IllegalStage(RuntimeError):
@@ -89,6 +101,11 @@ class RankSession:
     @property
     def rank(self) -> int:
         return self.args.rank
+
+    @property
+    def doing(self) -> str:
+        """The stage in progress (what a failure interrupted)."""
+        return WORK[self.stage]
 
     def _enter(self, stage: SessionStage) -> None:
         if stage != self.stage + 1:
