@@ -70,38 +70,11 @@ def run_job(
     else:
         cfg = config
     cfg = resolve_device_defaults(cfg)
-    if cfg.parallel.planned:
-        if cfg.model.factory:
-            raise UserError("parallel.tp/pp > 1 run the reference model only (model.factory set)")
-        if cfg.model.moe_experts:
-            raise UserError("parallel.tp/pp > 1: the engine runs the dense model (moe_experts set)")
-    if cfg.recovery.memory_budget_mb:
-        from unbroken.shadow.memory import BudgetUnavailable, require_budget_support
-
-        try:
-            require_budget_support()
-        except BudgetUnavailable as exc:
-            raise UserError(f"recovery.memory_budget_mb is set but {exc}") from None
-    _check_gpu_retained(cfg)
-    for spec in cfg.inject:
-        fault = parse_fault(spec)
-        if fault.rank >= cfg.parallel.world_size:
-            raise UserError(
-                f"fault {spec!r}: rank {fault.rank} does not exist (world_size "
-                f"{cfg.parallel.world_size})"
-            )
-        if fault.over and not _on_cuda(cfg):
-            raise UserError(
-                f"fault {spec!r}: over=N sizes a spike by the GPU's free memory; this job "
-                "trains on the CPU (use mb=N)"
-            )
+    _check_job(cfg)
     _check_user_objects(cfg, search)
     out = Path(out)
-    if fresh and out.exists():
-        for name in ("events.jsonl", "metrics.jsonl", "timings.jsonl", "summary.json", "plot.png"):
-            (out / name).unlink(missing_ok=True)
-        for name in ("checkpoints", "specs"):
-            shutil.rmtree(out / name, ignore_errors=True)
+    if fresh:
+        _clear_outputs(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     runs: dict[str, dict[str, Any]] = {}
@@ -137,6 +110,49 @@ def run_job(
     except ImportError as exc:  # a machine without matplotlib still gets every other output
         print(f"unbroken: no plot ({exc})", file=sys.stderr)
     return summary
+
+
+def _check_job(cfg: JobConfig) -> None:
+    """What the CLI process can check about a job before any process starts.
+
+    Raises:
+        UserError: one line naming what to fix.
+    """
+    if cfg.parallel.planned:
+        if cfg.model.factory:
+            raise UserError("parallel.tp/pp > 1 run the reference model only (model.factory set)")
+        if cfg.model.moe_experts:
+            raise UserError("parallel.tp/pp > 1: the engine runs the dense model (moe_experts set)")
+    if cfg.recovery.memory_budget_mb:
+        from unbroken.shadow.memory import BudgetUnavailable, require_budget_support
+
+        try:
+            require_budget_support()
+        except BudgetUnavailable as exc:
+            raise UserError(f"recovery.memory_budget_mb is set but {exc}") from None
+    _check_gpu_retained(cfg)
+    for spec in cfg.inject:
+        fault = parse_fault(spec)
+        if fault.rank >= cfg.parallel.world_size:
+            raise UserError(
+                f"fault {spec!r}: rank {fault.rank} does not exist (world_size "
+                f"{cfg.parallel.world_size})"
+            )
+        if fault.over and not _on_cuda(cfg):
+            raise UserError(
+                f"fault {spec!r}: over=N sizes a spike by the GPU's free memory; this job "
+                "trains on the CPU (use mb=N)"
+            )
+
+
+def _clear_outputs(out: Path) -> None:
+    """A fresh run's outputs replace the last run's in `out`."""
+    if not out.exists():
+        return
+    for name in ("events.jsonl", "metrics.jsonl", "timings.jsonl", "summary.json", "plot.png"):
+        (out / name).unlink(missing_ok=True)
+    for name in ("checkpoints", "specs"):
+        shutil.rmtree(out / name, ignore_errors=True)
 
 
 #: The page size of retained GPU memory: the CUDA virtual-memory granularity (ARCHITECTURE.md).
