@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.config import JobConfig, load_config, to_dict
-from unbroken.errors import UserError
+from unbroken.errors import JobFailed, UserError
 from unbroken.inject import parse_fault
 from unbroken.launch.coordinator import Coordinator, RunOutcome
 from unbroken.metrics.plot import plot_runs
@@ -36,6 +36,7 @@ def _outcome_dict(o: RunOutcome) -> dict[str, Any]:
         "events": o.events,
         "final_state_hash": o.final_state_hash,
         "state": o.state,
+        "reason": o.reason,
     }
 
 
@@ -61,6 +62,7 @@ def run_job(
 
     Raises:
         UserError: bad config, bad fault spec, missing data.
+        JobFailed: the fault-free reference run failed (its reason says why).
     """
     search = list(search_path or [])
     if not isinstance(config, JobConfig):
@@ -96,7 +98,7 @@ def run_job(
         )
         runs["reference"] = ref
         if ref["state"] != "done":
-            raise RuntimeError(f"the fault-free reference run did not finish: {ref['state']}")
+            raise JobFailed(f"the fault-free reference run failed: {ref['reason']}")
     name = "faulty" if reference else "train"
     main = _outcome_dict(
         Coordinator(cfg, out, name, search_path=search, quiet=quiet, debug=debug).run()

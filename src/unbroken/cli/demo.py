@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         )
     ok = (
         summary["state"] == "done"
-        and summary["failures_recovered"] == summary["failures_injected"]
+        and summary["failures_recovered"] == summary["failures_detected"]
         and not summary["faults_not_fired"]
         and summary.get("bit_exact") is True
     )

@@ -8,7 +8,7 @@ import importlib
 import sys
 import traceback
 
-from unbroken.errors import UserError
+from unbroken.errors import JobFailed, UserError
 
 __all__ = ["build_parser", "main"]
 
@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"unbroken: error: {exc}", file=sys.stderr)
         return 2
+    except JobFailed as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"unbroken: job failed: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("unbroken: interrupted", file=sys.stderr)
         return 130

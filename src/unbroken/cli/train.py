@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=1) if args.json else format_table(summary))
     ok = (
         summary["state"] == "done"
-        and summary["failures_recovered"] == summary["failures_injected"]
+        and summary["failures_recovered"] == summary["failures_detected"]
         and not summary["faults_not_fired"]
     )
     if reference:

@@ -57,8 +57,10 @@ def build_summary(
     interval_ev = next((e for e in f_events if e["kind"] == "checkpoint_interval"), None)
     summary: dict[str, Any] = {
         "state": faulty["state"],
+        "reason": faulty.get("reason", ""),
         "final_state_hash": faulty["final_state_hash"],
         "failures_injected": len(injected),
+        "failures_detected": sum(e["kind"] == "failure_detected" for e in f_events),
         "faults_not_fired": faults_not_fired(list(config.get("inject", [])), f_events),
         "failures_recovered": len(recoveries),
         "recoveries": [r.as_dict() for r in recoveries],
@@ -129,9 +131,12 @@ def format_table(summary: dict[str, Any]) -> str:
         f"{summary['final_state_hash'] or '-':>18}",
         "",
         f"bit-exact: {summary.get('bit_exact')}   ETTR: {summary.get('ettr', 0):.3f}   "
-        f"failures: {summary['failures_recovered']}/{summary['failures_injected']} recovered   "
+        f"failures: {summary['failures_recovered']}/{summary['failures_detected']} recovered "
+        f"({summary['failures_injected']} injected)   "
         f"checkpoint interval: {summary['ckpt_interval']} it, cost {summary['ckpt_cost_s']:.3f}s",
     ]
+    if summary["state"] != "done":
+        lines.append(f"job {summary['state']}: {summary.get('reason') or '(no reason given)'}")
     for spec in summary.get("faults_not_fired", []):
         lines.append(f"scheduled fault never fired: {spec} (past the run's end?)")
     for fs in summary["fail_slow"]:

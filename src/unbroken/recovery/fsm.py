@@ -18,7 +18,10 @@ generation exited with `RankExit.FALLBACK` (its retained state beyond repair; th
 holds for one recovery). Failures reported for an older generation (the other ranks of a
 generation being torn down) are ignored: one failure, one recovery. A generation that fails
 without an injected fault and without completing an iteration, three times in a row, is a
-crash loop: FAILED instead of restarting forever.
+crash loop: FAILED instead of restarting forever. When every rank of a generation fails before
+its first iteration with the same error (a model that cannot be built, a plan that does not
+fit), no restart can help: the coordinator reports it (`on_startup_failure`) and the job fails
+at once.
 
 Detected failures arrive through the detectors' one interface, `unbroken.detect.DetectionEvent`
 (`on_detection`): fail-stop events (a rank's exit, a hung rank, a lost node) drive the
@@ -220,6 +223,14 @@ class RecoveryMachine:
         self.fallback = False
         self._go(_S.RESTARTING, f"{mode.value}: start generation {self.generation}")
         return Start(self.generation, mode, mode.value)
+
+    def on_startup_failure(self, reason: str) -> Fail | None:
+        """Every rank of the running generation failed before its first iteration with the same
+        error: a deterministic start-up failure that no restart can fix. Fail at once."""
+        if self.state not in _LIVE:
+            return None
+        self._go(_S.FAILED, f"start-up failure on every rank: {reason}")
+        return Fail(self.generation, reason)
 
     def on_node_lost(self, reason: str) -> Fail | None:
         if self.over:

@@ -52,7 +52,18 @@ from unbroken.recovery import (
     Stop,
 )
 
-__all__ = ["CoordinatorCore"]
+__all__ = ["STARTUP_WINDOW_S", "CoordinatorCore", "startup_error"]
+
+STARTUP_WINDOW_S = 3.0
+"""How long a rank's failure before its first iteration is held, waiting for its peers: if
+every rank fails the same way within it, the failure is deterministic and the job stops."""
+
+
+def startup_error(said: str) -> str:
+    """A rank's last words without the rank: equal for every rank of a deterministic failure
+    ("unbroken-trainer[rank 1] in attach: error: ..." -> "in attach: error: ...")."""
+    head, sep, rest = said.partition("] ")
+    return rest if sep and head.startswith("unbroken-trainer[rank ") else said
 
 
 class CoordinatorCore:
@@ -95,6 +106,9 @@ class CoordinatorCore:
         self._stopped: dict[int, set[int]] = {}
         self._last_failure_t = 0.0
         self._faults = [parse_fault(s) for s in cfg.inject]
+        self._held: dict[int, tuple[int, RankExited]] = {}
+        """rank -> (node, its exit) of start-up failures held in the window."""
+        self._held_until: float | None = None
 
     # -- nodes ----------------------------------------------------------------------------
     def handle(self, node: int, msg: Message) -> None:
@@ -178,6 +192,42 @@ class CoordinatorCore:
         if msg.returncode == 0 or not self._live(msg.generation):
             self.execute(self.fsm.on_rank_exit(msg.rank, msg.generation, msg.returncode))
             return
+        if msg.iteration < 0 and self._injected_since_last_failure() is None:
+            self._hold(node, msg)  # before its first iteration: wait for its peers
+            return
+        self._fail_stop_exit(node, msg)
+
+    def _hold(self, node: int, msg: RankExited) -> None:
+        self._held[msg.rank] = (node, msg)
+        if self._held_until is None:
+            self._held_until = time.time() + STARTUP_WINDOW_S
+        if len(self._held) == self.layout.world_size:
+            self.tick(float("inf"))
+
+    def tick(self, now: float) -> None:
+        """Release the held start-up failures once every rank failed or the window passed:
+        the same error on every rank fails the job at once; else the first is recovered."""
+        if self._held_until is None or (
+            now < self._held_until and len(self._held) < self.layout.world_size
+        ):
+            return
+        held = [self._held[r] for r in sorted(self._held)]
+        self._held, self._held_until = {}, None
+        node, first = min(held, key=lambda h: h[1].t)
+        errors = {startup_error(m.said) for _, m in held}
+        if not self._live(first.generation):
+            return
+        if len(held) == self.layout.world_size and len(errors) == 1 and first.said:
+            log = Path(self.run_dir) / "logs" / self.run_name
+            log = log / f"gen{first.generation}-rank{first.rank}.log"
+            reason = (
+                f"every rank failed before its first iteration: {errors.pop()} (traceback: {log})"
+            )
+            self._fail_stop_exit(node, first, startup=reason)
+        else:
+            self._fail_stop_exit(node, first)
+
+    def _fail_stop_exit(self, node: int, msg: RankExited, startup: str = "") -> None:
         if msg.traceback and self.debug:
             self.monitor.say(f"rank {msg.rank} traceback:\n{msg.traceback.rstrip()}")
         self.emit(
@@ -195,6 +245,7 @@ class CoordinatorCore:
             ),
             progressed=msg.completed >= 0,
             phase=msg.phase,
+            startup=startup,
         )
 
     def _rank_hung(self, node: int, msg: RankHung) -> None:
@@ -233,11 +284,14 @@ class CoordinatorCore:
             self.monitor.say(f"memory: out of budget with nothing to reclaim ({fields})")
 
     # -- detection ------------------------------------------------------------------------
-    def emit(self, event: DetectionEvent, progressed: bool = True, phase: str = "") -> None:
-        """`DetectionSink`: log a detected failure, then let the recovery machine act on it."""
+    def emit(
+        self, event: DetectionEvent, progressed: bool = True, phase: str = "", startup: str = ""
+    ) -> None:
+        """`DetectionSink`: log a detected failure, then let the recovery machine act on it
+        (`startup`: the reason every rank failed the same way before its first iteration)."""
         if event.kind is DetectionKind.FAIL_STOP:
             self._log_fail_stop(event, progressed, phase)
-        action = self.fsm.on_detection(event)
+        action = self.fsm.on_startup_failure(startup) if startup else self.fsm.on_detection(event)
         if event.cause == FailStopCause.NODE_LOST:
             self.done_reason = event.reason  # its agent is gone: nothing to tell it
             self._log_transitions()

@@ -151,6 +151,7 @@ class Coordinator:
                 for item in self.server.poll(timeout=0.05):
                     self._dispatch(core, item)
                 self.monitor.poll()
+                core.tick(time.time())
                 self._check_nodes(core, t_hello)
             self.monitor.poll()
         finally:
