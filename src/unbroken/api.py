@@ -35,6 +35,7 @@ def _outcome_dict(o: RunOutcome) -> dict[str, Any]:
         "metrics": o.metrics,
         "events": o.events,
         "final_state_hash": o.final_state_hash,
+        "rank_hashes": o.rank_hashes,
         "state": o.state,
         "reason": o.reason,
     }

@@ -31,6 +31,10 @@ class FaultKind(enum.StrEnum):
     """Flip one byte in the middle of the newest complete checkpoint's largest file on disk (bit
     rot, a torn write), then SIGKILL the trainer: the restart must notice the damage and load
     the checkpoint before it."""
+    BITFLIP = "bitflip"
+    """Flip one byte of this rank's parameters in place (silent data corruption): nothing in
+    the runtime detects or repairs it, so the run must come out NOT bit-exact, naming the
+    rank — the negative control of the audit."""
     MEMSPIKE = "memspike"
     """Allocate and touch `mb` MiB more for the rest of the iteration (a memory peak such as a
     long-sequence batch or uneven expert routing): no failure unless memory runs out."""

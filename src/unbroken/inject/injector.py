@@ -129,6 +129,8 @@ class Injector:
         same bytes."""
         self.device = None
         """The trainer's device (set by the trainer): a `memspike` allocates there."""
+        self.bitflip_target = None
+        """`bitflip` target: this rank's flat parameters (set by the trainer)."""
 
     @property
     def _on_cuda(self) -> bool:
@@ -301,10 +303,27 @@ class Injector:
             spec=fault.text(),
         )
 
+    def _bitflip(self, fault: FaultSpec, phase: Phase, iteration: int) -> None:
+        if self.bitflip_target is None:
+            raise InjectedFault(f"{fault.text()}: no parameters to corrupt")
+        offset = flip_byte(self.bitflip_target, fault)
+        self.emit(
+            "corruption_injected",
+            rank=self.rank,
+            iter=iteration,
+            phase=phase.value,
+            fault=fault.kind.value,
+            spec=fault.text(),
+            byte=offset,
+        )
+
     def _fire(self, fault: FaultSpec, phase: Phase, iteration: int, step: int) -> None:
         self.store.mark_fault_fired(fault.key, time.time())
         if fault.kind is FaultKind.MEMSPIKE:
             self._memspike(fault, phase, iteration)  # not a failure unless memory runs out
+            return
+        if fault.kind is FaultKind.BITFLIP:
+            self._bitflip(fault, phase, iteration)  # silent: nothing fails, the audit must see
             return
         if fault.kind is FaultKind.OOM:
             # Not a failure by itself: the trainer's allocation-failure path decides (it asks
@@ -352,6 +371,17 @@ class Injector:
                 factor=factor,
                 spec=fault.text(),
             )
+
+
+def flip_byte(tensor, fault: FaultSpec) -> int:
+    """Flip every bit of one byte in the middle of `tensor`'s storage (on its device);
+    returns the byte offset."""
+    import torch
+
+    raw = tensor.view(-1).view(dtype=torch.uint8)
+    offset = raw.numel() // 2
+    raw[offset : offset + 1].bitwise_not_()
+    return offset
 
 
 def corrupt_newest_checkpoint(root: Path | None, fault: FaultSpec) -> str:

@@ -36,8 +36,9 @@ class Executor(Protocol):
     data-parallel way (an engine rank's shard of the full model), else None."""
     checkpoint_shard: str
     """Per-rank checkpoint key prefix when ranks hold different state ("" when replicated)."""
-    collective_hash: bool
-    """`state_hash` is a collective (every rank must call it at the same iterations)."""
+    replica_sets: tuple[tuple[int, ...], ...]
+    """Sets of ranks that hold identical state (data-parallel replicas of the same shard): the
+    audit checks that each set's hashes agree."""
 
     def hook(self, phase: Any, iteration: int, step: int = 0, n_steps: int = 1) -> None:
         """Call the rank's phase hooks (restore finishes an update through them)."""
@@ -48,8 +49,8 @@ class Executor(Protocol):
         """This rank's compute timings and workload of `iteration` for the fail-slow watch
         (`timings.jsonl`), or None when it has none."""
 
-    def state_hash(self) -> str:
-        """The job's model state hash (collective for plans: every rank calls it)."""
+    def job_hash(self, rank_hashes: list[str]) -> str:
+        """The job's model state hash from every rank's own (`TrainState.state_hash`)."""
 
 
 def _make_updater(retained, cfg: JobConfig):
@@ -75,9 +76,9 @@ class DataParallelExecutor:
     state: TrainState
     geometry: StateGeometry
     updater: Updater
+    replica_sets: tuple[tuple[int, ...], ...] = ()
     reinit: Callable[[], None] | None = None
     checkpoint_shard: str = ""
-    collective_hash: bool = False
 
     def hook(self, phase: Any, iteration: int, step: int = 0, n_steps: int = 1) -> None:
         self.trainer._hook(phase, iteration, step, n_steps)
@@ -95,8 +96,8 @@ class DataParallelExecutor:
             "doc_lengths": [list(x) for x in result.doc_lengths],
         }
 
-    def state_hash(self) -> str:
-        return self.state.state_hash()  # every replica holds all of it
+    def job_hash(self, rank_hashes: list[str]) -> str:
+        return rank_hashes[0]  # every replica holds all of it (`replica_sets` checks that)
 
 
 @dataclass(slots=True)
@@ -110,7 +111,7 @@ class PlanExecutor:
     updater: Updater
     reinit: Callable[[], None] | None
     checkpoint_shard: str
-    collective_hash: bool = True
+    replica_sets: tuple[tuple[int, ...], ...] = ()
 
     def hook(self, phase: Any, iteration: int, step: int = 0, n_steps: int = 1) -> None:
         self.worker._hook(phase, iteration, step, n_steps)
@@ -128,11 +129,21 @@ class PlanExecutor:
             "doc_lengths": [list(x) for x in result.doc_lengths],
         }
 
-    def state_hash(self) -> str:
-        """A hash over every rank's shard hash in rank order (collective)."""
-        hashes: list[str | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(hashes, self.state.state_hash(), group=self.group)
-        return hashlib.sha256("".join(map(str, hashes)).encode()).hexdigest()[:16]
+    def job_hash(self, rank_hashes: list[str]) -> str:
+        """A hash over every rank's shard hash in rank order."""
+        return hashlib.sha256("".join(rank_hashes).encode()).hexdigest()[:16]
+
+
+def plan_replica_sets(plan) -> tuple[tuple[int, ...], ...]:
+    """Ranks of `plan` that hold identical state: the same layers at the same TP degree and
+    TP position, in different replicas (sets of one are left out)."""
+    sets: dict[tuple, list[int]] = {}
+    for rank in plan.ranks:
+        d, s = plan.locate(rank)
+        stages = plan.replicas[d].stages
+        held = tuple((g.layers, g.tp) for k, g in enumerate(stages) if k % plan.pp == s)
+        sets.setdefault((held, stages[s].ranks.index(rank)), []).append(rank)
+    return tuple(tuple(r) for r in sets.values() if len(r) > 1)
 
 
 def build_executor(
@@ -184,7 +195,15 @@ def _data_parallel_executor(cfg, rank, group, device, retained, hooks, autocast,
         updater=updater,
         loss_fn=built.loss_fn,
     )
-    return DataParallelExecutor(trainer, timer, built.state, built.geometry, updater)
+    world = dist.get_world_size(group) if group is not None else 1
+    return DataParallelExecutor(
+        trainer,
+        timer,
+        built.state,
+        built.geometry,
+        updater,
+        replica_sets=(tuple(range(world)),) if world > 1 else (),
+    )
 
 
 def _plan_executor(cfg, plan, group, device, retained, hooks, autocast):
@@ -216,4 +235,5 @@ def _plan_executor(cfg, plan, group, device, retained, hooks, autocast):
         updater=worker.updater,
         reinit=reinit,
         checkpoint_shard=f"rank{dist.get_rank(group)}",
+        replica_sets=plan_replica_sets(plan),
     )

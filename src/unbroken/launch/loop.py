@@ -14,6 +14,7 @@ from typing import Any
 
 from unbroken.checkpoint.policy import CheckpointPolicy
 from unbroken.config import JobConfig
+from unbroken.launch.audit import Audit, gather_hashes, replica_mismatches
 from unbroken.launch.executor import Executor
 from unbroken.metrics.log import JsonlLog
 from unbroken.train import IterationResult
@@ -25,7 +26,7 @@ __all__ = ["TrainingLoop", "with_reclamation"]
 class TrainingLoop:
     """Args: cfg, generation, executor, checkpoints (the policy), timings (the job's
     `timings.jsonl`), metrics (`metrics.jsonl`, rank 0 only), iterate (the executor's
-    `run_iteration`, possibly wrapped), heartbeat (None without an agent)."""
+    `run_iteration`, possibly wrapped), group, events, heartbeat (None without an agent)."""
 
     cfg: JobConfig
     generation: int
@@ -34,6 +35,10 @@ class TrainingLoop:
     timings: JsonlLog
     metrics: JsonlLog | None
     iterate: Callable[[int], IterationResult]
+    group: Any = None
+    """The job's process group (the audit gathers every rank's hash over it)."""
+    events: Any = None
+    """The job's event log (rank 0 reports replica mismatches there)."""
     heartbeat: Any = None
 
     def run(self, start: int) -> None:
@@ -46,23 +51,32 @@ class TrainingLoop:
                 # Per-rank compute timings and workload, for fail-slow validation.
                 self.timings.write({**record, "generation": self.generation})
             ckpt_s = self.checkpoints.after_iteration(state, it, result.seconds)
-            digest = self._hash(it)
+            audit = self._hash(it)
             if self.metrics is not None:
-                self._write_metrics(result, digest, ckpt_s)
+                self._write_metrics(result, audit, ckpt_s)
             if self.heartbeat is not None:
                 self.heartbeat.completed(it)
 
-    def _hash(self, it: int) -> str | None:
-        """The state hash at hashed iterations (`train.hash_every`; the last one always).
-        Rank 0 writes it; a plan's hash is a collective every rank joins (the condition is
-        the same on every rank)."""
+    def _hash(self, it: int) -> Audit | None:
+        """The audit at hashed iterations (`train.hash_every`; the last one always): every
+        rank hashes its own state and the hashes are gathered (a collective every rank joins;
+        the condition is the same on every rank). A replica that differs from its peers is
+        logged by rank 0 with the iteration."""
         every = self.cfg.train.hash_every
-        hashed = bool(every) and (it % every == 0 or it == self.cfg.train.iterations - 1)
-        if hashed and (self.metrics is not None or self.executor.collective_hash):
-            return self.executor.state_hash()
-        return None
+        if not every or (it % every and it != self.cfg.train.iterations - 1):
+            return None
+        audit = self.audit()
+        if audit.mismatched and self.metrics is not None:
+            self.events.emit("replica_mismatch", iter=it, ranks=audit.mismatched)
+        return audit
 
-    def _write_metrics(self, result: IterationResult, digest: str | None, ckpt_s: float) -> None:
+    def audit(self) -> Audit:
+        """Gather every rank's hash (collective)."""
+        ex = self.executor
+        hashes = gather_hashes(ex.state.state_hash(), self.group)
+        return Audit(ex.job_hash(hashes), hashes, replica_mismatches(hashes, ex.replica_sets))
+
+    def _write_metrics(self, result: IterationResult, audit: Audit | None, ckpt_s: float) -> None:
         assert self.metrics is not None
         t_end = time.time()
         self.metrics.write(
@@ -77,7 +91,8 @@ class TrainingLoop:
                 "lr": result.lr,
                 "tokens": result.tokens,
                 "tokens_per_s": result.tokens / max(1e-9, t_end - result.t_start),
-                "state_hash": digest,
+                "state_hash": audit.job_hash if audit else None,
+                "rank_hashes": audit.rank_hashes if audit else None,
                 "ckpt_s": ckpt_s,
                 "doc_lengths": [list(x) for x in result.doc_lengths],
             }

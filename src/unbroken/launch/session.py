@@ -245,6 +245,7 @@ class RankSession:
             autocast=autocast,
             search=spec.search_path,
         )
+        self.injector.bitflip_target = self.executor.state.params
         if self.retained is not None:
             self.injector.page_loss = self.retained.page_loss_target(self.executor.geometry)
         self._enter(SessionStage.ATTACHED)
@@ -310,7 +311,7 @@ class RankSession:
             iterate = with_reclamation(
                 self.executor, client, self.hb, self.events, rank, self.device
             )
-        TrainingLoop(
+        loop = TrainingLoop(
             cfg=cfg,
             generation=spec.generation,
             executor=self.executor,
@@ -318,15 +319,20 @@ class RankSession:
             timings=JsonlLog(run_dir / "timings.jsonl", run=spec.run_name),
             metrics=JsonlLog(run_dir / "metrics.jsonl", run=spec.run_name) if rank == 0 else None,
             iterate=iterate,
+            group=self.group,
+            events=self.events,
             heartbeat=self.hb,
-        ).run(start)
-        dist.barrier(group=self.group)
-        final_hash = (
-            self.executor.state_hash() if rank == 0 or self.executor.collective_hash else None
         )
+        loop.run(start)
+        dist.barrier(group=self.group)
+        final = loop.audit()  # every rank's own hash: the audit compares all of them
         if rank == 0:
             self.events.emit(
-                "trainer_done", generation=spec.generation, final_state_hash=final_hash
+                "trainer_done",
+                generation=spec.generation,
+                final_state_hash=final.job_hash,
+                rank_hashes=final.rank_hashes,
+                replica_mismatch=final.mismatched,
             )
         if self.hb:
             self.hb.exiting()  # on purpose: the agent allows the slow teardown of the group

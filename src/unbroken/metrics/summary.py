@@ -7,7 +7,7 @@ from typing import Any
 
 from unbroken.metrics.analysis import analyze_run, ettr, healthy_iter_s, wall_time
 
-__all__ = ["build_summary", "faults_not_fired", "format_table"]
+__all__ = ["audit", "build_summary", "faults_not_fired", "format_table"]
 
 #: Kinds that do not log `failure_injected` (they are not failures unless memory runs out).
 _SILENT_KINDS = ("oom", "memspike")
@@ -18,7 +18,9 @@ def faults_not_fired(inject: list[str], events: list[dict[str, Any]]) -> list[st
     the run's end, a wall time it never reached — as canonical specs, in schedule order."""
     from unbroken.inject import parse_fault
 
-    fired = {e.get("spec") for e in events if e["kind"] == "failure_injected"}
+    fired = {
+        e.get("spec") for e in events if e["kind"] in ("failure_injected", "corruption_injected")
+    }
     specs = [parse_fault(s) for s in inject]
     return [f.text() for f in specs if f.kind.value not in _SILENT_KINDS and f.text() not in fired]
 
@@ -91,28 +93,62 @@ def build_summary(
         ],
         "change_points": sum(e["kind"] == "change_point" for e in f_events),
     }
+    summary["replica_mismatches"] = [
+        {"iter": e["iter"], "ranks": e["ranks"]}
+        for e in f_events
+        if e["kind"] == "replica_mismatch"
+    ]
     if reference is not None:
         summary.update(
             reference_state_hash=reference["final_state_hash"],
-            bit_exact=bool(
-                faulty["final_state_hash"]
-                and faulty["final_state_hash"] == reference["final_state_hash"]
-            ),
             ettr=ettr(reference["metrics"], f_metrics),
             reference=_run_stats(reference["metrics"]),
             reference_wall_s=wall_time(reference["metrics"]),
+            **audit(reference, faulty),
         )
-        ref_hashes = {m["iter"]: m["state_hash"] for m in reference["metrics"]}
-        mismatched = sorted(
-            {
-                m["iter"]
-                for m in f_metrics
-                if m["state_hash"] is not None
-                and ref_hashes.get(m["iter"]) not in (None, m["state_hash"])
-            }
-        )
-        summary["per_iteration_mismatches"] = mismatched
     return summary
+
+
+def _rank_diff(ref: list[str] | None, got: list[str] | None) -> list[int]:
+    """Ranks whose hash differs between two runs' per-rank hashes (all of them when the
+    runs have different rank counts; none when either run recorded none)."""
+    if ref is None or got is None:
+        return []
+    if len(ref) != len(got):
+        return list(range(max(len(ref), len(got))))
+    return [r for r, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b]
+
+
+def audit(reference: dict[str, Any], faulty: dict[str, Any]) -> dict[str, Any]:
+    """The bit-exact audit of a faulty run against its fault-free reference: the job's final
+    hash, every rank's own final hash, and every hashed iteration — per rank — must match.
+
+    Returns:
+        bit_exact, rank_mismatches (ranks whose final state differs), and
+        per_iteration_mismatches (iterations where the job's or some rank's hash differs,
+        with the ranks: [{"iter", "ranks"}]).
+    """
+    ranks = _rank_diff(reference.get("rank_hashes"), faulty.get("rank_hashes"))
+    ref_rows = {m["iter"]: m for m in reference["metrics"]}
+    per_iter: dict[int, set[int]] = {}
+    for m in faulty["metrics"]:
+        ref = ref_rows.get(m["iter"])
+        if ref is None or m["state_hash"] is None or ref["state_hash"] is None:
+            continue  # an iteration one of the runs did not hash
+        diff = set(_rank_diff(ref.get("rank_hashes"), m.get("rank_hashes")))
+        if diff or m["state_hash"] != ref["state_hash"]:
+            per_iter.setdefault(m["iter"], set()).update(diff)
+    final_equal = bool(faulty["final_state_hash"]) and (
+        faulty["final_state_hash"] == reference["final_state_hash"]
+    )
+    return {
+        "bit_exact": final_equal and not ranks and not per_iter,
+        "rank_mismatches": ranks,
+        "per_iteration_mismatches": sorted(per_iter),
+        "per_rank_mismatches": [
+            {"iter": it, "ranks": sorted(r)} for it, r in sorted(per_iter.items()) if r
+        ],
+    }
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -137,6 +173,14 @@ def format_table(summary: dict[str, Any]) -> str:
     ]
     if summary["state"] != "done":
         lines.append(f"job {summary['state']}: {summary.get('reason') or '(no reason given)'}")
+    for rank in summary.get("rank_mismatches", []):
+        lines.append(f"audit: rank {rank}'s final state differs from the reference's")
+    for m in summary.get("per_rank_mismatches", []):
+        lines.append(
+            f"audit: iteration {m['iter']}: rank(s) {m['ranks']} differ from the reference"
+        )
+    for m in summary.get("replica_mismatches", []):
+        lines.append(f"audit: iteration {m['iter']}: replica(s) of rank(s) {m['ranks']} differ")
     for spec in summary.get("faults_not_fired", []):
         lines.append(f"scheduled fault never fired: {spec} (past the run's end?)")
     for fs in summary["fail_slow"]:

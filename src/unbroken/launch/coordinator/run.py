@@ -44,6 +44,8 @@ class RunOutcome:
     restarts: int
     final_state_hash: str | None
     reason: str = ""
+    rank_hashes: list[str] | None = None
+    """Every rank's own final state hash (the audit compares all of them)."""
     metrics: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
 
@@ -164,16 +166,15 @@ class Coordinator:
             detector_s=self.monitor.slow_watch.overhead_s,
         )
         events = self.monitor.seen_events
-        final = next(
-            (e["final_state_hash"] for e in reversed(events) if e["kind"] == "trainer_done"), None
-        )
+        done = next((e for e in reversed(events) if e["kind"] == "trainer_done"), {})
         return RunOutcome(
             run_name=self.run_name,
             state=core.fsm.state.value,
             generations=core.fsm.generation + 1,
             restarts=core.fsm.restarts,
-            final_state_hash=final,
+            final_state_hash=done.get("final_state_hash"),
             reason=core.done_reason,
+            rank_hashes=done.get("rank_hashes"),
             metrics=self.monitor.rows,
             events=events,
         )
