@@ -183,11 +183,9 @@ def run(
         torch.cuda.set_device(device)
         torch.empty(1, device=device)  # the CUDA context, part of the device runtime (L2)
     if not cfg.data.dataset:
-        from unbroken.data import load_corpus
+        from unbroken.data import corpus_for
 
-        load_corpus(
-            cfg.data.corpus, jsonl_field=cfg.data.jsonl_field, max_documents=cfg.data.max_documents
-        )
+        corpus_for(cfg.data)
     if shadow >= 2 and device.type == "cuda" and cfg.recovery.mode == "inplace":
         from unbroken.shadow.warm import warm_cuda
 
