@@ -31,11 +31,11 @@ PRESETS: dict[str, dict[str, int]] = {
     "125m": dict(
         dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, vocab_size=BPE_VOCAB
     ),
-    # ~351M params.
+    # ~350M params.
     "350m": dict(
         dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_dim=2816, vocab_size=BPE_VOCAB
     ),
-    # ~1.07B params.
+    # ~1.08B params.
     "1b": dict(dim=2048, n_layers=20, n_heads=16, n_kv_heads=8, ffn_dim=5632, vocab_size=BPE_VOCAB),
 }
 
