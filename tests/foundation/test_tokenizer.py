@@ -75,13 +75,15 @@ def test_presets_pick_their_tokenizer_and_the_model_vocabulary_follows():
 
 
 def test_the_model_must_cover_the_tokenizer():
-    with pytest.raises(ValueError, match="model.vocab_size = 300 is smaller"):
-        JobConfig(model=ModelConfig(vocab_size=300), data=DataConfig(tokenizer="bpe", vocab_size=500))
-    with pytest.raises(ValueError, match="data.vocab_size = 500 sizes a trained BPE"):
+    with pytest.raises(ValueError, match=r"model\.vocab_size = 300 is smaller"):
+        JobConfig(
+            model=ModelConfig(vocab_size=300), data=DataConfig(tokenizer="bpe", vocab_size=500)
+        )
+    with pytest.raises(ValueError, match=r"data\.vocab_size = 500 sizes a trained BPE"):
         JobConfig(data=DataConfig(tokenizer="bytes", vocab_size=500))
     with pytest.raises(ValueError, match="at least 257"):
         JobConfig(data=DataConfig(tokenizer="bpe", vocab_size=256))
-    with pytest.raises(ValueError, match="data.dataset yields its own token ids"):
+    with pytest.raises(ValueError, match=r"data\.dataset yields its own token ids"):
         JobConfig(data=DataConfig(tokenizer="bpe", dataset="m:C"))
 
 
@@ -211,7 +213,8 @@ def test_a_bpe_job_recovers_bit_exact_from_a_kill(texts, cache, tmp_path, monkey
     monkeypatch.setattr(tk, "encode_documents", lambda *a: built.append(1) or encode(*a))
     base = tiny_job(iterations=8, inject=["kill:rank=1,iter=4,phase=update"])
     cfg = dataclasses.replace(
-        base, data=dataclasses.replace(base.data, corpus=str(texts), tokenizer="bpe", vocab_size=320)
+        base,
+        data=dataclasses.replace(base.data, corpus=str(texts), tokenizer="bpe", vocab_size=320),
     )
     assert cfg.model.vocab_size == 320
     s = run_job(cfg, tmp_path / "run", reference=True, quiet=True)
