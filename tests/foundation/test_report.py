@@ -126,6 +126,39 @@ def test_a_summary_with_its_own_localize_and_reconstruct_wins():
     }
 
 
+def test_a_repair_logged_after_the_generation_reported_ready_still_counts():
+    # Ranks log their repairs around the generation's trainer_ready; the slowest comes after.
+    events = [
+        {"t": 10.0, "kind": "failure_injected", "rank": 2, "iter": 5, "phase": "writeback"},
+        {
+            "t": 12.0,
+            "kind": "inplace_repair",
+            "generation": 1,
+            "localize_ms": 1,
+            "reconstruct_ms": 2,
+        },
+        {"t": 12.1, "kind": "trainer_ready", "generation": 1},
+        {
+            "t": 12.2,
+            "kind": "inplace_repair",
+            "generation": 1,
+            "localize_ms": 3,
+            "reconstruct_ms": 129,
+        },
+        {
+            "t": 30.0,
+            "kind": "inplace_repair",
+            "generation": 2,
+            "localize_ms": 9,
+            "reconstruct_ms": 999,
+        },
+    ]
+    rec = {"rank": 2, "iteration": 5, "phase": "writeback", "detect_s": 0.1, "total_s": 2.5}
+    (bar,) = recovery_bars({"recoveries": [rec]}, events)
+    assert bar.seconds["reconstruct"] == pytest.approx(0.129)
+    assert bar.seconds["localize"] == pytest.approx(0.003)
+
+
 def _unbroken(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "unbroken", *args], capture_output=True, text=True, timeout=300

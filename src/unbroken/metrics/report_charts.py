@@ -93,15 +93,18 @@ def _pyplot():
     return plt
 
 
-def _svg(fig, name: str, titles: dict[str, str]) -> str:
+def _svg(fig, name: str, titles: dict[str, str], *, tight: bool = False) -> str:
     """The figure as an `<svg>` element for inlining: no XML header or metadata, scalable,
-    ids salted per chart, a `<title>` in each labelled group."""
+    ids salted per chart, a `<title>` in each labelled group; `tight` crops or extends the
+    canvas to what is drawn (long tick labels)."""
     import matplotlib
 
     plt = _pyplot()
     buf = io.StringIO()
     with matplotlib.rc_context({"svg.fonttype": "path", "svg.hashsalt": f"unbroken-{name}"}):
-        fig.savefig(buf, format="svg", metadata={"Date": None})
+        fig.savefig(
+            buf, format="svg", metadata={"Date": None}, bbox_inches="tight" if tight else None
+        )
     plt.close(fig)
     text = buf.getvalue()
     text = text[text.index("<svg") :]
@@ -305,6 +308,7 @@ def recovery_bars_svg(bars: list[RecoveryBar]) -> str:
             for i, b in enumerate(bars)
             for s in SEGMENTS
         },
+        tight=True,
     )
 
 

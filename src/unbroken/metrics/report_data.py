@@ -144,15 +144,18 @@ class RecoveryBar:
 
 
 def _repairs(events: list[dict[str, Any]], t_fault: float) -> list[dict[str, Any]]:
-    """`inplace_repair` events of the recovery of a failure at t_fault: after it, before the
-    next generation reported ready."""
-    ready = next(
-        (e["t"] for e in events if e["kind"] == "trainer_ready" and e["t"] > t_fault), None
-    )
+    """`inplace_repair` events of the recovery of a failure at t_fault: those of the trainer
+    generation that next reported ready (its ranks log their repairs around that moment, the
+    slowest after it)."""
+    ready = next((e for e in events if e["kind"] == "trainer_ready" and e["t"] > t_fault), None)
+    if ready is None:
+        return []
     return [
         e
         for e in events
-        if e["kind"] == "inplace_repair" and e["t"] > t_fault and (ready is None or e["t"] <= ready)
+        if e["kind"] == "inplace_repair"
+        and e["t"] > t_fault
+        and e.get("generation") == ready.get("generation")
     ]
 
 
