@@ -203,3 +203,23 @@ def test_report_of_a_missing_run_is_one_line(tmp_path):
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "has no summary.json" in lines[0] and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "name",
+    sorted(
+        str(p.parent.relative_to(FIXTURE.parents[1]))
+        for p in FIXTURE.parents[1].glob("**/summary.json")
+    ),
+)
+def test_every_recorded_run_dir_gets_a_report(tmp_path, name):
+    from unbroken.cli.report import make_report
+
+    src = FIXTURE.parents[1] / name
+    shutil.copytree(src, tmp_path / "run")
+    page = make_report(tmp_path / "run").read_text()
+    summary = json.loads((src / "summary.json").read_text())
+    assert f"failures recovered: {summary['failures_recovered']}/" in page
+    assert page.count('<g id="loss-iter-') == len(
+        {json.loads(ln).get("run") for ln in (src / "metrics.jsonl").open()}
+    )

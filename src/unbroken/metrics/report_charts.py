@@ -60,6 +60,7 @@ COLORS = {
 }
 _DPI = 96
 _LANE_IN = 0.24  # height of one label lane, inches
+_BOTTOM_IN = 0.55  # below the lowest plot: its tick labels and x label, inches
 _LABELED = ("failure", "slow", "fail_slow", "replan")
 
 
@@ -174,7 +175,7 @@ def _figure(rows: Sequence[float], width: float = 6.4):
     label positions measured before a resize stay valid)."""
     plt = _pyplot()
     heights = [_LANE_IN, *rows]
-    fig = plt.figure(figsize=(width, sum(heights) + 0.9), dpi=_DPI)
+    fig = plt.figure(figsize=(width, sum(heights) + _BOTTOM_IN), dpi=_DPI)
     grid = fig.add_gridspec(
         len(heights),
         1,
@@ -183,7 +184,7 @@ def _figure(rows: Sequence[float], width: float = 6.4):
         left=0.12,
         right=0.97,
         top=0.98,
-        bottom=0.9 / (sum(heights) + 0.9),
+        bottom=_BOTTOM_IN / (sum(heights) + _BOTTOM_IN),
     )
     strip = fig.add_subplot(grid[0])
     axes = [fig.add_subplot(grid[i + 1], sharex=strip) for i in range(len(rows))]

@@ -119,12 +119,14 @@ def markers(run: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[Mar
         kind, t = e["kind"], e["t"] - t0
         if kind == "failure_injected" and e.get("fault") == "slow":
             factor = e.get("spec", "").partition("factor=")[2].split(",")[0]
-            label = f"slow r{e['rank']}" + (f" ×{factor}" if factor else "")
-            out.append(Marker("slow", t, e["iter"], label))
+            label = f"slow r{e.get('rank')}" + (f" ×{factor}" if factor else "")
+            out.append(Marker("slow", t, e.get("iter"), label))
         elif kind == "failure_injected":
-            out.append(Marker("failure", t, e["iter"], f"{e['fault']} r{e['rank']}"))
+            label = f"{e.get('fault', 'failure')} r{e.get('rank')}"
+            out.append(Marker("failure", t, e.get("iter"), label))
         elif kind == "recovery_done":
-            out.append(Marker("recovered", t, e.get("resumed_iter"), f"recovered r{e['rank']}"))
+            label = f"recovered r{e.get('rank')}"
+            out.append(Marker("recovered", t, e.get("resumed_iter"), label))
         elif kind == "fail_slow":
             who = f"r{e['rank']}" if e.get("rank") is not None else "sync"
             out.append(Marker("fail_slow", t, e.get("detected_at"), f"fail-slow {who} found"))

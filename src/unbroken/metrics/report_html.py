@@ -100,18 +100,22 @@ def _config_line(cfg: dict[str, Any]) -> str:
 
 def _comparison(s: dict[str, Any]) -> str:
     """The rows of `unbroken.metrics.summary.format_table`, as a table."""
-    ref, flt = s.get("reference", {}), s["faulty"]
+    ref, flt = s.get("reference", {}), s.get("faulty", {})
+
+    def ms(run: dict[str, Any]) -> str:
+        return _num(run["mean_iter_s"] * 1e3, ".1f") if "mean_iter_s" in run else "-"
+
     rows = [
-        ("iterations", ref.get("iterations", "-"), flt["iterations"]),
-        ("iteration attempts", ref.get("attempts", "-"), flt["attempts"]),
-        ("wall time (s)", _num(ref.get("wall_s"), ".2f"), _num(flt["wall_s"], ".2f")),
+        ("iterations", ref.get("iterations", "-"), flt.get("iterations", "-")),
+        ("iteration attempts", ref.get("attempts", "-"), flt.get("attempts", "-")),
+        ("wall time (s)", _num(ref.get("wall_s"), ".2f"), _num(flt.get("wall_s"), ".2f")),
+        ("median iteration (ms)", ms(ref), ms(flt)),
         (
-            "median iteration (ms)",
-            _num(ref.get("mean_iter_s", 0) * 1e3, ".1f") if ref else "-",
-            _num(flt["mean_iter_s"] * 1e3, ".1f"),
+            "median tokens/s",
+            _num(ref.get("tokens_per_s"), ".0f"),
+            _num(flt.get("tokens_per_s"), ".0f"),
         ),
-        ("median tokens/s", _num(ref.get("tokens_per_s"), ".0f"), _num(flt["tokens_per_s"], ".0f")),
-        ("final loss", _num(ref.get("final_loss"), ".4f"), _num(flt["final_loss"], ".4f")),
+        ("final loss", _num(ref.get("final_loss"), ".4f"), _num(flt.get("final_loss"), ".4f")),
         (
             "final state hash",
             f'<span class="hash">{_e(s.get("reference_state_hash") or "-")}</span>',
