@@ -135,6 +135,7 @@ def _label_strip(fig, strip, chart: str, marks: list[tuple[float, str, str]]) ->
     strip.axis("off")
     if not marks:
         return {}
+    fig.canvas.draw()  # settles the autoscaled x limits the labels are measured against
     renderer = fig.canvas.get_renderer()
     right = strip.get_window_extent(renderer).x1
     texts, spans = [], []
