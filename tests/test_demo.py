@@ -40,6 +40,7 @@ def test_demo_quick_recovers_in_place_exactly_and_finds_the_slow_rank(tmp_path):
     # a busy machine's drift between the two runs can exceed their difference, so only > 0.
     assert s["ettr"] > 0
     assert [f["rank"] for f in s["fail_slow"]] == [3], _detector_trace(out)
-    for name in ("events.jsonl", "metrics.jsonl", "plot.png"):
+    for name in ("events.jsonl", "metrics.jsonl", "plot.png", "report.html"):
         assert (out / name).stat().st_size > 0
     assert "bit-exact: True" in r.stdout
+    assert f"report: {out / 'report.html'}" in r.stdout

@@ -216,7 +216,11 @@ def _check_user_objects(cfg: JobConfig, search: list[str]) -> None:
         resolve_args(cfg.model)
     if cfg.data.dataset:
         import_object(cfg.data.dataset, "data.dataset", search)
-    if not cfg.data.dataset and cfg.data.corpus != "stdlib":
+    if not cfg.data.dataset and cfg.data.tokenizer != "bytes":
+        from unbroken.data import corpus_for
+
+        corpus_for(cfg.data)  # train the BPE and tokenize here, once, before any rank starts
+    elif not cfg.data.dataset and cfg.data.corpus != "stdlib":
         from unbroken.data import load_corpus
 
         load_corpus(cfg.data.corpus, jsonl_field=cfg.data.jsonl_field, max_documents=1)

@@ -4,8 +4,10 @@ The small reference model on 4 local CPU ranks (gloo): first a fault-free refere
 the same job with injected failures — a crash in the middle of the optimizer update, a crash with
 lost retained pages during the parity write-back, an exception in the backward pass and, without
 --quick, a hung rank, a page loss beyond parity tolerance (checkpoint fallback) and a crash
-inside a progress-marker write — recovered in place, and a table comparing the two. Exit status 0 only when every injected failure was recovered and
-the final state is bit-identical to the reference.
+inside a progress-marker write — recovered in place, and a table comparing the two; the run's
+HTML report (`report.html`, `unbroken.cli.report`) is written next to its logs. Exit status 0
+only when every injected failure was recovered and the final state is bit-identical to the
+reference.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 
 from unbroken.config import (
@@ -74,7 +77,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=("gpipe", "1f1b", "interleaved", "zb_h1"),
         help="pipeline schedule when --pp > 1 (default: 1f1b)",
     )
+    p.add_argument(
+        "--report",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write report.html in the output dir (default: on)",
+    )
     p.set_defaults(func=run)
+
+
+def _report(out: str) -> str | None:
+    """Write the run's HTML report; a report that cannot be written never fails the demo."""
+    from unbroken.cli.report import make_report
+
+    try:
+        return str(make_report(out))
+    except Exception as exc:  # the demo's verdict stands without its report
+        print(f"unbroken: no report ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, parallel=parallel)
     t0 = time.time()
     summary = run_job(cfg, args.out, reference=True, debug=args.debug)
+    report = _report(args.out) if args.report else None
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
@@ -106,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
             f"\nfinished in {time.time() - t0:.1f}s; outputs in {args.out}/ "
             "(summary.json, events.jsonl, metrics.jsonl, plot.png)"
         )
+        if report:
+            print(f"report: {report} (open it in a browser)")
     ok = (
         summary["state"] == "done"
         and summary["failures_recovered"] == summary["failures_detected"]

@@ -17,6 +17,7 @@ SUBCOMMANDS = (
     "unbroken.cli.demo",
     "unbroken.cli.train",
     "unbroken.cli.simulate",
+    "unbroken.cli.report",
     "unbroken.cli.bench",
 )
 

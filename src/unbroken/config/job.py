@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from unbroken.config.vocab import resolve_vocabulary
+
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
@@ -37,7 +39,9 @@ class ModelConfig:
     ffn_dim: int | None = None
     """SwiGLU hidden size (per expert for MoE)."""
     vocab_size: int | None = None
-    """Vocabulary size; must cover the tokenizer's ids."""
+    """Vocabulary size; must cover the tokenizer's ids. Unset: the tokenizer's (256 for bytes,
+    `data.vocab_size` for a BPE, a tokenizer file's size rounded up to a multiple of 64); see
+    `unbroken.config.vocab`."""
     moe_experts: int | None = None
     """Routed experts per layer; 0 = dense model."""
     moe_top_k: int | None = None
@@ -70,8 +74,22 @@ class DataConfig:
     """Use only the first K documents of the corpus (0 = all)."""
     dataset: str | None = None
     """Import path `module:Class` of a user dataset (see docs/own-model.md)."""
+    tokenizer: str = "auto"
+    """'bytes' (UTF-8 bytes, 256 ids), 'bpe' (a byte-level BPE trained once on this corpus with
+    Hugging Face `tokenizers`, cached by corpus hash), the path of a Hugging Face
+    `tokenizer.json`, or 'auto': bpe for the 125m, 350m and 1b presets, bytes otherwise
+    (`unbroken.config.vocab`). The corpus is tokenized once, before the ranks start."""
+    vocab_size: int = 0
+    """Token ids of the BPE that data.tokenizer = 'bpe' trains (0: model.vocab_size, else the
+    preset's, else 32768)."""
 
     def __post_init__(self) -> None:
+        if not self.tokenizer.strip():
+            raise ValueError(
+                "data.tokenizer must be 'auto', 'bytes', 'bpe' or a tokenizer.json path"
+            )
+        if self.vocab_size < 0:
+            raise ValueError("data.vocab_size must be >= 0 (0 = the model's vocabulary)")
         if self.tokens_per_microbatch < 8:
             raise ValueError("data.tokens_per_microbatch must be at least 8")
         if self.microbatches < 1:
@@ -339,3 +357,8 @@ class JobConfig:
     """Pages, protection groups and update chunks of the retained state."""
     inject: list[str] = field(default_factory=list)
     """Faults to inject, e.g. "kill:rank=1,iter=12,phase=update" (see unbroken.inject)."""
+
+    def __post_init__(self) -> None:
+        # The tokenizer and the model's vocabulary are decided together, once, here; every
+        # process then reads the same values from its spec.
+        self.model, self.data = resolve_vocabulary(self.model, self.data)

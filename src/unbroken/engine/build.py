@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.config import JobConfig
-from unbroken.data import PackedStream, Sampler, load_corpus
+from unbroken.data import PackedStream, Sampler, corpus_for
 from unbroken.engine.groups import PlanGroups
 from unbroken.engine.interpreter import PlanWorker
 from unbroken.engine.sharding import load_from_full
@@ -78,9 +78,7 @@ def job_plan(cfg: JobConfig) -> ParallelPlan | None:
 
 def make_source(cfg: JobConfig, replicas: int) -> Sampler:
     """The reference data source with one shard per replica, as `build_training` builds it."""
-    corpus = load_corpus(
-        cfg.data.corpus, jsonl_field=cfg.data.jsonl_field, max_documents=cfg.data.max_documents
-    )
+    corpus = corpus_for(cfg.data)
     stream = PackedStream(corpus, cfg.data.tokens_per_microbatch, cfg.data.seed)
     return Sampler(stream, replicas, cfg.data.microbatches)
 

@@ -167,13 +167,9 @@ class RankSession:
             torch.cuda.set_device(device)
             torch.empty(1, device=device)  # the CUDA context, part of the device runtime (L2)
         if not cfg.data.dataset:
-            from unbroken.data import load_corpus
+            from unbroken.data import corpus_for
 
-            load_corpus(
-                cfg.data.corpus,
-                jsonl_field=cfg.data.jsonl_field,
-                max_documents=cfg.data.max_documents,
-            )
+            corpus_for(cfg.data)  # tokenized once before launch; trainers only map the cache
         if self.args.shadow >= 2 and device.type == "cuda" and self.spec.retains_state:
             from unbroken.shadow.warm import warm_cuda
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from unbroken.config import JobConfig
-from unbroken.data import PackedStream, Sampler, load_corpus
+from unbroken.data import PackedStream, Sampler, corpus_for
 from unbroken.errors import UserError
 from unbroken.model import FlatLayout, build_model, init_parameters, materialize, resolve_args
 from unbroken.model.flat import bind_grads
@@ -141,9 +141,7 @@ def build_training(
         cls = import_object(cfg.data.dataset, "data.dataset", search)
         source = cls(cfg.data, n_shards)
     else:
-        corpus = load_corpus(
-            cfg.data.corpus, jsonl_field=cfg.data.jsonl_field, max_documents=cfg.data.max_documents
-        )
+        corpus = corpus_for(cfg.data)
         try:
             stream = PackedStream(corpus, cfg.data.tokens_per_microbatch, cfg.data.seed)
         except ValueError as exc:
