@@ -11,8 +11,8 @@ import time
 import pytest
 
 from unbroken.api import run_job
-from unbroken.launch.protocol import FROM_AGENT, Channel, ProtocolError
-from unbroken.messages import Hello, RankExited
+from unbroken.launch.protocol import FROM_AGENT, FROM_COORDINATOR, Channel, ProtocolError
+from unbroken.messages import Hello, RankExited, Shutdown
 from unbroken.metrics.log import read_jsonl
 
 from .conftest import tiny_job
@@ -36,6 +36,15 @@ def test_wrong_secret_is_rejected():
     Channel(a, b"x" * 32, FROM_AGENT).send(Hello(node=0, pid=1))
     with pytest.raises(ProtocolError, match="authentication"):
         Channel(b, b"y" * 32, FROM_AGENT).feed(b.recv(65536))
+
+
+def test_each_side_accepts_only_what_its_peer_may_send():
+    a, b = socket.socketpair()
+    Channel(a, b"k" * 32, FROM_AGENT).send(Hello(node=0, pid=1))  # an agent's op, to an agent
+    with pytest.raises(ProtocolError, match="unknown op 'hello'"):
+        Channel(b, b"k" * 32, FROM_COORDINATOR).feed(b.recv(65536))
+    Channel(b, b"k" * 32, FROM_AGENT).send(Shutdown())
+    assert Channel(a, b"k" * 32, FROM_COORDINATOR).feed(a.recv(65536)) == [Shutdown()]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,334 @@
+"""The agent's event loop: what arrives (coordinator commands, heartbeats, reclamation requests,
+the memory budget's OOM notification) goes to its owner; every tick (`TICK_S`) the trainers are
+checked for an exit or a hang, pending shadows are spawned, memory is sampled, and the node's
+beat goes to the coordinator. Only decisions leave the node (`RankExited`, `RankHung`), never
+raw heartbeats. The agent never touches training state.
+
+    coordinator --StartGeneration/StopGeneration/Shutdown--> Agent --Hello/NodeBeat/Started/
+        RankExited/RankHung/Stopped/MemoryReport--> coordinator  (authenticated Channel)
+    trainers/shadows --RankBeat--> heartbeat socket, --ReclaimRequest--> reclamation socket
+    Agent --ReclaimAnswer--> the requesting trainer, --Promote--> a shadow's stdin
+
+The loop owns the generation's trainers (rank -> `RankProc`); the `ProcessSupervisor` spawns,
+kills and reaps processes, the `HangDetector` judges silent trainers, the `ShadowPool` holds the
+next generation's shadows, and the `Reclaimer` frees the shadows' memory when training needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import selectors
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+from unbroken.launch.agent.hang import CpuSample, HangDetector, Verdict, proc_cpu_sample
+from unbroken.launch.agent.procs import RankProc
+from unbroken.launch.agent.reclaim import Reclaimer
+from unbroken.launch.agent.shadows import ShadowPool
+from unbroken.launch.agent.supervisor import ProcessSupervisor
+from unbroken.launch.protocol import FROM_COORDINATOR, Channel, ProtocolError
+from unbroken.messages import (
+    Hello,
+    Message,
+    MessageError,
+    NodeBeat,
+    RankBeat,
+    RankExited,
+    RankHung,
+    ReclaimRequest,
+    Shutdown,
+    Started,
+    StartGeneration,
+    StopGeneration,
+    Stopped,
+    decode_json,
+    encode_json,
+)
+
+__all__ = ["TICK_S", "Agent", "datagram_socket", "main"]
+
+TICK_S = 0.005
+"""The loop's period: an exit is seen within one tick."""
+
+
+class Agent:
+    """One node's agent.
+
+    Args:
+        channel: the authenticated connection to the coordinator.
+        node: this node's id.
+        heartbeats: the bound heartbeat socket (`RankBeat` datagrams), non-blocking.
+        reclaims: the bound reclamation socket (`ReclaimRequest` datagrams), non-blocking.
+        supervisor: spawns the node's processes (its addresses are those of the sockets).
+        probe: pid -> CPU sample, for the hang detector (default: /proc).
+    """
+
+    def __init__(
+        self,
+        channel: Channel,
+        node: int,
+        heartbeats: socket.socket,
+        reclaims: socket.socket,
+        supervisor: ProcessSupervisor,
+        probe: Callable[[int], CpuSample] = proc_cpu_sample,
+    ) -> None:
+        self.channel = channel
+        self.node = node
+        self.hb = heartbeats
+        self.rc = reclaims
+        self.supervisor = supervisor
+        self.pool = ShadowPool(supervisor)
+        self.reclaimer = Reclaimer(self.pool, channel.send)
+        self.hangs = HangDetector(probe=probe)
+        self.trainers: dict[int, RankProc] = {}
+        """The current generation's trainers, by rank."""
+        self.node_beat_s = 0.5
+        self._last_node_beat = 0.0
+        self._last_start: StartGeneration | None = None
+        self.running = True
+        self.sel = selectors.DefaultSelector()
+
+    # -- commands -------------------------------------------------------------------------
+    def handle(self, msg: Message) -> None:
+        match msg:
+            case StartGeneration():
+                self.start(msg)
+            case StopGeneration():
+                self.stop(msg)
+            case Shutdown():
+                self.shutdown_all()
+                self.running = False
+
+    def start(self, msg: StartGeneration) -> None:
+        """Start a generation: promote its shadows when every rank has a live one (no process
+        start, no rendezvous), else spawn trainers; then pre-initialize the next shadows."""
+        self.hangs = dataclasses.replace(self.hangs, timeout_s=msg.heartbeat_timeout_s)
+        self.node_beat_s = msg.node_heartbeat_s
+        if msg.state_managers:
+            self.supervisor.ensure_state_managers(msg.state_managers)
+        self._setup_memory(msg)
+        self._last_start = msg
+        gen, ranks = msg.generation, msg.ranks
+        promoted = self.pool.alive_for(gen, ranks)
+        ready = self.pool.ready_count(ranks) if promoted else 0
+        if promoted:
+            for r in ranks:
+                self.trainers[r] = self.pool.promote(r, msg.spec, time.time())
+        else:
+            self.pool.reclaim()
+            for r in ranks:
+                self.trainers[r] = self.supervisor.spawn(msg, r, gen, msg.spec)
+        level = self.reclaimer.level_at_recovery(msg, len(ranks))
+        launched = self.pool.prepare(msg, level)
+        self.channel.send(
+            Started(
+                generation=gen,
+                t=time.time(),
+                promoted=promoted,
+                shadows_ready=ready,
+                shadows=launched,
+            )
+        )
+
+    def _setup_memory(self, msg: StartGeneration) -> None:
+        budget = self.reclaimer.setup(msg)
+        if budget is None:
+            return
+        self.supervisor.cgroup_procs = budget.procs_file
+        if budget.eventfd is not None:
+            self.sel.register(budget.eventfd, selectors.EVENT_READ, "oom")
+
+    def stop(self, msg: StopGeneration) -> None:
+        t0 = time.time()
+        self.kill_trainers()
+        self.channel.send(
+            Stopped(generation=msg.generation, t=time.time(), took_s=time.time() - t0)
+        )
+
+    def kill_trainers(self) -> None:
+        """SIGKILL every trainer (stopped ones too) and reap them. State managers stay."""
+        self.supervisor.kill(t.proc for t in self.trainers.values())
+        self.trainers.clear()
+
+    def shutdown_all(self) -> None:
+        """Every child gone, then the memory cgroup removed."""
+        self.kill_trainers()
+        self.pool.reclaim()
+        self.supervisor.kill_state_managers()
+        self.reclaimer.close()
+
+    # -- what the node's processes send -----------------------------------------------------------
+    def on_beat(self, beat: RankBeat) -> None:
+        """A heartbeat: it belongs to the rank's trainer of its generation, else to its shadow."""
+        t = self.trainers.get(beat.rank)
+        if t is None or beat.generation != t.generation:
+            t = self.pool.find(beat.rank)
+        if t is not None and beat.generation == t.generation:
+            t.beat = beat
+            t.liveness = t.liveness.beat(time.time(), beat.status)
+        self.pool.on_beat(beat, self.trainers.keys())
+
+    def on_reclaim_request(self, req: ReclaimRequest) -> None:
+        answer = self.reclaimer.on_request(req, self.trainers.keys())
+        with contextlib.suppress(OSError):  # a trainer that died meanwhile needs no answer
+            self.rc.sendto(encode_json(answer), req.reply.replace("@", "\0", 1))
+
+    # -- supervision ----------------------------------------------------------------------
+    def check_children(self) -> None:
+        """Report every trainer that exited or hung since the last tick (once each)."""
+        now = time.time()
+        for t in self.trainers.values():
+            if t.reported:
+                continue
+            code = t.proc.poll()
+            if code is not None:
+                t.reported = True
+                if all(x.reported for x in self.trainers.values()):
+                    # The generation is over. The report goes before the last exit: on that
+                    # one the coordinator may shut down and read nothing more.
+                    self.reclaimer.generation_over()
+                self.channel.send(self._exited(t, code, now))
+                continue
+            judged = self.hangs.assess(t.liveness, t.proc.pid, now)
+            t.liveness = judged.liveness
+            if judged.verdict is Verdict.HUNG:
+                t.reported = True
+                self.channel.send(self._hung(t, judged.silent_s, now))
+
+    def _exited(self, t: RankProc, code: int, now: float) -> RankExited:
+        debug = self._last_start is not None and self._last_start.debug
+        return RankExited(
+            rank=t.rank,
+            generation=t.generation,
+            returncode=code,
+            t=now,
+            said=t.last_words() if code > 0 else "",
+            completed=t.completed,
+            iteration=t.beat.iteration if t.beat else -1,
+            phase=t.beat.phase if t.beat else "",
+            traceback=t.traceback() if code > 0 and debug else "",
+        )
+
+    @staticmethod
+    def _hung(t: RankProc, silent_s: float, now: float) -> RankHung:
+        return RankHung(
+            rank=t.rank,
+            generation=t.generation,
+            silent_s=silent_s,
+            t=now,
+            phase=t.beat.phase if t.beat else "",
+            iteration=t.beat.iteration if t.beat else -1,
+            completed=t.completed,
+        )
+
+    def tick(self) -> None:
+        self.check_children()
+        self.pool.spawn_pending()
+        if self.running:
+            self.reclaimer.sample()
+        now = time.time()
+        if now - self._last_node_beat >= self.node_beat_s:
+            # The node's liveness for the coordinator: a decision-free beat, one per interval
+            # (raw trainer heartbeats never leave the node).
+            self._last_node_beat = now
+            self.channel.send(NodeBeat(t=now, trainers=len(self.trainers)))
+
+    def serve(self) -> None:
+        """Run until a `Shutdown` or the coordinator is gone (then nothing may run
+        unsupervised: every child is killed)."""
+        sel = self.sel
+        sel.register(self.channel.sock, selectors.EVENT_READ, "ctl")
+        sel.register(self.hb, selectors.EVENT_READ, "hb")
+        sel.register(self.rc, selectors.EVENT_READ, "rc")
+        for msg in self.channel.take_pending():
+            self.handle(msg)
+        while self.running:
+            for key, _ in sel.select(timeout=TICK_S):
+                if not self._on_ready(key.data):
+                    self.shutdown_all()
+                    return
+            self.tick()
+
+    def _on_ready(self, what: str) -> bool:
+        """Handle what is readable; False when the coordinator closed the connection."""
+        if what == "hb":
+            for beat in _datagrams(self.hb, RankBeat):
+                self.on_beat(beat)
+        elif what == "rc":
+            for req in _datagrams(self.rc, ReclaimRequest):
+                self.on_reclaim_request(req)
+        elif what == "oom":
+            self.reclaimer.on_oom(self.trainers.keys())
+        else:
+            data = self.channel.sock.recv(65536)
+            if not data:
+                return False
+            for msg in self.channel.feed(data):
+                self.handle(msg)
+        return True
+
+
+M = TypeVar("M", bound=Message)
+
+
+def _datagrams(sock: socket.socket, kind: type[M]) -> Iterator[M]:
+    """The messages of type `kind` waiting on `sock`; a garbled datagram is ignored, never
+    fatal."""
+    while True:
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return
+        try:
+            msg = decode_json(data, (kind,))
+        except MessageError:
+            continue
+        assert isinstance(msg, kind)
+        yield msg
+
+
+def datagram_socket(kind: str) -> tuple[socket.socket, str]:
+    """A non-blocking Unix datagram socket at a fresh abstract address ("@..." form)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    addr = f"\0unbroken-{kind}-{os.getpid()}-{os.urandom(4).hex()}"
+    sock.bind(addr)
+    sock.setblocking(False)
+    return sock, addr.replace("\0", "@")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m unbroken.launch.agent --coordinator HOST:PORT --node N`, the job secret in
+    UNBROKEN_JOB_SECRET."""
+    parser = argparse.ArgumentParser(prog="unbroken-agent")
+    parser.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    parser.add_argument("--node", type=int, default=0)
+    args = parser.parse_args(argv)
+    secret = os.environ.get("UNBROKEN_JOB_SECRET")
+    if not secret:
+        print("unbroken-agent: UNBROKEN_JOB_SECRET is not set", file=sys.stderr)
+        return 2
+    host, _, port = args.coordinator.rpartition(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    channel = Channel(sock, bytes.fromhex(secret), FROM_COORDINATOR)
+    hb, hb_addr = datagram_socket("hb")
+    rc, rc_addr = datagram_socket("reclaim")
+    channel.send(Hello(node=args.node, pid=os.getpid(), host=socket.gethostname()))
+    agent = Agent(channel, args.node, hb, rc, ProcessSupervisor(hb_addr, rc_addr))
+    try:
+        agent.serve()
+    except ProtocolError as exc:
+        print(f"unbroken-agent: rejected a control message: {exc}", file=sys.stderr)
+        agent.shutdown_all()
+        return 1
+    except (ConnectionError, OSError) as exc:
+        print(f"unbroken-agent: lost the coordinator: {exc}", file=sys.stderr)
+        agent.shutdown_all()
+        return 1
+    return 0

@@ -1,0 +1,178 @@
+"""The agent's shadow pool: the pre-initialized trainers of the next generation (see
+`unbroken.shadow` and docs/architecture.md "Shadow trainers").
+
+Life of a set of shadows, for generation N+1 while generation N trains:
+
+- pending: asked for with generation N (`prepare`), waiting for the node's fork server to
+  finish its imports; spawned from the supervision loop (`spawn_pending`, every tick), never
+  blocking it. A fork server that failed means they are spawned with `exec`.
+- live / ready: every rank has a live shadow for the generation (`alive_for`; it need not have
+  reached its level: a promoted shadow finishes its pre-initialization first, which still beats
+  starting a process from nothing); ready ones have reported SHADOW_READY (`ready_count`).
+- promoted: generation N+1 starts from them (`promote`): full CPU priority again, the final
+  spec as a `Promote` line on stdin; they become the generation's trainers.
+- reclaimed: killed all at once and waited for (`reclaim`): their memory returns together.
+- relaunched: after a reclamation, the same generation's shadows again at the level the
+  policy allows (`relaunch`) — at once, or once a trainer's heartbeat shows it got past the
+  iteration it retried after an allocation failure (`relaunch_after`, `on_beat`).
+
+Every set of shadows gets its own attempt number (it rendezvouses under its own store prefix).
+The pool decides nothing about memory: `unbroken.launch.agent.reclaim` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from unbroken.launch.agent.procs import RankProc
+from unbroken.launch.agent.supervisor import ProcessSupervisor
+from unbroken.messages import (
+    Promote,
+    RankBeat,
+    RankStatus,
+    ShadowLaunch,
+    StartGeneration,
+    encode_json,
+)
+
+__all__ = ["PendingShadows", "RelaunchAfter", "ShadowPool"]
+
+
+@dataclass(frozen=True, slots=True)
+class PendingShadows:
+    """Shadows waiting for the fork server: spawned from `plan` for `generation` at `level`."""
+
+    plan: StartGeneration
+    generation: int
+    level: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RelaunchAfter:
+    """Shadows reclaimed for `rank`'s allocation failure come back, for `generation` at
+    `level`, once that rank's heartbeat is past `iteration` (the one it retried): a shadow
+    starting meanwhile would compete for the memory just freed."""
+
+    rank: int
+    iteration: int
+    level: int
+    generation: int
+
+
+class ShadowPool:
+    """The node's shadows, by rank.
+
+    Args:
+        supervisor: spawns and kills them.
+    """
+
+    def __init__(self, supervisor: ProcessSupervisor) -> None:
+        self.supervisor = supervisor
+        self.shadows: dict[int, RankProc] = {}
+        self.pending: PendingShadows | None = None
+        self.relaunch_after: RelaunchAfter | None = None
+        self.attempt = 0
+        """Sets of shadows started so far."""
+        self.level_now = 0
+        """The level of the shadows asked for last."""
+        self.plan: StartGeneration | None = None
+        """The generation start whose shadow plan the pool follows (the latest)."""
+
+    # -- what there is ------------------------------------------------------------------------
+    def live(self) -> list[RankProc]:
+        return [t for t in self.shadows.values() if t.alive()]
+
+    def alive_for(self, generation: int, ranks: Collection[int]) -> bool:
+        """Every rank in `ranks` has a live shadow for `generation`."""
+        return all(
+            (t := self.shadows.get(r)) is not None and t.generation == generation and t.alive()
+            for r in ranks
+        )
+
+    def ready_count(self, ranks: Collection[int]) -> int:
+        """How many of `ranks`' shadows have reported they are parked at their level."""
+        return sum(
+            (b := self.shadows[r].beat) is not None and b.status is RankStatus.SHADOW_READY
+            for r in ranks
+        )
+
+    def find(self, rank: int) -> RankProc | None:
+        return self.shadows.get(rank)
+
+    # -- transitions ----------------------------------------------------------------------------
+    def promote(self, rank: int, spec: str, now: float) -> RankProc:
+        """Turn `rank`'s shadow into the trainer of the generation whose final spec is `spec`
+        (check `alive_for` first)."""
+        t = self.shadows.pop(rank)
+        with contextlib.suppress(OSError):  # full priority now (needs privilege)
+            os.setpriority(os.PRIO_PROCESS, t.proc.pid, 0)
+        assert t.proc.stdin is not None
+        t.proc.stdin.write(encode_json(Promote(spec=spec)) + b"\n")
+        t.proc.stdin.flush()
+        t.liveness = t.liveness.promoted(now)
+        return t
+
+    def reclaim(self) -> None:
+        """Kill every shadow and wait until each is gone; pending ones are dropped."""
+        self.pending = None
+        self.supervisor.kill(t.proc for t in self.shadows.values())
+        self.shadows.clear()
+
+    def prepare(self, plan: StartGeneration, level: int) -> ShadowLaunch | None:
+        """With generation `plan.generation` started: pre-initialize its successor's shadows at
+        `level` (0: none). Returns what was launched, for the `Started` message."""
+        self.plan = plan
+        self.relaunch_after = None  # this start brings its own shadows
+        if not level or plan.shadows is None:
+            return None
+        if plan.shadows.start == "fork":
+            self.supervisor.start_forkserver()
+        generation = plan.generation + 1
+        self.pending = PendingShadows(plan, generation, level, tuple(plan.ranks))
+        self.spawn_pending()
+        sup = self.supervisor
+        started_fork = sup.forkserver is not None and sup.forkserver.failed is None
+        self.level_now = level
+        return ShadowLaunch(
+            level=level,
+            generation=generation,
+            start="fork" if started_fork else "exec",
+            fork_failed=sup.fork_failed(),
+        )
+
+    def spawn_pending(self) -> None:
+        """Spawn the waiting shadows once the fork server is ready (or has failed: then with
+        exec, as without one)."""
+        pending = self.pending
+        if pending is None or self.supervisor.forkserver_starting():
+            return
+        self.pending = None
+        self.attempt += 1
+        assert pending.plan.shadows is not None
+        spec = pending.plan.shadows.next_spec
+        for r in pending.ranks:
+            self.shadows[r] = self.supervisor.spawn(
+                pending.plan, r, pending.generation, spec, pending.level, self.attempt
+            )
+
+    def relaunch(self, level: int, generation: int, ranks: Collection[int]) -> None:
+        """After a reclamation: `generation`'s shadows again for `ranks`, at `level` (0:
+        none)."""
+        self.level_now = level
+        if level:
+            assert self.plan is not None
+            self.pending = PendingShadows(self.plan, generation, level, tuple(sorted(ranks)))
+            self.spawn_pending()
+
+    def on_beat(self, beat: RankBeat, ranks: Collection[int]) -> None:
+        """A heartbeat arrived: relaunch for `ranks` if it is the one `relaunch_after` waits
+        for."""
+        after = self.relaunch_after
+        if after is None or beat.rank != after.rank or beat.iteration <= after.iteration:
+            return
+        self.relaunch_after = None
+        self.relaunch(after.level, after.generation, ranks)
