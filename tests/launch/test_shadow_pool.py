@@ -1,0 +1,121 @@
+"""The agent's shadow pool without processes: shadows wait as pending while the fork server
+imports, a relaunch after an allocation failure waits until that rank is past the iteration it
+retried, and a reclamation kills every shadow and drops pending ones."""
+
+from __future__ import annotations
+
+from unbroken.launch.agent.hang import Liveness
+from unbroken.launch.agent.procs import RankProc
+from unbroken.launch.agent.shadows import RelaunchAfter, ShadowPool
+from unbroken.messages import RankBeat, RankStatus, ShadowPlan, StartGeneration
+
+
+class FakeProc:
+    def __init__(self, pid: int) -> None:
+        self.pid, self.killed, self.reaped = pid, False, False
+
+    def poll(self) -> int | None:
+        return -9 if self.killed else None
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.reaped = True
+        return -9
+
+
+class FakeSupervisor:
+    """Records spawns; the fork server is "starting" until `importing` is cleared."""
+
+    def __init__(self) -> None:
+        self.importing = False
+        self.spawned: list[tuple[int, int, int, int]] = []
+        self.procs: list[FakeProc] = []
+
+    def start_forkserver(self) -> None:
+        self.importing = True
+
+    def forkserver_starting(self) -> bool:
+        return self.importing
+
+    forkserver = None
+
+    def fork_failed(self) -> str | None:
+        return None
+
+    def spawn(self, msg, rank, generation, spec, shadow_level=0, attempt=0) -> RankProc:
+        self.spawned.append((rank, generation, shadow_level, attempt))
+        proc = FakeProc(1000 + len(self.procs))
+        self.procs.append(proc)
+        return RankProc(rank, generation, proc, Liveness(spawned=0.0))  # type: ignore[arg-type]
+
+    @staticmethod
+    def kill(procs) -> None:
+        procs = list(procs)
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def _plan(start: str = "exec") -> StartGeneration:
+    return StartGeneration(
+        generation=4,
+        spec="gen4.json",
+        ranks=[0, 1],
+        heartbeat_timeout_s=2.0,
+        node_heartbeat_s=0.5,
+        shadows=ShadowPlan(level=3, start=start, next_spec="gen5.json"),
+    )
+
+
+def _beat(rank: int, iteration: int) -> RankBeat:
+    return RankBeat(
+        rank=rank, generation=4, pid=1, t=0.0, status=RankStatus.TRAINING, iteration=iteration
+    )
+
+
+def test_shadows_wait_for_the_fork_server_then_spawn_for_the_next_generation():
+    sup = FakeSupervisor()
+    pool = ShadowPool(sup)  # type: ignore[arg-type]
+    launch = pool.prepare(_plan("fork"), level=3)
+    assert launch is not None and (launch.level, launch.generation) == (3, 5)
+    assert pool.pending is not None and sup.spawned == []
+    pool.spawn_pending()
+    assert sup.spawned == []  # still importing
+    sup.importing = False
+    pool.spawn_pending()
+    assert sup.spawned == [(0, 5, 3, 1), (1, 5, 3, 1)] and pool.pending is None
+    assert pool.alive_for(5, [0, 1]) and not pool.alive_for(4, [0, 1])
+    assert pool.ready_count([0, 1]) == 0
+
+
+def test_relaunch_after_an_allocation_failure_waits_until_the_rank_is_past_its_iteration():
+    sup = FakeSupervisor()
+    pool = ShadowPool(sup)  # type: ignore[arg-type]
+    pool.prepare(_plan(), level=3)
+    first = list(sup.procs)
+    pool.reclaim()
+    assert all(p.killed and p.reaped for p in first) and pool.shadows == {}
+    pool.relaunch_after = RelaunchAfter(rank=0, iteration=7, level=2, generation=5)
+    for beat in (_beat(1, 9), _beat(0, 7)):  # another rank, or not yet past 7: nothing
+        pool.on_beat(beat, [0, 1])
+    assert len(sup.spawned) == 2 and pool.relaunch_after is not None
+    pool.on_beat(_beat(0, 8), [1, 0])
+    assert pool.relaunch_after is None and pool.level_now == 2
+    assert sup.spawned[2:] == [(0, 5, 2, 2), (1, 5, 2, 2)]
+
+
+def test_a_reclamation_drops_pending_shadows_and_a_new_start_forgets_the_relaunch():
+    sup = FakeSupervisor()
+    pool = ShadowPool(sup)  # type: ignore[arg-type]
+    pool.prepare(_plan("fork"), level=3)
+    assert pool.pending is not None
+    pool.reclaim()
+    sup.importing = False
+    pool.spawn_pending()
+    assert pool.pending is None and sup.spawned == []
+    pool.relaunch_after = RelaunchAfter(rank=0, iteration=7, level=2, generation=5)
+    assert pool.prepare(_plan(), level=0) is None  # a start brings its own shadows (none here)
+    assert pool.relaunch_after is None and sup.spawned == []
