@@ -228,6 +228,10 @@ class Agent:
         )
 
     def tick(self) -> None:
+        # Beats that arrived since the select first: a rank that beat and then exited within
+        # this tick is reported with the iteration and phase it was in.
+        for beat in _datagrams(self.hb, RankBeat):
+            self.on_beat(beat)
         self.check_children()
         self.pool.spawn_pending()
         if self.running:
