@@ -33,7 +33,7 @@ DEFAULT_TUNING = {
     "xor_fill": 512,  # shrink blocks / split columns until about this many programs run
     "xor_min_cols": 16,  # but give each split at least this many columns
 }
-"""Launch parameters, chosen by `python -m unbroken.erasure._cuda_tuning` on an H200."""
+"""Launch parameters, chosen by `python -m unbroken.bench.erasure_tuning` on an H200."""
 _CACHE_LIMIT = 64
 
 

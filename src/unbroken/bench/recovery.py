@@ -57,8 +57,8 @@ def _say(text: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from unbroken.api import run_job
-    from unbroken.cli.demo import demo_config
     from unbroken.config import ParallelConfig
+    from unbroken.config.demo import demo_config
     from unbroken.metrics.log import read_jsonl
 
     base = demo_config(quick=False)

@@ -388,7 +388,7 @@ def _print_row(r: dict, *, header: bool) -> None:
     )
 
 
-if __name__ == "__main__":  # `python -m unbroken.cli.bench_erasure`, same flags
+if __name__ == "__main__":  # `python -m unbroken.bench.erasure`, same flags
     _parser = argparse.ArgumentParser(prog="unbroken bench erasure", description=__doc__)
     add_arguments(_parser)
     raise SystemExit(run(_parser.parse_args()))

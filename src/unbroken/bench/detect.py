@@ -14,7 +14,7 @@ is part of what the detectors see.
 
 `--latency` measures fail-stop detection instead: process exit, hang (SIGSTOP), agent SIGKILL and
 agent SIGSTOP, `--repeats` times each on real runs, median and max against the bound the default
-configuration implies (`unbroken.detect._latency`).
+configuration implies (`unbroken.bench.detect_latency`).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _schedule(n_jobs: int, iterations: int, world: int, seed: int, first: int, what: str) -> list:
     """Fault-free or one slow fault per job; about half faulty, levels round-robin; `what`:
     compute, comm, or mixed (alternating, compute first)."""
-    from unbroken.detect._jobs import BenchJob
+    from unbroken.bench.detect_jobs import BenchJob
     from unbroken.detect.levels import Level
 
     rng = random.Random(seed)
@@ -190,7 +190,7 @@ def _recorded_setup(dirs: list[Path], given):
     Raises:
         UserError: the directories were recorded with different shapes.
     """
-    from unbroken.detect._jobs import BenchSetup
+    from unbroken.bench.detect_jobs import BenchSetup
 
     found = []
     for d in dirs:
@@ -206,7 +206,7 @@ def _recorded_setup(dirs: list[Path], given):
 
 
 def _run_latency(args: argparse.Namespace) -> int:
-    from unbroken.detect._latency import measure_latencies
+    from unbroken.bench.detect_latency import measure_latencies
 
     if args.repeats < 1:
         raise UserError("--repeats must be >= 1")
@@ -236,9 +236,9 @@ def _run_latency(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.latency:
         return _run_latency(args)
-    from unbroken.detect._jobs import BenchSetup, run_jobs
+    from unbroken.bench.detect_evaluate import load_jobs, noise_diagnostics, score_jobs
+    from unbroken.bench.detect_jobs import BenchSetup, run_jobs
     from unbroken.detect.detector import DetectorConfig
-    from unbroken.detect.evaluate import load_jobs, noise_diagnostics, score_jobs
     from unbroken.detect.levels import LEVEL_LOSS, slow_factor_for
 
     if args.jobs < 1:

@@ -44,8 +44,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from unbroken.bench.ranks import run_ranks
 from unbroken.errors import UserError
-from unbroken.launch.ranks import run_ranks
 
 if TYPE_CHECKING:
     from unbroken.parallel import ParallelPlan
@@ -104,7 +104,7 @@ def _launch(spec: dict, tmp: Path) -> dict:
     path = tmp / "spec.json"
     path.write_text(json.dumps(spec))
     run_ranks(
-        "unbroken.engine._bench_ranks", [str(path)], WORLD_SIZE, spec["threads"], "bench engine"
+        "unbroken.bench.engine_ranks", [str(path)], WORLD_SIZE, spec["threads"], "bench engine"
     )
     return json.loads(Path(spec["result"]).read_text())
 
@@ -327,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_cuda(args: argparse.Namespace) -> int:
     import torch
 
-    from unbroken.engine._bench_gpu import run_gpu
+    from unbroken.bench.engine_gpu import run_gpu
 
     if not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible")

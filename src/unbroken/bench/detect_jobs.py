@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from unbroken.launch.ranks import run_ranks
+from unbroken.bench.ranks import run_ranks
 
 __all__ = ["BenchJob", "BenchSetup", "run_jobs"]
 
@@ -53,7 +53,7 @@ class BenchSetup:
     device: str = "cpu"
     """cpu (gloo) or cuda (NCCL, one GPU per rank)."""
     workload: str = "iid"
-    """iid: documents drawn independently every iteration; phases: `unbroken.detect.phases`
+    """iid: documents drawn independently every iteration; phases: `unbroken.bench.detect_phases`
     (runs of iterations with short documents)."""
     phase_iters: int = 6
     """phases: iterations per phase."""
@@ -146,9 +146,9 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
     import torch
     import torch.distributed as dist
 
-    from unbroken.detect.phases import PhasedSource
+    from unbroken.bench.detect_phases import PhasedSource
+    from unbroken.bench.detect_varlen import varlen_loss
     from unbroken.detect.timing import PhaseTimer
-    from unbroken.detect.varlen import varlen_loss
     from unbroken.inject import Injector, parse_fault
     from unbroken.metrics.log import JsonlLog
     from unbroken.train import Trainer
@@ -239,7 +239,7 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
 def run_jobs(setup: BenchSetup, jobs: list[BenchJob], out: Path) -> None:
     """Run `jobs` in `setup.world_size` fresh processes; per-rank logs land under `out`.
 
-    Workers are `python -m unbroken.detect._jobs SPEC RANK` processes (not multiprocessing's
+    Workers are `python -m unbroken.bench.detect_jobs SPEC RANK` processes (not multiprocessing's
     spawn, which re-runs the caller's `__main__` and breaks under `python -m unbroken`).
 
     Raises:
@@ -269,7 +269,9 @@ def run_jobs(setup: BenchSetup, jobs: list[BenchJob], out: Path) -> None:
             }
         )
     )
-    run_ranks("unbroken.detect._jobs", [str(spec)], setup.world_size, setup.threads, "bench worker")
+    run_ranks(
+        "unbroken.bench.detect_jobs", [str(spec)], setup.world_size, setup.threads, "bench worker"
+    )
 
 
 def _main(argv: list[str]) -> None:
