@@ -116,27 +116,7 @@ def validate_run(run_dir: str | Path) -> Validation:
     omega = a / t_iter - 1.0
     ckpt_s, interval = _checkpointing(root, f_events)
     failures, mean_init = _failures(root, flt, f_events, t_iter * (1.0 + omega), notes)
-    costs = {
-        "hof": KindCost(detect_s=0.0, init_s=mean_init["hof"], lost_iters=0.5, rollback=False),
-        "fatal": KindCost(
-            detect_s=0.0,
-            init_s=mean_init["fatal"],
-            lost_iters=(interval / 2.0 if interval else 0.5),
-            rollback=True,
-        ),
-    }
-    costs["fail-slow"] = costs["fatal"]
-    terms = PolicyTerms(
-        policy=f"measured:{name}",
-        applicable=True,
-        reason="",
-        t_iter_s=t_iter,
-        omega=omega,
-        t_ckpt_s=ckpt_s,
-        interval=interval,
-        usable_lag=0,  # the runtime's checkpoint save is synchronous: usable when it returns
-        costs=costs,
-    )
+    terms = _measured_terms(name, t_iter, omega, ckpt_s, interval, mean_init)
     run = _replay(terms, failures, iterations, a)
     n = len(failures)
     if n:
@@ -158,6 +138,34 @@ def validate_run(run_dir: str | Path) -> Validation:
         measured_wall_s=flt_wall,
         predicted_wall_s=run.wall_s,
         notes=notes,
+    )
+
+
+def _measured_terms(
+    name: str, t_iter: float, omega: float, ckpt_s: float, interval: int, mean_init: dict
+) -> PolicyTerms:
+    """The policy terms of the measured run: its iteration time, overhead, checkpointing and
+    mean initialization per failure kind (a fail-slow costs what a fatal failure does)."""
+    costs = {
+        "hof": KindCost(detect_s=0.0, init_s=mean_init["hof"], lost_iters=0.5, rollback=False),
+        "fatal": KindCost(
+            detect_s=0.0,
+            init_s=mean_init["fatal"],
+            lost_iters=(interval / 2.0 if interval else 0.5),
+            rollback=True,
+        ),
+    }
+    costs["fail-slow"] = costs["fatal"]
+    return PolicyTerms(
+        policy=f"measured:{name}",
+        applicable=True,
+        reason="",
+        t_iter_s=t_iter,
+        omega=omega,
+        t_ckpt_s=ckpt_s,
+        interval=interval,
+        usable_lag=0,  # the runtime's checkpoint save is synchronous: usable when it returns
+        costs=costs,
     )
 
 
