@@ -30,7 +30,6 @@ IN_REDESIGN = frozenset(
         "unbroken/metrics/analysis.py:analyze_run",
         "unbroken/metrics/summary.py:build_summary",
         "unbroken/train/build.py:build_training",
-        "unbroken/update/rmu.py:ResumableUpdater.__init__",
     }
 )
 
