@@ -4,7 +4,8 @@
 
 Builds the bench's model and loss in this process (the preset's layers and heads, bf16
 autocast, varlen attention, PhaseTimer with CUDA events; the device-default protection geometry,
-not the bench jobs' pinned 80-page stripes of `detect._jobs._job_config`), prints per-iteration micro-batch times, then compute / sync / update seconds
+not the bench jobs' pinned 80-page stripes of `unbroken.bench.detect_jobs._job_config`), prints
+per-iteration micro-batch times, then compute / sync / update seconds
 measured with synchronization, and `torch.profiler` key averages of one compute phase. The
 N = 8,192 figures in bench/results/detect-h200.md (121 ms of kernels in a 227 ms compute phase;
 0.23 s of update with the CPU protection geometry, 1,160 chunks) came from the scratch version
@@ -22,6 +23,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from unbroken.bench.detect_varlen import varlen_loss
 from unbroken.config import (
     CheckpointConfig,
     DataConfig,
@@ -31,7 +33,6 @@ from unbroken.config import (
     TrainConfig,
 )
 from unbroken.detect.timing import PhaseTimer
-from unbroken.detect.varlen import varlen_loss
 from unbroken.train import Trainer
 from unbroken.train.build import build_training
 from unbroken.update import PlainUpdater

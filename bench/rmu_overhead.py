@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from unbroken.cli.demo import demo_config
+from unbroken.config.demo import demo_config
 from unbroken.train import Trainer
 from unbroken.train.build import build_training
 from unbroken.update import PlainUpdater

@@ -22,7 +22,7 @@ from typing import Any
 
 from unbroken.config import JobConfig, load_config, to_dict
 from unbroken.errors import JobFailed, UserError
-from unbroken.inject import parse_fault
+from unbroken.inject import faults_not_fired, parse_fault
 from unbroken.launch.coordinator import Coordinator, RunOutcome
 from unbroken.metrics.plot import plot_runs
 from unbroken.metrics.summary import build_summary
@@ -65,6 +65,40 @@ def run_job(
         UserError: bad config, bad fault spec, missing data.
         JobFailed: the fault-free reference run failed (its reason says why).
     """
+    cfg, search = _load(config, search_path)
+    out = Path(out)
+    if fresh:
+        _clear_outputs(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+
+    def run(run_cfg: JobConfig, name: str) -> dict[str, Any]:
+        coord = Coordinator(run_cfg, out, name, search_path=search, quiet=quiet, debug=debug)
+        return _outcome_dict(coord.run())
+
+    runs: dict[str, dict[str, Any]] = {}
+    ref = None
+    if reference:
+        ref = runs["reference"] = run(reference_config(cfg), "reference")
+        if ref["state"] != "done":
+            raise JobFailed(f"the fault-free reference run failed: {ref['reason']}")
+    name = "faulty" if reference else "train"
+    main = runs[name] = run(cfg, name)
+    summary = build_summary(
+        ref, main, to_dict(cfg), not_fired=faults_not_fired(cfg.inject, main["events"])
+    )
+    summary["run_dir"] = str(out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    try:
+        plot_runs(runs, out / "plot.png")
+    except ImportError as exc:  # a machine without matplotlib still gets every other output
+        print(f"unbroken: no plot ({exc})", file=sys.stderr)
+    return summary
+
+
+def _load(config: JobConfig | str | Path, search_path: list[str] | None):
+    """The job's config, checked and with its device defaults resolved, and the dirs user
+    modules are searched in (the config file's dir last)."""
     search = list(search_path or [])
     if not isinstance(config, JobConfig):
         path = Path(config)
@@ -75,44 +109,19 @@ def run_job(
     cfg = resolve_device_defaults(cfg)
     _check_job(cfg)
     _check_user_objects(cfg, search)
-    out = Path(out)
-    if fresh:
-        _clear_outputs(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-    runs: dict[str, dict[str, Any]] = {}
-    ref = None
-    if reference:
-        # The reference has no fault-tolerance mechanisms (Leto §8.1): no checkpoints, no
-        # retained state or parity, no shadows. Its update uses the same chunk geometry, so
-        # its states are comparable bit for bit ([Note: chunk-geometry]).
-        ref_cfg = dataclasses.replace(
-            cfg,
-            inject=[],
-            checkpoint=dataclasses.replace(cfg.checkpoint, enabled=False),
-            recovery=dataclasses.replace(cfg.recovery, mode="ckpt_restart", shadow_level=0),
-        )
-        ref = _outcome_dict(
-            Coordinator(
-                ref_cfg, out, "reference", search_path=search, quiet=quiet, debug=debug
-            ).run()
-        )
-        runs["reference"] = ref
-        if ref["state"] != "done":
-            raise JobFailed(f"the fault-free reference run failed: {ref['reason']}")
-    name = "faulty" if reference else "train"
-    main = _outcome_dict(
-        Coordinator(cfg, out, name, search_path=search, quiet=quiet, debug=debug).run()
+    return cfg, search
+
+
+def reference_config(cfg: JobConfig) -> JobConfig:
+    """The fault-free reference of `cfg`: no fault-tolerance mechanisms (Leto §8.1) — no
+    checkpoints, no retained state or parity, no shadows, no faults. Its update uses the same
+    chunk geometry, so its states are comparable bit for bit ([Note: chunk-geometry])."""
+    return dataclasses.replace(
+        cfg,
+        inject=[],
+        checkpoint=dataclasses.replace(cfg.checkpoint, enabled=False),
+        recovery=dataclasses.replace(cfg.recovery, mode="ckpt_restart", shadow_level=0),
     )
-    runs[name] = main
-    summary = build_summary(ref, main, to_dict(cfg))
-    summary["run_dir"] = str(out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    try:
-        plot_runs(runs, out / "plot.png")
-    except ImportError as exc:  # a machine without matplotlib still gets every other output
-        print(f"unbroken: no plot ({exc})", file=sys.stderr)
-    return summary
 
 
 def _check_job(cfg: JobConfig) -> None:

@@ -75,8 +75,8 @@ def test_bad_arguments_are_one_line_errors(args, needle):
 
 
 def test_measured_loss_compares_the_same_workload_across_a_phase_change():
-    from unbroken.cli.bench_detect import _measured_loss
-    from unbroken.detect.evaluate import JobSeries
+    from unbroken.bench.detect_evaluate import JobSeries
+    from unbroken.bench.detect_report import _measured_loss
 
     from .synth import series
 

@@ -2,10 +2,10 @@
 
 import torch
 
+from unbroken.bench.detect_phases import PhasedSource, split_documents
+from unbroken.bench.detect_varlen import varlen_loss
 from unbroken.config import DataConfig, JobConfig, ModelConfig, TrainConfig
 from unbroken.data.packing import IGNORE_INDEX
-from unbroken.detect.phases import PhasedSource, split_documents
-from unbroken.detect.varlen import varlen_loss
 from unbroken.train.build import build_training
 from unbroken.train.loop import reference_loss
 

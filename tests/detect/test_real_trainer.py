@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
+from unbroken.bench.detect_varlen import varlen_loss
 from unbroken.config import DataConfig, JobConfig, ModelConfig, TrainConfig
 from unbroken.detect.timing import PhaseTimer
-from unbroken.detect.varlen import varlen_loss
 from unbroken.train.build import build_training
 from unbroken.train.loop import reference_loss
 

@@ -11,9 +11,9 @@ import math
 import pytest
 
 from tests.engine.harness import engine_job, one_thread
-from unbroken.engine import bench
-from unbroken.engine._bench_ranks import _StampedProfile
-from unbroken.engine.bench import delivery_seconds, reduce_seconds
+from unbroken.bench import engine as bench
+from unbroken.bench.engine import delivery_seconds, reduce_seconds
+from unbroken.bench.engine_ranks import _StampedProfile
 from unbroken.engine.build import build_worker
 from unbroken.parallel import make_plan
 

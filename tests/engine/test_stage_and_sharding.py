@@ -119,7 +119,7 @@ def test_the_config_plan_is_what_trainers_and_the_watch_build():
 def test_single_device_bench_runs_both_loops_on_the_cpu():
     """The `bench engine --device cuda` code path, on the CPU with gloo (a smoke test: it
     asserts the two loops ran and were timed, never their speed)."""
-    from unbroken.engine._bench_gpu import run_gpu
+    from unbroken.bench.engine_gpu import run_gpu
 
     with one_thread():
         r = run_gpu("tiny", 32, 2, warmup=1, block=1, rounds=2, device=torch.device("cpu"))

@@ -75,7 +75,7 @@ def test_unknown_update_method_is_rejected():
 
 
 def test_bench_reports_each_operations_isal_slice(capsys):
-    from unbroken.cli import bench_erasure
+    from unbroken.bench import erasure as bench_erasure
 
     parser = argparse.ArgumentParser()
     bench_erasure.add_arguments(parser)

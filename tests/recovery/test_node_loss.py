@@ -13,7 +13,7 @@ import time
 import pytest
 
 from unbroken.api import run_job
-from unbroken.detect._latency import _agent_pid
+from unbroken.bench.detect_latency import _agent_pid
 from unbroken.metrics.log import read_jsonl
 
 from ..foundation.conftest import tiny_job

@@ -1,24 +1,28 @@
 """`unbroken bench NAME`: benchmarks that print their figures and the ratio to a baseline measured
-in the same run. Each benchmark module exposes `add_arguments(parser)` and `run(args) -> int`."""
+in the same run. This module only builds their parsers and dispatches: each benchmark's harness is
+a module of `unbroken.bench` exposing `add_arguments(parser)` (its flags) and
+`run(args) -> int` (the run, returning the exit status)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 
-__all__ = ["add_parser"]
+__all__ = ["BENCHMARKS", "add_parser"]
 
-# name -> module. A benchmark whose module is absent from this checkout is not offered.
 BENCHMARKS = {
-    "erasure": "unbroken.cli.bench_erasure",
-    "faults": "unbroken.cli.bench_faults",
-    "recovery": "unbroken.cli.bench_recovery",
-    "detect": "unbroken.cli.bench_detect",
-    "engine": "unbroken.engine.bench",
+    "erasure": "unbroken.bench.erasure",
+    "faults": "unbroken.bench.faults",
+    "recovery": "unbroken.bench.recovery",
+    "detect": "unbroken.bench.detect",
+    "engine": "unbroken.bench.engine",
 }
+"""Subcommand name -> harness module. A benchmark whose module is absent from this checkout is
+not offered."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `bench` and one subcommand per benchmark to the `unbroken` parser."""
     parser = sub.add_parser("bench", help="run a benchmark (prints figures and baseline ratios)")
     bench_sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for name, module_name in BENCHMARKS.items():

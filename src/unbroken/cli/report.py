@@ -63,6 +63,27 @@ def _plan(config: dict[str, Any]):
     return plan_from_config(job)
 
 
+def _replay_note(live_events: list[dict], replayed_events: list[dict], fed: int) -> str:
+    """What the replay fed and found, and whether its fail-slow reports match the live run's."""
+    live = sorted(
+        (e.get("rank"), e.get("since_iter")) for e in live_events if e["kind"] == "fail_slow"
+    )
+    replayed = sorted(
+        (e.get("rank"), e.get("since_iter")) for e in replayed_events if e["kind"] == "fail_slow"
+    )
+    agree = (
+        "the same fail-slow reports as" if live == replayed else "DIFFERENT fail-slow reports from"
+    )
+    return (
+        f"Replayed offline from metrics.jsonl and timings.jsonl through the coordinator's "
+        f"fail-slow watch: {fed} iterations fed (the first ones of each trainer "
+        f"generation are skipped as the live watch does), {len(replayed)} fail-slow report(s), "
+        f"{agree} the live run. Predicted: the workload model's healthy time for the "
+        "iteration's documents (T_MB = αN + βΣl² per micro-batch, then the schedule), as the "
+        "detector held it before seeing the iteration."
+    )
+
+
 def replay_detector(run) -> Any:
     """The detector's measured and predicted time per iteration of the run with failures.
 
@@ -106,25 +127,7 @@ def replay_detector(run) -> Any:
         watch.pump()
     if watch.disabled:
         return DetectorSeries([], [], [], note=f"The detector was off: {watch.disabled}")
-    live = sorted(
-        (e.get("rank"), e.get("since_iter"))
-        for e in run.events.get(name, [])
-        if e["kind"] == "fail_slow"
-    )
-    replayed = sorted(
-        (e.get("rank"), e.get("since_iter")) for e in events.rows if e["kind"] == "fail_slow"
-    )
-    agree = (
-        "the same fail-slow reports as" if live == replayed else "DIFFERENT fail-slow reports from"
-    )
-    note = (
-        f"Replayed offline from metrics.jsonl and timings.jsonl through the coordinator's "
-        f"fail-slow watch: {len(recorded)} iterations fed (the first ones of each trainer "
-        f"generation are skipped as the live watch does), {len(replayed)} fail-slow report(s), "
-        f"{agree} the live run. Predicted: the workload model's healthy time for the "
-        "iteration's documents (T_MB = αN + βΣl² per micro-batch, then the schedule), as the "
-        "detector held it before seeing the iteration."
-    )
+    note = _replay_note(run.events.get(name, []), events.rows, len(recorded))
     its, measured, predicted = zip(*recorded, strict=True) if recorded else ((), (), ())
     return DetectorSeries(list(its), list(measured), list(predicted), note=note)
 

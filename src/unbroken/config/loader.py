@@ -11,6 +11,7 @@ import dataclasses
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
@@ -27,34 +28,34 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float)
+
+
+def _is_integer(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int)
+
+
+_SCALARS: dict[type, tuple[str, Callable[[Any], bool], Callable[[Any], Any]]] = {
+    float: ("a number", _is_number, float),
+    int: ("an integer", _is_integer, lambda v: v),
+    bool: ("true or false", lambda v: isinstance(v, bool), lambda v: v),
+    str: ("a string", lambda v: isinstance(v, str), lambda v: v),
+}
+"""Scalar field type -> (what the message asks for, accepts(value), the value as stored)."""
+
+
 def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        errors = []
-        for arm in get_args(tp):
-            if arm is type(None):
-                if value is None:
-                    return None
-                continue
-            try:
-                return _coerce(value, arm, key, source)
-            except UserError as exc:
-                errors.append(str(exc))
-        raise UserError(
-            f"{source}: key '{key}' has value {value!r}; expected "
-            f"{' or '.join(_type_name(a) for a in get_args(tp))}"
-        )
+        return _coerce_union(value, tp, key, source)
     if origin is Literal:
         if value not in get_args(tp):
             choices = ", ".join(repr(a) for a in get_args(tp))
             raise UserError(f"{source}: key '{key}' is {value!r}; choose one of {choices}")
         return value
     if origin in (list, tuple):
-        if not isinstance(value, list | tuple):
-            raise UserError(f"{source}: key '{key}' must be a list, got {value!r}")
-        (item_tp, *_rest) = get_args(tp) or (Any,)
-        items = [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
+        return _coerce_sequence(value, tp, key, source)
     if origin is dict:
         if not isinstance(value, dict):
             raise UserError(f"{source}: key '{key}' must be a table, got {value!r}")
@@ -65,23 +66,37 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         return _build(tp, value, source, prefix=f"{key}.")
     if tp is Any:
         return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise UserError(f"{source}: key '{key}' must be a number, got {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"{source}: key '{key}' must be an integer, got {value!r}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise UserError(f"{source}: key '{key}' must be true or false, got {value!r}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise UserError(f"{source}: key '{key}' must be a string, got {value!r}")
-        return value
+    if tp in _SCALARS:
+        what, accepts, stored = _SCALARS[tp]
+        if not accepts(value):
+            raise UserError(f"{source}: key '{key}' must be {what}, got {value!r}")
+        return stored(value)
     raise TypeError(f"unsupported config field type {tp!r} for {key}")
+
+
+def _coerce_union(value: Any, tp: Any, key: str, source: str) -> Any:
+    """The value as the first arm of the union that accepts it (None only for `None`)."""
+    for arm in get_args(tp):
+        if arm is type(None):
+            if value is None:
+                return None
+            continue
+        try:
+            return _coerce(value, arm, key, source)
+        except UserError:
+            continue
+    raise UserError(
+        f"{source}: key '{key}' has value {value!r}; expected "
+        f"{' or '.join(_type_name(a) for a in get_args(tp))}"
+    )
+
+
+def _coerce_sequence(value: Any, tp: Any, key: str, source: str) -> list | tuple:
+    if not isinstance(value, list | tuple):
+        raise UserError(f"{source}: key '{key}' must be a list, got {value!r}")
+    (item_tp, *_rest) = get_args(tp) or (Any,)
+    items = [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    return tuple(items) if get_origin(tp) is tuple else items
 
 
 def _build(cls: type[T], data: dict[str, Any], source: str, prefix: str = "") -> T:

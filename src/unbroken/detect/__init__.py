@@ -9,8 +9,10 @@ hands fail-stop and fail-slow detections to recovery and planning.
 - `timing`: `PhaseTimer`, the trainer hook recording per-rank compute for validation, and
   `StageTiming`, what a plan's worker records instead;
 - `events`: `DetectionEvent` / `DetectionSink` (+ a JSONL sink for `events.jsonl`);
-- `levels`: weak/medium/severe fail-slow factors;
-- `varlen`, `evaluate`, `_jobs`: what `unbroken bench detect` runs and scores.
+- `levels`: weak/medium/severe fail-slow factors.
+
+What `unbroken bench detect` runs and scores (its loss function, workloads, job runner and
+scorer) lives in `unbroken.bench`, above this package.
 
 Heartbeat fail-stop detection lives in `unbroken.launch` (it needs the control plane) and
 reports through the same `DetectionEvent`. This package never injects faults and never reads

@@ -370,38 +370,53 @@ class FailSlowDetector:
         rank, factor, what = found
         if (rank, what) in self.reported:
             return Decision(verdict=Verdict.KNOWN, validation_s=spent, **common)
+        report = self._new_report(rank, factor, what, window[0].obs.iteration, obs.iteration)
+        self._emit(report, ratio)
+        return Decision(verdict=Verdict.FAIL_SLOW, report=report, validation_s=spent, **common)
+
+    def _new_report(
+        self, rank: int | None, factor: float, what: str, iteration: int, detected_at: int
+    ) -> FailSlowReport:
+        """Record a new fail-slow of `rank` (None: every rank) in `what`, by `factor`, from
+        `iteration` on, found at `detected_at`."""
         stage = 0 if self.plan is None or rank is None else self.plan.locate(rank)[1]
         report = FailSlowReport(
             rank=rank,
             stage=stage,
             factor=factor,
-            iteration=window[0].obs.iteration,
-            detected_at=obs.iteration,
+            iteration=iteration,
+            detected_at=detected_at,
             what=what,
         )
         self.reported[(rank, what)] = report
-        if self.sink is not None:
-            who = "every rank's" if rank is None else f"rank {rank}'s"
-            if self.plan is not None and rank is not None:
-                who = f"stage {stage}: {who}"
-            part = "compute" if what == "compute" else "gradient all-reduce"
-            self.sink.emit(
-                DetectionEvent(
-                    kind=DetectionKind.FAIL_SLOW,
-                    rank=rank,
-                    stage=stage,
-                    factor=factor,
-                    iteration=report.iteration,
-                    detected_at=report.detected_at,
-                    cause=what,
-                    reason=(
-                        f"iterations {report.iteration}..{obs.iteration} took {ratio:.2f}x the "
-                        f"predicted healthy time; {who} {part} takes {factor:.2f}x "
-                        + ("its peers'" if what == "compute" else "its healthy time")
-                    ),
-                )
+        return report
+
+    def _emit(self, report: FailSlowReport, ratio: float) -> None:
+        """Hand the report to the sink (if any) as a `DetectionEvent` with a readable reason;
+        `ratio`: observed over predicted time of the iterations since the change."""
+        if self.sink is None:
+            return
+        rank, stage, factor, what = report.rank, report.stage, report.factor, report.what
+        who = "every rank's" if rank is None else f"rank {rank}'s"
+        if self.plan is not None and rank is not None:
+            who = f"stage {stage}: {who}"
+        part = "compute" if what == "compute" else "gradient all-reduce"
+        self.sink.emit(
+            DetectionEvent(
+                kind=DetectionKind.FAIL_SLOW,
+                rank=rank,
+                stage=stage,
+                factor=factor,
+                iteration=report.iteration,
+                detected_at=report.detected_at,
+                cause=what,
+                reason=(
+                    f"iterations {report.iteration}..{report.detected_at} took {ratio:.2f}x the "
+                    f"predicted healthy time; {who} {part} takes {factor:.2f}x "
+                    + ("its peers'" if what == "compute" else "its healthy time")
+                ),
             )
-        return Decision(verdict=Verdict.FAIL_SLOW, report=report, validation_s=spent, **common)
+        )
 
     def _drop(self, window: Sequence[_Point], cp: ChangePoint) -> None:
         """Remove the window's points from the series (BOCPD back to its state before them)."""

@@ -169,6 +169,7 @@ def _action_seconds(stages: Mapping[int, StageTiming]) -> dict[tuple[int, int, s
     return out
 
 
+# Long: three fits in order (micro-batch model, shares and links, per-rank scale), each on the last.
 def fit_plan(
     plan: ParallelPlan, warm: Sequence[tuple[Workload, float, Mapping[int, StageTiming]]]
 ) -> PlanFit:

@@ -114,6 +114,7 @@ def _piece(tensors: Mapping[str, torch.Tensor], r: Route, start: int) -> torch.T
     return t if r.dim is None else t.narrow(r.dim, start, r.length)
 
 
+# Long: an 11-line docstring and a 9-line signature; the body is 41 lines.
 def reshard(
     old: ParallelPlan,
     new: ParallelPlan,

@@ -33,7 +33,7 @@ DEFAULT_TUNING = {
     "xor_fill": 512,  # shrink blocks / split columns until about this many programs run
     "xor_min_cols": 16,  # but give each split at least this many columns
 }
-"""Launch parameters, chosen by `python -m unbroken.erasure._cuda_tuning` on an H200."""
+"""Launch parameters, chosen by `python -m unbroken.bench.erasure_tuning` on an H200."""
 _CACHE_LIMIT = 64
 
 
@@ -203,75 +203,90 @@ class TritonCodec(Codec):
     def _launch(
         self, kernels, kernel, block, src, src2, dst, length, dest_offset, cols, fused, accumulate
     ) -> None:
+        args = (kernels, block, src, src2, dst, length, dest_offset, cols, fused, accumulate)
+        if kernel == "tc":
+            self._launch_tc(*args)
+        else:
+            self._launch_xor(*args)
+
+    def _launch_tc(
+        self, kernels, block, src, src2, dst, length, dest_offset, cols, fused, accumulate
+    ) -> None:
+        """The tensor-core kernel over the whole range, one program per `tc_block` bytes."""
         rows = block.shape[0]
         t = self.tuning
-        if kernel == "tc":
-            rows_p2 = _pow2_at_least(rows, 2)
-            bits = self._operand("tc", block, rows_p2)
-            block_n = t["tc_block"]
-            grid = (_cdiv(length, block_n),)
-            kernels.gf_matmul_tc[grid](
-                src,
-                src2,
-                dst,
-                bits,
-                length,
-                dest_offset,
-                cols,
-                bits.shape[1],
-                rows,
-                ROWS_P2=rows_p2,
-                KJ=t["tc_kj"],
-                BLOCK_N=block_n,
-                FUSED=fused,
-                ACCUMULATE=accumulate,
-                num_warps=t["tc_warps"],
-            )
-        else:
-            rows_p2 = _pow2_at_least(rows, 1)
-            table = self._operand("xor", block, rows_p2)
-            words = length // 4
-            # Small pages: shrink the word block, then split the columns, until the grid can
-            # fill the machine (about `xor_fill` programs).
-            block_w = t["xor_block"]
-            while block_w > t["xor_min_block"] and _cdiv(words, block_w) < t["xor_fill"] // 2:
-                block_w //= 2
-            blocks = _cdiv(words, block_w)
-            splits = max(1, min(t["xor_fill"] // blocks, cols // t["xor_min_cols"]))
-            per_split = _cdiv(cols, splits)
-            splits = _cdiv(cols, per_split)
-            common = {
-                "ROWS_P2": rows_p2,
-                "BLOCK_W": block_w,
-                "FUSED": fused,
-                "num_warps": t["xor_warps"],
-            }
-            if splits > 1 and not accumulate:  # zero the range first (a launch with no columns)
-                kernels.gf_matmul_xor[(blocks, 1)](
-                    src,
-                    src2,
-                    dst,
-                    table,
-                    words,
-                    dest_offset // 4,
-                    0,
-                    rows,
-                    1,
-                    ACCUMULATE=False,
-                    SPLIT=False,
-                    **common,
-                )
-            kernels.gf_matmul_xor[(blocks, splits)](
+        rows_p2 = _pow2_at_least(rows, 2)
+        bits = self._operand("tc", block, rows_p2)
+        block_n = t["tc_block"]
+        grid = (_cdiv(length, block_n),)
+        kernels.gf_matmul_tc[grid](
+            src,
+            src2,
+            dst,
+            bits,
+            length,
+            dest_offset,
+            cols,
+            bits.shape[1],
+            rows,
+            ROWS_P2=rows_p2,
+            KJ=t["tc_kj"],
+            BLOCK_N=block_n,
+            FUSED=fused,
+            ACCUMULATE=accumulate,
+            num_warps=t["tc_warps"],
+        )
+
+    def _launch_xor(
+        self, kernels, block, src, src2, dst, length, dest_offset, cols, fused, accumulate
+    ) -> None:
+        """The CUDA-core XOR kernel, its word block and column splits sized to fill the GPU."""
+        rows = block.shape[0]
+        t = self.tuning
+        rows_p2 = _pow2_at_least(rows, 1)
+        table = self._operand("xor", block, rows_p2)
+        words = length // 4
+        # Small pages: shrink the word block, then split the columns, until the grid can
+        # fill the machine (about `xor_fill` programs).
+        block_w = t["xor_block"]
+        while block_w > t["xor_min_block"] and _cdiv(words, block_w) < t["xor_fill"] // 2:
+            block_w //= 2
+        blocks = _cdiv(words, block_w)
+        splits = max(1, min(t["xor_fill"] // blocks, cols // t["xor_min_cols"]))
+        per_split = _cdiv(cols, splits)
+        splits = _cdiv(cols, per_split)
+        common = {
+            "ROWS_P2": rows_p2,
+            "BLOCK_W": block_w,
+            "FUSED": fused,
+            "num_warps": t["xor_warps"],
+        }
+        if splits > 1 and not accumulate:  # zero the range first (a launch with no columns)
+            kernels.gf_matmul_xor[(blocks, 1)](
                 src,
                 src2,
                 dst,
                 table,
                 words,
                 dest_offset // 4,
-                cols,
+                0,
                 rows,
-                per_split,
-                ACCUMULATE=accumulate,
-                SPLIT=splits > 1,
+                1,
+                ACCUMULATE=False,
+                SPLIT=False,
                 **common,
             )
+        kernels.gf_matmul_xor[(blocks, splits)](
+            src,
+            src2,
+            dst,
+            table,
+            words,
+            dest_offset // 4,
+            cols,
+            rows,
+            per_split,
+            ACCUMULATE=accumulate,
+            SPLIT=splits > 1,
+            **common,
+        )

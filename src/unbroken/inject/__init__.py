@@ -19,7 +19,22 @@ firing is recorded in the job's store before the fault acts, so a redone iterati
 recovery runs clean.
 """
 
-from unbroken.inject.faults import FaultKind, FaultSpec, InjectedFault, SlowTarget, parse_fault
+from unbroken.inject.faults import (
+    FaultKind,
+    FaultSpec,
+    InjectedFault,
+    SlowTarget,
+    faults_not_fired,
+    parse_fault,
+)
 from unbroken.inject.injector import Injector
 
-__all__ = ["FaultKind", "FaultSpec", "InjectedFault", "Injector", "SlowTarget", "parse_fault"]
+__all__ = [
+    "FaultKind",
+    "FaultSpec",
+    "InjectedFault",
+    "Injector",
+    "SlowTarget",
+    "faults_not_fired",
+    "parse_fault",
+]

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 from unbroken.detect.levels import Level
 from unbroken.errors import UserError
 from unbroken.train.phases import Phase
 
-__all__ = ["FaultKind", "FaultSpec", "InjectedFault", "SlowTarget", "parse_fault"]
+__all__ = [
+    "FaultKind",
+    "FaultSpec",
+    "InjectedFault",
+    "SlowTarget",
+    "faults_not_fired",
+    "parse_fault",
+]
 
 
 class FaultKind(enum.StrEnum):
@@ -126,13 +134,27 @@ def parse_fault(spec: str) -> FaultSpec:
         UserError: with the spec and what is wrong in it.
     """
     kind_s, _, rest = spec.partition(":")
+    kind = _parse_kind(spec, kind_s)
+    fields = _parse_fields(spec, kind, rest)
+    values = _typed_values(spec, fields)
+    _check_values(spec, kind, fields, values)
+    if values["iteration"] is not None and values["phase"] is None:
+        values["phase"] = Phase.FORWARD
+    return FaultSpec(kind=kind, **values)
+
+
+def _parse_kind(spec: str, kind_s: str) -> FaultKind:
     try:
-        kind = FaultKind(kind_s.strip())
+        return FaultKind(kind_s.strip())
     except ValueError:
         raise UserError(
             f"fault {spec!r}: unknown kind {kind_s!r}; choose one of "
             f"{', '.join(k.value for k in FaultKind)}"
         ) from None
+
+
+def _parse_fields(spec: str, kind: FaultKind, rest: str) -> dict[str, str]:
+    """The spec's key=value fields, as strings; a field this kind does not take is an error."""
     fields: dict[str, str] = {}
     for item in filter(None, (p.strip() for p in rest.split(","))):
         name, eq, value = item.partition("=")
@@ -148,59 +170,52 @@ def parse_fault(spec: str) -> FaultSpec:
         raise UserError(
             f"fault {spec!r}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}"
         )
+    return fields
+
+
+def _typed_values(spec: str, fields: dict[str, str]) -> dict[str, Any]:
+    """`FaultSpec`'s fields but `kind`, converted from the spec's strings (defaults filled in)."""
     try:
-        rank = int(fields["rank"])
-        iteration = int(fields["iter"]) if "iter" in fields else None
-        step = int(fields["step"]) if "step" in fields else None
-        at_s = float(fields["at"]) if "at" in fields else None
-        factor = float(fields.get("factor", "1"))
-        phase = _choice(fields, "phase", Phase)
-        pages = int(fields.get("pages", "0"))
-        parity = int(fields.get("parity", "0"))
-        group = int(fields["group"]) if "group" in fields else None
-        groups = int(fields.get("groups", "1"))
-        mb = int(fields.get("mb", "0"))
-        over = int(fields.get("over", "0"))
-        level = _choice(fields, "level", Level)
-        what = _choice(fields, "what", SlowTarget) or SlowTarget.COMPUTE
+        return {
+            "rank": int(fields["rank"]),
+            "iteration": int(fields["iter"]) if "iter" in fields else None,
+            "step": int(fields["step"]) if "step" in fields else None,
+            "at_s": float(fields["at"]) if "at" in fields else None,
+            "factor": float(fields.get("factor", "1")),
+            "phase": _choice(fields, "phase", Phase),
+            "pages": int(fields.get("pages", "0")),
+            "parity": int(fields.get("parity", "0")),
+            "group": int(fields["group"]) if "group" in fields else None,
+            "groups": int(fields.get("groups", "1")),
+            "mb": int(fields.get("mb", "0")),
+            "over": int(fields.get("over", "0")),
+            "level": _choice(fields, "level", Level),
+            "what": _choice(fields, "what", SlowTarget) or SlowTarget.COMPUTE,
+        }
     except KeyError:
         raise UserError(f"fault {spec!r}: 'rank=' is required") from None
     except ValueError as exc:
         raise UserError(f"fault {spec!r}: {exc}") from None
-    if (iteration is None) == (at_s is None):
+
+
+def _check_values(spec: str, kind: FaultKind, fields: dict[str, str], v: dict[str, Any]) -> None:
+    """The rules across fields: one trigger, what each kind needs, no negative rank or iter."""
+    iteration = v["iteration"]
+    if (iteration is None) == (v["at_s"] is None):
         raise UserError(f"fault {spec!r}: give exactly one trigger, iter=I or at=SECONDS")
-    if kind is FaultKind.PAGELOSS and (pages + parity < 1 or groups < 1):
+    if kind is FaultKind.PAGELOSS and (v["pages"] + v["parity"] < 1 or v["groups"] < 1):
         raise UserError(f"fault {spec!r}: pageloss needs pages=N and/or parity=N")
-    if kind is FaultKind.MEMSPIKE and (mb < 1) == (over < 1):
+    if kind is FaultKind.MEMSPIKE and (v["mb"] < 1) == (v["over"] < 1):
         raise UserError(
             f"fault {spec!r}: memspike needs exactly one of mb=N (MiB, >= 1) or over=N "
             "(MiB beyond the GPU's free memory, >= 1)"
         )
-    if kind is FaultKind.SLOW and level is not None and "factor" in fields:
+    if kind is FaultKind.SLOW and v["level"] is not None and "factor" in fields:
         raise UserError(f"fault {spec!r}: give factor=F or level=L, not both")
-    if kind is FaultKind.SLOW and level is None and factor <= 1.0:
+    if kind is FaultKind.SLOW and v["level"] is None and v["factor"] <= 1.0:
         raise UserError(f"fault {spec!r}: slow needs factor > 1 or level=weak|medium|severe")
-    if rank < 0 or (iteration is not None and iteration < 0):
+    if v["rank"] < 0 or (iteration is not None and iteration < 0):
         raise UserError(f"fault {spec!r}: rank and iter must be >= 0")
-    if iteration is not None and phase is None:
-        phase = Phase.FORWARD
-    return FaultSpec(
-        kind=kind,
-        rank=rank,
-        iteration=iteration,
-        phase=phase,
-        step=step,
-        at_s=at_s,
-        factor=factor,
-        level=level,
-        what=what,
-        pages=pages,
-        parity=parity,
-        group=group,
-        groups=groups,
-        mb=mb,
-        over=over,
-    )
 
 
 def _choice(fields: dict[str, str], name: str, enum_type: type[enum.StrEnum]):
@@ -216,3 +231,18 @@ def _choice(fields: dict[str, str], name: str, enum_type: type[enum.StrEnum]):
     except ValueError:
         choices = "|".join(m.value for m in enum_type)
         raise ValueError(f"{name}={fields[name]!r} is not one of {choices}") from None
+
+
+_SILENT_KINDS = (FaultKind.OOM, FaultKind.MEMSPIKE)
+"""Kinds that log no firing event (they are not failures unless memory runs out)."""
+
+
+def faults_not_fired(inject: list[str], events: list[dict]) -> list[str]:
+    """The scheduled faults (`inject` specs) that never fired in a run — an iteration past the
+    run's end, a wall time it never reached — as canonical specs, in schedule order, from the
+    run's events (`failure_injected`, `corruption_injected`)."""
+    fired = {
+        e.get("spec") for e in events if e["kind"] in ("failure_injected", "corruption_injected")
+    }
+    specs = [parse_fault(s) for s in inject]
+    return [f.text() for f in specs if f.kind not in _SILENT_KINDS and f.text() not in fired]

@@ -122,6 +122,56 @@ def _origin(
     return t_fault, k, det.get("phase") or "", ran
 
 
+def _resumed(
+    metrics: list[dict[str, Any]],
+    ready: dict[str, Any] | None,
+    t_fault: float,
+    k: int,
+    healthy: float,
+    ran: float,
+) -> tuple[float, float] | None:
+    """(t_j, recomputation seconds) of a failure at `t_fault` in iteration `k`, or None when
+    the run never recovered from it."""
+    after = [m for m in metrics if m["t_start"] > t_fault]
+    if ready is not None and ready.get("restored_iter", -1) > k and after:
+        # In-place recovery finished iteration k's update while repairing: training resumed
+        # past it, nothing is recomputed.
+        return ready["t"], 0.0
+    redone = next((m for m in after if m["iter"] == k), None)
+    if redone is None:
+        return None  # not recovered (the summary counts it as unrecovered)
+    t_j = after[0]["t_start"]
+    t_remain = max(0.0, healthy - ran)
+    return t_j, max(0.0, redone["t_end"] - t_j - t_remain)
+
+
+def _shadows(
+    events: list[dict[str, Any]], t_fault: float, ready: dict[str, Any] | None
+) -> tuple[dict[str, Any] | None, float | None]:
+    """The promotion that served a recovery (None: processes restarted) and how long after the
+    failure every rank had a ready shadow again (None: never, or no shadows)."""
+    promoted = next(
+        (
+            e
+            for e in events
+            if e["kind"] == "shadows_promoted"
+            and e["t"] >= t_fault
+            and (ready is None or e["t"] <= ready["t"])
+        ),
+        None,
+    )
+    if promoted is None:
+        return None, None
+    n_ranks = len({e["rank"] for e in events if e["kind"] == "shadow_ready"})
+    nxt = [
+        e["t"]
+        for e in events
+        if e["kind"] == "shadow_ready" and e["generation"] == promoted["generation"] + 1
+    ]
+    again = max(nxt) - t_fault if n_ranks and len(nxt) >= n_ranks else None
+    return promoted, again
+
+
 def analyze_run(
     metrics: list[dict[str, Any]],
     events: list[dict[str, Any]],
@@ -130,46 +180,19 @@ def analyze_run(
     """Per-failure recovery breakdown of one run (its own metrics and events): one row per
     failure the state machine recovered from, injected or not."""
     healthy = healthy_s if healthy_s is not None else healthy_iter_s(metrics)
-    shadow_ready: dict[int, list[float]] = {}
-    for e in events:
-        if e["kind"] == "shadow_ready":
-            shadow_ready.setdefault(e["generation"], []).append(e["t"])
-    n_ranks = len({e["rank"] for e in events if e["kind"] == "shadow_ready"})
     out = []
     for det, inj in _failures(events):
         t_fault, k, phase, ran = _origin(det, inj, metrics)
-        after = [m for m in metrics if m["t_start"] > t_fault]
         ready = next(
             (e for e in events if e["kind"] == "trainer_ready" and e["t"] >= t_fault), None
         )
-        if ready is not None and ready.get("restored_iter", -1) > k and after:
-            # In-place recovery finished iteration k's update while repairing: training
-            # resumed past it, nothing is recomputed.
-            t_j, recompute = ready["t"], 0.0
-        else:
-            redone = next((m for m in after if m["iter"] == k), None)
-            if not after or redone is None:
-                continue  # not recovered (the summary counts it as unrecovered)
-            t_j = after[0]["t_start"]
-            t_remain = max(0.0, healthy - ran)
-            recompute = max(0.0, redone["t_end"] - t_j - t_remain)
-        init = t_j - t_fault
-        promoted = next(
-            (
-                e
-                for e in events
-                if e["kind"] == "shadows_promoted"
-                and e["t"] >= t_fault
-                and (ready is None or e["t"] <= ready["t"])
-            ),
-            None,
-        )
-        protected_again = None
-        if promoted is not None:
-            nxt = shadow_ready.get(promoted["generation"] + 1, [])
-            if n_ranks and len(nxt) >= n_ranks:
-                protected_again = max(nxt) - t_fault
+        resumed = _resumed(metrics, ready, t_fault, k, healthy, ran)
+        if resumed is None:
+            continue
+        t_j, recompute = resumed
+        promoted, protected_again = _shadows(events, t_fault, ready)
         fault = inj.get("fault", "") if inj is not None else ""
+        t_detected = det.get("t_detected", det["t"])
         out.append(
             RecoveryBreakdown(
                 kind="hof" if inj is None or fault in _HOF_FAULTS else fault,
@@ -180,15 +203,15 @@ def analyze_run(
                 rank=det["rank"] if det.get("rank") is not None else inj["rank"],
                 iteration=k,
                 phase=phase,
-                detect_s=det.get("t_detected", det["t"]) - t_fault,
-                init_s=init,
+                detect_s=t_detected - t_fault,
+                init_s=t_j - t_fault,
                 recompute_s=recompute,
-                total_s=init + recompute,
+                total_s=t_j - t_fault + recompute,
                 restored_iter=ready.get("restored_iter") if ready else None,
                 shadow_level=promoted["level"] if promoted else 0,
                 shadows_ready=promoted.get("ready", 0) if promoted else 0,
                 protected_again_s=protected_again,
-                detected_t=det.get("t_detected", det["t"]),
+                detected_t=t_detected,
             )
         )
     return out

@@ -7,22 +7,7 @@ from typing import Any
 
 from unbroken.metrics.analysis import analyze_run, ettr, healthy_iter_s, wall_time
 
-__all__ = ["audit", "build_summary", "faults_not_fired", "format_table"]
-
-#: Kinds that do not log `failure_injected` (they are not failures unless memory runs out).
-_SILENT_KINDS = ("oom", "memspike")
-
-
-def faults_not_fired(inject: list[str], events: list[dict[str, Any]]) -> list[str]:
-    """The scheduled faults (`inject` specs) that never fired in this run — an iteration past
-    the run's end, a wall time it never reached — as canonical specs, in schedule order."""
-    from unbroken.inject import parse_fault
-
-    fired = {
-        e.get("spec") for e in events if e["kind"] in ("failure_injected", "corruption_injected")
-    }
-    specs = [parse_fault(s) for s in inject]
-    return [f.text() for f in specs if f.kind.value not in _SILENT_KINDS and f.text() not in fired]
+__all__ = ["audit", "build_summary", "format_table"]
 
 
 def _run_stats(metrics: list[dict[str, Any]]) -> dict[str, Any]:
@@ -39,10 +24,30 @@ def _run_stats(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _slowness(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's detected and injected slow-downs."""
+    return {
+        "fail_slow": [
+            {
+                "what": e.get("what", "compute"),
+                **{k: e[k] for k in ("rank", "stage", "factor", "since_iter", "detected_at")},
+            }
+            for e in events
+            if e["kind"] == "fail_slow"
+        ],
+        "slow_injected": [
+            {"rank": e["rank"], "iter": e["iter"], "spec": e["spec"]}
+            for e in events
+            if e["kind"] == "failure_injected" and e["fault"] == "slow"
+        ],
+    }
+
+
 def build_summary(
     reference: dict[str, Any] | None,
     faulty: dict[str, Any],
     config: dict[str, Any],
+    not_fired: list[str] | None = None,
 ) -> dict[str, Any]:
     """Summary of a faulty run against its fault-free reference.
 
@@ -50,6 +55,7 @@ def build_summary(
         reference: {"metrics", "events", "final_state_hash", "state"} of the reference run.
         faulty: the same for the run with failures.
         config: the faulty run's config (as a dict).
+        not_fired: the scheduled faults that never fired (`unbroken.inject.faults_not_fired`).
     """
     f_metrics, f_events = faulty["metrics"], faulty["events"]
     healthy = healthy_iter_s(reference["metrics"]) if reference else None
@@ -63,7 +69,7 @@ def build_summary(
         "final_state_hash": faulty["final_state_hash"],
         "failures_injected": len(injected),
         "failures_detected": sum(e["kind"] == "failure_detected" for e in f_events),
-        "faults_not_fired": faults_not_fired(list(config.get("inject", [])), f_events),
+        "faults_not_fired": list(not_fired or []),
         "failures_recovered": len(recoveries),
         "recoveries": [r.as_dict() for r in recoveries],
         "faulty": _run_stats(f_metrics),
@@ -78,19 +84,7 @@ def build_summary(
         "mttf_s": config["checkpoint"]["mttf_s"],
         "world_size": config["parallel"]["world_size"],
         "recovery_mode": config["recovery"]["mode"],
-        "fail_slow": [
-            {
-                "what": e.get("what", "compute"),
-                **{k: e[k] for k in ("rank", "stage", "factor", "since_iter", "detected_at")},
-            }
-            for e in f_events
-            if e["kind"] == "fail_slow"
-        ],
-        "slow_injected": [
-            {"rank": e["rank"], "iter": e["iter"], "spec": e["spec"]}
-            for e in f_events
-            if e["kind"] == "failure_injected" and e["fault"] == "slow"
-        ],
+        **_slowness(f_events),
         "change_points": sum(e["kind"] == "change_point" for e in f_events),
     }
     summary["replica_mismatches"] = [

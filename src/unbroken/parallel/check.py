@@ -19,6 +19,8 @@ from unbroken.parallel.actions import Action, ActionKind
 __all__ = ["Problem", "check_plan", "match_transfers", "transfer_key"]
 
 TransferKey = tuple[int, int, str, int, int, int, int]
+Ref = tuple[int, int]
+"""(rank, index of the action in the rank's list)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,49 +88,75 @@ def match_transfers(
     Returns:
         (partner map (rank, index) -> (rank, index) in both directions, problems found).
     """
-    sends: dict[TransferKey, list[tuple[int, int]]] = defaultdict(list)
-    recvs: dict[TransferKey, list[tuple[int, int]]] = defaultdict(list)
-    for rank, acts in actions.items():  # type: ignore[attr-defined]
+    sends, recvs = _comm_by_key(actions)
+    partner, problems = _pair_by_key(actions, sends, recvs)
+    problems += _fifo_problems(actions, partner)
+    return partner, problems
+
+
+def _problem(actions, ref: Ref, reason: str) -> Problem:
+    return Problem(ref[0], ref[1], actions[ref[0]][ref[1]], reason)
+
+
+def _comm_by_key(actions) -> tuple[dict[TransferKey, list[Ref]], dict[TransferKey, list[Ref]]]:
+    """Every SEND and every RECV, grouped by `transfer_key`, in rank and list order."""
+    sends: dict[TransferKey, list[Ref]] = defaultdict(list)
+    recvs: dict[TransferKey, list[Ref]] = defaultdict(list)
+    for rank, acts in actions.items():
         for i, a in enumerate(acts):
             if a.is_comm:
                 (sends if a.is_send else recvs)[transfer_key(rank, a)].append((rank, i))
+    return sends, recvs
+
+
+def _pair_by_key(
+    actions, sends: dict[TransferKey, list[Ref]], recvs: dict[TransferKey, list[Ref]]
+) -> tuple[dict[Ref, Ref], list[Problem]]:
+    """The first SEND and RECV of each key paired (both directions); duplicates and unmatched
+    ends reported."""
     problems: list[Problem] = []
-    partner: dict[tuple[int, int], tuple[int, int]] = {}
-
-    def problem(ref: tuple[int, int], reason: str) -> None:
-        problems.append(Problem(ref[0], ref[1], actions[ref[0]][ref[1]], reason))  # type: ignore[index]
-
+    partner: dict[Ref, Ref] = {}
     for key in sorted(set(sends) | set(recvs)):
         s, r = sends.get(key, []), recvs.get(key, [])
         for extra in s[1:]:
-            problem(extra, "duplicate send of the same message")
+            problems.append(_problem(actions, extra, "duplicate send of the same message"))
         for extra in r[1:]:
-            problem(extra, "duplicate receive of the same message")
+            problems.append(_problem(actions, extra, "duplicate receive of the same message"))
         if s and r:
             partner[s[0]], partner[r[0]] = r[0], s[0]
         elif s:
-            problem(s[0], f"SEND with no matching RECV on r{key[1]}")
+            problems.append(_problem(actions, s[0], f"SEND with no matching RECV on r{key[1]}"))
         else:
-            problem(r[0], f"RECV with no matching SEND on r{key[0]}")
-    # FIFO per directed link: the j-th send on src->dst must pair with the j-th receive.
-    link_sends: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-    link_recvs: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-    for rank, acts in actions.items():  # type: ignore[attr-defined]
+            problems.append(_problem(actions, r[0], f"RECV with no matching SEND on r{key[0]}"))
+    return partner, problems
+
+
+def _fifo_problems(actions, partner: dict[Ref, Ref]) -> list[Problem]:
+    """FIFO per directed link: the j-th send on src->dst must pair with the j-th receive; the
+    first misordered receive of each link is reported."""
+    link_sends: dict[tuple[int, int], list[Ref]] = defaultdict(list)
+    link_recvs: dict[tuple[int, int], list[Ref]] = defaultdict(list)
+    for rank, acts in actions.items():
         for i, a in enumerate(acts):
             if a.is_comm and (rank, i) in partner:
                 key = transfer_key(rank, a)
                 (link_sends if a.is_send else link_recvs)[key[:2]].append((rank, i))
+    problems = []
     for link, sent in link_sends.items():
         received = link_recvs[link]
         for j, (snd, rcv) in enumerate(zip(sent, received, strict=True)):
             if partner[snd] != rcv:
-                want = actions[snd[0]][snd[1]]  # type: ignore[index]
-                problem(
-                    rcv,
-                    f"misordered: receive #{j} from r{link[0]} but send #{j} on that link is {want}",
+                want = actions[snd[0]][snd[1]]
+                problems.append(
+                    _problem(
+                        actions,
+                        rcv,
+                        f"misordered: receive #{j} from r{link[0]} but send #{j} on that link "
+                        f"is {want}",
+                    )
                 )
                 break
-    return partner, problems
+    return problems
 
 
 def _dependency_problems(rank: int, acts: tuple[Action, ...], last_stage: int) -> list[Problem]:

@@ -116,84 +116,109 @@ def _list_schedule(
     even when groups run different micro-batch sets (migration). Should the activation bounds
     ever stall every group, an F is let through regardless, which always makes progress.
     """
-    groups = sorted(work)
-    split = schedule == "zb_h1"
-    clock = dict.fromkeys(groups, 0)
-    nf, nb, nw = dict.fromkeys(groups, 0), dict.fromkeys(groups, 0), dict.fromkeys(groups, 0)
-    f_done: dict[tuple[int, int], int] = {}
-    b_done: dict[tuple[int, int], int] = {}
-    orders: dict[tuple[int, int], list[Step]] = {g: [] for g in groups}
-    remaining = sum((3 if split else 2) * len(work[g]) for g in groups)
+    return _ListScheduler(work, pp, schedule).run()
 
-    def bounded(g: tuple[int, int]) -> bool:
-        if schedule == "gpipe":
+
+class _ListScheduler:
+    """The state of one `_list_schedule` run: per group its clock and how many F, B and W it
+    has run; when each (micro-batch, stage) finished F and B; the orders built so far; and a
+    heap of each group's best candidate."""
+
+    def __init__(
+        self, work: Mapping[tuple[int, int], Sequence[int]], pp: int, schedule: str
+    ) -> None:
+        self.work, self.pp, self.schedule = work, pp, schedule
+        self.groups = sorted(work)
+        self.split = schedule == "zb_h1"
+        self.clock = dict.fromkeys(self.groups, 0)
+        self.nf = dict.fromkeys(self.groups, 0)
+        self.nb = dict.fromkeys(self.groups, 0)
+        self.nw = dict.fromkeys(self.groups, 0)
+        self.f_done: dict[tuple[int, int], int] = {}
+        self.b_done: dict[tuple[int, int], int] = {}
+        self.orders: dict[tuple[int, int], list[Step]] = {g: [] for g in self.groups}
+        # Each group's best candidate sits in a heap; it changes only when the group itself or
+        # the producer it waits for advances, so only those are refreshed (stale entries are
+        # skipped).
+        self.executor_of = {(m, g[1]): g for g in self.groups for m in work[g]}
+        self.heap: list[tuple[int, int, tuple[int, int], int, ActionKind]] = []
+        self.version = dict.fromkeys(self.groups, 0)
+
+    def run(self) -> dict[tuple[int, int], list[Step]]:
+        remaining = sum((3 if self.split else 2) * len(self.work[g]) for g in self.groups)
+        for g in self.groups:
+            self._refresh(g)
+        while remaining:
+            start, g, kind = self._next()
+            self._execute(start, g, kind)
+            remaining -= 1
+        return self.orders
+
+    def _bounded(self, g: tuple[int, int]) -> bool:
+        if self.schedule == "gpipe":
             return True
-        within = nf[g] - nb[g] < pp - g[1]
-        return within and (nb[g] - nw[g] < pp if split else True)
+        nf, nb, nw = self.nf, self.nb, self.nw
+        within = nf[g] - nb[g] < self.pp - g[1]
+        return within and (nb[g] - nw[g] < self.pp if self.split else True)
 
-    def candidates(g: tuple[int, int], relaxed: bool) -> list[tuple[int, int, ActionKind]]:
-        mbs, s = work[g], g[1]
+    def _candidates(self, g: tuple[int, int], relaxed: bool) -> list[tuple[int, int, ActionKind]]:
+        mbs, s = self.work[g], g[1]
+        nf, nb, nw, clock = self.nf, self.nb, self.nw, self.clock
         found = []
-        f_prio, b_prio = (0, 1) if schedule == "gpipe" else (1, 0)
-        if nb[g] < nf[g] and (schedule != "gpipe" or nf[g] == len(mbs)):
+        f_prio, b_prio = (0, 1) if self.schedule == "gpipe" else (1, 0)
+        if nb[g] < nf[g] and (self.schedule != "gpipe" or nf[g] == len(mbs)):
             m = mbs[nb[g]]
-            ready = f_done[(m, s)] if s == pp - 1 else b_done.get((m, s + 1))
+            ready = self.f_done[(m, s)] if s == self.pp - 1 else self.b_done.get((m, s + 1))
             if ready is not None:
                 found.append((max(clock[g], ready), b_prio, B))
-        if nf[g] < len(mbs) and (relaxed or bounded(g)):
-            ready = 0 if s == 0 else f_done.get((mbs[nf[g]], s - 1))
+        if nf[g] < len(mbs) and (relaxed or self._bounded(g)):
+            ready = 0 if s == 0 else self.f_done.get((mbs[nf[g]], s - 1))
             if ready is not None:
                 found.append((max(clock[g], ready), f_prio, F))
-        if split and nw[g] < nb[g]:
+        if self.split and nw[g] < nb[g]:
             found.append((clock[g], 2, W))
         return found
 
-    # Each group's best candidate sits in a heap; it changes only when the group itself or the
-    # producer it waits for advances, so only those are refreshed (stale entries are skipped).
-    executor_of = {(m, g[1]): g for g in groups for m in work[g]}
-    heap: list[tuple[int, int, tuple[int, int], int, ActionKind]] = []
-    version = dict.fromkeys(groups, 0)
-
-    def refresh(g: tuple[int, int]) -> None:
-        version[g] += 1
-        found = candidates(g, relaxed=False)
+    def _refresh(self, g: tuple[int, int]) -> None:
+        self.version[g] += 1
+        found = self._candidates(g, relaxed=False)
         if found:
             start, prio, kind = min(found)
-            heapq.heappush(heap, (start, prio, g, version[g], kind))
+            heapq.heappush(self.heap, (start, prio, g, self.version[g], kind))
 
-    for g in groups:
-        refresh(g)
-    while remaining:
+    def _next(self) -> tuple[int, tuple[int, int], ActionKind]:
+        """(start, group, kind) of the next compute action to run."""
         best: tuple[int, int, tuple[int, int], ActionKind] | None = None
-        while heap and best is None:
-            start, prio, g, ver, kind = heapq.heappop(heap)
-            if ver == version[g]:
+        while self.heap and best is None:
+            start, prio, g, ver, kind = heapq.heappop(self.heap)
+            if ver == self.version[g]:
                 best = (start, prio, g, kind)
         if best is None:  # every group is held by its bounds: let an F through
-            for g in groups:
-                found = candidates(g, relaxed=True)
+            for g in self.groups:
+                found = self._candidates(g, relaxed=True)
                 if found and (best is None or min(found)[:2] < best[:2]):
                     start, prio, kind = min(found)
                     best = (start, prio, g, kind)
         if best is None:  # pragma: no cover - an F is always ready once bounds are relaxed
             raise RuntimeError("list scheduler stalled")
         start, _, g, kind = best
+        return start, g, kind
+
+    def _execute(self, start: int, g: tuple[int, int], kind: ActionKind) -> None:
         s = g[1]
-        counter = {F: nf, B: nb, W: nw}[kind]
-        m = work[g][counter[g]]
+        counter = {F: self.nf, B: self.nb, W: self.nw}[kind]
+        m = self.work[g][counter[g]]
         counter[g] += 1
-        clock[g] = start + 1
+        self.clock[g] = start + 1
         if kind is F:
-            f_done[(m, s)] = start + 1
+            self.f_done[(m, s)] = start + 1
         elif kind is B:
-            b_done[(m, s)] = start + 1
-        orders[g].append((kind, s, m))
-        remaining -= 1
-        refresh(g)
-        consumer = executor_of.get((m, s + 1) if kind is F else (m, s - 1))
+            self.b_done[(m, s)] = start + 1
+        self.orders[g].append((kind, s, m))
+        self._refresh(g)
+        consumer = self.executor_of.get((m, s + 1) if kind is F else (m, s - 1))
         if kind is not W and consumer is not None and consumer != g:
-            refresh(consumer)
-    return orders
+            self._refresh(consumer)
 
 
 def compute_steps(
@@ -291,50 +316,80 @@ def generate_actions(
     executors = dict(executors or {})
     steps = compute_steps(stage_ranks, microbatches, schedule, virtual_stages, executors)
     num_stages = len(stage_ranks[0])
-    starts = [sum(microbatches[:d]) for d in range(len(microbatches))]
-    owner = {starts[d] + i: d for d, n in enumerate(microbatches) for i in range(n)}
-
-    def ranks_of(m: int, k: int) -> tuple[int, ...]:
-        return tuple(stage_ranks[executors.get((m, k), owner[m])][k])
-
-    def recvs(kind: ActionKind, k: int, m: int, here: tuple[int, ...], rank: int) -> list[Action]:
-        if kind is F and k > 0 and ranks_of(m, k - 1) != here:
-            return _transfers(ActionKind.RECV_F, k, m, ranks_of(m, k - 1), here, rank)
-        if kind is B and k < num_stages - 1 and ranks_of(m, k + 1) != here:
-            return _transfers(ActionKind.RECV_B, k, m, ranks_of(m, k + 1), here, rank)
-        return []
-
-    def sends(kind: ActionKind, k: int, m: int, here: tuple[int, ...], rank: int) -> list[Action]:
-        if kind is F and k < num_stages - 1 and ranks_of(m, k + 1) != here:
-            return _transfers(ActionKind.SEND_F, k, m, here, ranks_of(m, k + 1), rank)
-        if kind is B and k > 0 and ranks_of(m, k - 1) != here:
-            return _transfers(ActionKind.SEND_B, k, m, here, ranks_of(m, k - 1), rank)
-        return []
-
+    links = _Links(stage_ranks, microbatches, executors)
     witness = _unit_times(steps, num_stages) if executors else None
     out: dict[int, tuple[Action, ...]] = {}
     for (d, s), group_steps in sorted(steps.items()):
         here = tuple(stage_ranks[d][s])
         posted_before = _recv_slots(group_steps, witness, num_stages)
         for rank in here:
-            acts: list[Action] = []
-            pending: list[Action] = []
-            for j, step in enumerate(group_steps):
-                acts += pending  # one batch: the previous step's sends, these receives
-                for kind, k, m in posted_before[j]:
-                    acts += recvs(kind, k, m, here, rank)
-                pending = []
-                for kind, k, m in step:
-                    acts.append(Action(kind, k, m))
-                    pending += sends(kind, k, m, here, rank)
-            acts += pending
-            acts += [Action(ActionKind.REDUCE_GRAD), Action(ActionKind.OPT_STEP)]
-            out[rank] = tuple(acts)
+            out[rank] = _rank_actions(group_steps, posted_before, links, here, rank)
     for rep in stage_ranks:  # ranks of groups with no work still reduce and step
         for group in rep:
             for rank in group:
                 out.setdefault(rank, (Action(ActionKind.REDUCE_GRAD), Action(ActionKind.OPT_STEP)))
     return dict(sorted(out.items()))
+
+
+class _Links:
+    """The p2p actions a compute action needs around it: which TP group runs each
+    (micro-batch, virtual stage), and the receives before / sends after a compute."""
+
+    def __init__(
+        self,
+        stage_ranks: Sequence[Sequence[tuple[int, ...]]],
+        microbatches: Sequence[int],
+        executors: Mapping[tuple[int, int], int],
+    ) -> None:
+        self.stage_ranks, self.executors = stage_ranks, executors
+        self.num_stages = len(stage_ranks[0])
+        starts = [sum(microbatches[:d]) for d in range(len(microbatches))]
+        self.owner = {starts[d] + i: d for d, n in enumerate(microbatches) for i in range(n)}
+
+    def ranks_of(self, m: int, k: int) -> tuple[int, ...]:
+        return tuple(self.stage_ranks[self.executors.get((m, k), self.owner[m])][k])
+
+    def recvs(
+        self, kind: ActionKind, k: int, m: int, here: tuple[int, ...], rank: int
+    ) -> list[Action]:
+        if kind is F and k > 0 and self.ranks_of(m, k - 1) != here:
+            return _transfers(ActionKind.RECV_F, k, m, self.ranks_of(m, k - 1), here, rank)
+        if kind is B and k < self.num_stages - 1 and self.ranks_of(m, k + 1) != here:
+            return _transfers(ActionKind.RECV_B, k, m, self.ranks_of(m, k + 1), here, rank)
+        return []
+
+    def sends(
+        self, kind: ActionKind, k: int, m: int, here: tuple[int, ...], rank: int
+    ) -> list[Action]:
+        if kind is F and k < self.num_stages - 1 and self.ranks_of(m, k + 1) != here:
+            return _transfers(ActionKind.SEND_F, k, m, here, self.ranks_of(m, k + 1), rank)
+        if kind is B and k > 0 and self.ranks_of(m, k - 1) != here:
+            return _transfers(ActionKind.SEND_B, k, m, here, self.ranks_of(m, k - 1), rank)
+        return []
+
+
+def _rank_actions(
+    group_steps: list[list[Step]],
+    posted_before: list[list[Step]],
+    links: _Links,
+    here: tuple[int, ...],
+    rank: int,
+) -> tuple[Action, ...]:
+    """One rank's list: each step's computes, with one p2p batch between steps (the previous
+    step's sends, then the receives posted before this step), then REDUCE_GRAD and OPT_STEP."""
+    acts: list[Action] = []
+    pending: list[Action] = []
+    for j, step in enumerate(group_steps):
+        acts += pending  # one batch: the previous step's sends, these receives
+        for kind, k, m in posted_before[j]:
+            acts += links.recvs(kind, k, m, here, rank)
+        pending = []
+        for kind, k, m in step:
+            acts.append(Action(kind, k, m))
+            pending += links.sends(kind, k, m, here, rank)
+    acts += pending
+    acts += [Action(ActionKind.REDUCE_GRAD), Action(ActionKind.OPT_STEP)]
+    return tuple(acts)
 
 
 def _producer(step: Step, num_stages: int) -> Step | None:

@@ -18,6 +18,7 @@ import itertools
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from types import MappingProxyType
 from typing import Any
 
 from unbroken.errors import UserError
@@ -96,6 +97,38 @@ def _p2p_link(rec: Record) -> float:
     return rec["p2p_min_s"]
 
 
+_PLAN_DERIVED = MappingProxyType(
+    {
+        "microbatches": "micro-batches per virtual stage in a rank's F actions",
+        "vpp": "virtual stages in the F/B actions / physical stages (a rank's first virtual stage)",
+        "stages[].brackets_s": (
+            "per virtual stage held: its F + B (+ W) action times per micro-batch (TP collectives "
+            "inside), slowest rank of the stage"
+        ),
+        "stages[].p2p_s": (
+            "sends per micro-batch (1 to each neighbouring virtual stage per direction) x the "
+            "stage's shortest p2p batch (p2p_min_s: one transfer that did not wait)"
+        ),
+        "stages[].extra_s": "0: embedding and head + loss run inside the first/last stage's actions",
+        "backward_window_s": "B (+ W) action times per micro-batch of the busiest stage",
+        "grad_buckets": (
+            "one bucket: the gradient reduction's blocked time (reduce_s), shortest member of "
+            "each stage, slowest stage; none when there are no replicas"
+        ),
+        "grad_buckets[].params": (
+            "not recorded by runs (bucket sizes): omitted; with one bucket they change nothing"
+        ),
+        "overlap": "false: the runtime reduces gradients after the last backward (REDUCE_GRAD)",
+        "update_s": (
+            "OPT_STEP's local work (step_s: protect, AdamW, boundary) of the slowest rank + the "
+            "loss/norm all-reduce (sync_s) of the rank that waited least"
+        ),
+    }
+)
+"""How `plan_terms` derives each field (the same for every run)."""
+
+
+# Long: one pass per profile field over the same per-stage records, in profile order.
 def plan_terms(steady: list[Iteration]) -> tuple[dict[str, Any], dict[str, str], float]:
     """Every iteration-time field from plan ranks' per-action timings (`StageTiming`).
 
@@ -160,33 +193,7 @@ def plan_terms(steady: list[Iteration]) -> tuple[dict[str, Any], dict[str, str],
         "overlap": False,
         "update_s": step_s + sync_s,
     }
-    derived = {
-        "microbatches": "micro-batches per virtual stage in a rank's F actions",
-        "vpp": "virtual stages in the F/B actions / physical stages (a rank's first virtual stage)",
-        "stages[].brackets_s": (
-            "per virtual stage held: its F + B (+ W) action times per micro-batch (TP collectives "
-            "inside), slowest rank of the stage"
-        ),
-        "stages[].p2p_s": (
-            "sends per micro-batch (1 to each neighbouring virtual stage per direction) x the "
-            "stage's shortest p2p batch (p2p_min_s: one transfer that did not wait)"
-        ),
-        "stages[].extra_s": "0: embedding and head + loss run inside the first/last stage's actions",
-        "backward_window_s": "B (+ W) action times per micro-batch of the busiest stage",
-        "grad_buckets": (
-            "one bucket: the gradient reduction's blocked time (reduce_s), shortest member of "
-            "each stage, slowest stage; none when there are no replicas"
-        ),
-        "grad_buckets[].params": (
-            "not recorded by runs (bucket sizes): omitted; with one bucket they change nothing"
-        ),
-        "overlap": "false: the runtime reduces gradients after the last backward (REDUCE_GRAD)",
-        "update_s": (
-            "OPT_STEP's local work (step_s: protect, AdamW, boundary) of the slowest rank + the "
-            "loss/norm all-reduce (sync_s) of the rank that waited least"
-        ),
-    }
-    return fields, derived, measured
+    return fields, dict(_PLAN_DERIVED), measured
 
 
 def dp_terms(steady: list[Iteration], measured_s: float) -> tuple[dict[str, Any], dict[str, str]]:
@@ -250,6 +257,7 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+# Long: each ETTR field with its fallback and the line saying how it was derived.
 def ettr_terms(
     config: Record, summary: Record, events: list[Record], metrics: list[Record], run: str
 ) -> tuple[dict[str, Any], dict[str, str]]:

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 
 from unbroken.sim.hardware import HardwareConfig
 from unbroken.sim.itertime import IterationInputs, megatron_bucket_params
-from unbroken.sim.workload import GRAD_BYTES, PARAM_BYTES, ModelConfig, ParallelConfig, place
+from unbroken.sim.workload import (
+    GRAD_BYTES,
+    PARAM_BYTES,
+    ModelConfig,
+    ParallelConfig,
+    Placement,
+    place,
+)
 
 __all__ = [
     "RmuConfig",
@@ -75,6 +82,53 @@ def _all_to_all(hw: HardwareConfig, bytes_per_gpu: float, n: int) -> float:
     return max(intra, inter) + lat
 
 
+def _grad_buckets(
+    hw: HardwareConfig, pl: Placement, par: ParallelConfig
+) -> tuple[list[float], list[float]]:
+    """(seconds, parameters) of each gradient bucket's reduction."""
+    # Gradient buckets: dense grads over DP, expert grads over expert-DP, FP32, ring
+    # reduce-scatter (sharded optimizer) or all-reduce (replicated).
+    coll = 1 if par.sharded_optimizer else 2
+    bucket = megatron_bucket_params(par.dp)
+    dp_bw, dp_lat = _link(hw, par.tp * par.dp)
+    edp_bw, edp_lat = _link(hw, par.tp * par.dp)
+    buckets_s: list[float] = []
+    buckets_p: list[float] = []
+    for params, group, bw, lat in (
+        (pl.expert_params_per_gpu, par.expert_dp, edp_bw, edp_lat),
+        (pl.dense_params_per_gpu, par.dp, dp_bw, dp_lat),
+    ):
+        if params <= 0 or group <= 1:
+            continue
+        n = max(1, math.ceil(params / bucket))
+        size = params / n
+        w = coll * _ring(size * GRAD_BYTES, group, bw, lat) * hw.concurrency_penalty
+        buckets_s += [w] * n
+        buckets_p += [size] * n
+    return buckets_s, buckets_p
+
+
+def _update_terms(
+    hw: HardwareConfig, pl: Placement, par: ParallelConfig
+) -> tuple[float, float, float]:
+    """(optimizer step, scalar all-reduce, sharded-weight all-gather) seconds of the update."""
+    dp_bw, dp_lat = _link(hw, par.tp * par.dp)
+    edp_bw, edp_lat = _link(hw, par.tp * par.dp)
+    # Update: the optimizer step over the local shard (HBM-bound), a scalar all-reduce (grad
+    # norm, found-inf) across the job, and with a sharded optimizer the BF16 weight all-gather.
+    dense_shard = par.dp if par.sharded_optimizer else 1
+    expert_shard = par.expert_dp if par.sharded_optimizer else 1
+    shard_params = pl.dense_params_per_gpu / dense_shard + pl.expert_params_per_gpu / expert_shard
+    step = shard_params * STEP_BYTES / (hw.hbm_bytes_per_s * hw.hbm_efficiency)
+    scalar = 2 * math.log2(max(2, par.world)) * hw.inter_node_latency_s
+    gather = 0.0
+    if par.sharded_optimizer:
+        gather = _ring(pl.dense_params_per_gpu * PARAM_BYTES, par.dp, dp_bw, dp_lat)
+        gather += _ring(pl.expert_params_per_gpu * PARAM_BYTES, par.expert_dp, edp_bw, edp_lat)
+    return step, scalar, gather
+
+
+# Long: the per-stage compute and communication formulas in one place, each commented.
 def analytic_inputs(
     hw: HardwareConfig, model: ModelConfig, par: ParallelConfig, *, rmu_extra_s: float = 0.0
 ) -> IterationInputs:
@@ -125,38 +179,8 @@ def analytic_inputs(
     if par.activation_recompute:
         window += layers * layer_fwd  # the recompute forward runs inside backward
 
-    # Gradient buckets: dense grads over DP, expert grads over expert-DP, FP32, ring
-    # reduce-scatter (sharded optimizer) or all-reduce (replicated).
-    coll = 1 if par.sharded_optimizer else 2
-    bucket = megatron_bucket_params(par.dp)
-    dp_bw, dp_lat = _link(hw, par.tp * par.dp)
-    edp_bw, edp_lat = _link(hw, par.tp * par.dp)
-    buckets_s: list[float] = []
-    buckets_p: list[float] = []
-    for params, group, bw, lat in (
-        (pl.expert_params_per_gpu, par.expert_dp, edp_bw, edp_lat),
-        (pl.dense_params_per_gpu, par.dp, dp_bw, dp_lat),
-    ):
-        if params <= 0 or group <= 1:
-            continue
-        n = max(1, math.ceil(params / bucket))
-        size = params / n
-        w = coll * _ring(size * GRAD_BYTES, group, bw, lat) * hw.concurrency_penalty
-        buckets_s += [w] * n
-        buckets_p += [size] * n
-
-    # Update: the optimizer step over the local shard (HBM-bound), a scalar all-reduce (grad
-    # norm, found-inf) across the job, and with a sharded optimizer the BF16 weight all-gather.
-    dense_shard = par.dp if par.sharded_optimizer else 1
-    expert_shard = par.expert_dp if par.sharded_optimizer else 1
-    shard_params = pl.dense_params_per_gpu / dense_shard + pl.expert_params_per_gpu / expert_shard
-    step = shard_params * STEP_BYTES / (hw.hbm_bytes_per_s * hw.hbm_efficiency)
-    scalar = 2 * math.log2(max(2, par.world)) * hw.inter_node_latency_s
-    gather = 0.0
-    if par.sharded_optimizer:
-        gather = _ring(pl.dense_params_per_gpu * PARAM_BYTES, par.dp, dp_bw, dp_lat)
-        gather += _ring(pl.expert_params_per_gpu * PARAM_BYTES, par.expert_dp, edp_bw, edp_lat)
-
+    buckets_s, buckets_p = _grad_buckets(hw, pl, par)
+    step, scalar, gather = _update_terms(hw, pl, par)
     inter_node_a2a = model.is_moe and par.ep > hw.gpus_per_node
     a2a_backward = layers * 2 * a2a_fwd_layer if inter_node_a2a else 0.0
     return IterationInputs(

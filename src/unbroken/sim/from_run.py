@@ -110,6 +110,7 @@ def _choose_run(timings: list[dict[str, Any]], root: Path) -> str:
     return "reference" if "reference" in counts else max(counts, key=lambda r: counts[r])
 
 
+# Long: reads and checks the run's four files in turn, then assembles the profile.
 def profile_from_run(run_dir: str | Path) -> RunProfile:
     """Derive a per-stage profile from the run in `run_dir` and predict its iteration time.
 

@@ -210,15 +210,47 @@ def policy_terms(
     rec = rec or RecoveryConfig()
     if policy not in POLICIES:
         raise UserError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
-    comm = rec.rank_setup_s + rec.comm_init_per_gpu_s * steps.gpus
-    restart = rec.process_start_s + comm  # an uninitialized trainer (in place or spare)
-    spare_plus = comm  # a preinitialized spare still sets up its rank
-    slow = rec.fail_slow_detect_s * (1.0 - 1.0 / rec.fail_slow_factor)
-    lag = rec.ckpt_usable_lag
-    t_iter = steps.t_iter_s
+    c = _Costing(rec, steps)
+    common = {"t_iter_s": steps.t_iter_s, "usable_lag": rec.ckpt_usable_lag, "policy": policy}
+    if policy == "jit":
+        if not steps.replicated_optimizer:
+            return PolicyTerms(
+                applicable=False,
+                reason="JIT checkpointing needs replicated optimizer states (sharded here)",
+                omega=0.0,
+                t_ckpt_s=0.0,
+                interval=0,
+                costs=c.jit_costs(),
+                **common,
+            )
+        return PolicyTerms(
+            applicable=True,
+            reason="",
+            omega=0.0,
+            t_ckpt_s=0.0,
+            interval=0,
+            costs=c.jit_costs(),
+            **common,
+        )
+    if policy in ("gemini", "gemini+"):
+        return _gemini_terms(policy, c, mix, common)
+    return _inplace_terms(c, mix, common)
 
-    def ckpt_costs(interval: int, hof_init: float, fatal_init: float) -> dict[str, KindCost]:
-        lost = _lost(interval, lag)
+
+class _Costing:
+    """Per failure kind, what recovering costs under checkpoint rollback or JIT checkpointing,
+    from the recovery config and the workload's step costs."""
+
+    def __init__(self, rec: RecoveryConfig, steps: StepCosts) -> None:
+        self.rec, self.steps = rec, steps
+        comm = rec.rank_setup_s + rec.comm_init_per_gpu_s * steps.gpus
+        self.restart = rec.process_start_s + comm  # an uninitialized trainer (in place or spare)
+        self.spare_plus = comm  # a preinitialized spare still sets up its rank
+        self.slow = rec.fail_slow_detect_s * (1.0 - 1.0 / rec.fail_slow_factor)
+
+    def ckpt_costs(self, interval: int, hof_init: float, fatal_init: float) -> dict[str, KindCost]:
+        rec = self.rec
+        lost = _lost(interval, rec.ckpt_usable_lag)
         return {
             "hof": KindCost(detect_s=rec.detect_s, init_s=hof_init, lost_iters=lost, rollback=True),
             "fatal": KindCost(
@@ -229,71 +261,65 @@ def policy_terms(
                 init_s=fatal_init,
                 lost_iters=lost,
                 rollback=True,
-                degraded_s=slow,
+                degraded_s=self.slow,
             ),
         }
 
-    def jit_costs(spare: bool = False) -> dict[str, KindCost]:
+    def jit_costs(self, spare: bool = False) -> dict[str, KindCost]:
         # A surviving replica saves its state to host memory (JIT), the replacement loads it.
         # JIT+ (spare=True) replaces the failed trainer with a preinitialized spare.
+        rec, steps = self.rec, self.steps
         save = steps.load_local_s
-        hof = restart + save + steps.load_local_s
-        fatal = (spare_plus if spare else restart) + save + steps.load_remote_s
+        hof = self.restart + save + steps.load_local_s
+        fatal = (self.spare_plus if spare else self.restart) + save + steps.load_remote_s
         return {
             "hof": KindCost(detect_s=rec.detect_s, init_s=hof, lost_iters=0.5, rollback=False),
             "fatal": KindCost(detect_s=rec.detect_s, init_s=fatal, lost_iters=0.5, rollback=False),
             "fail-slow": KindCost(
-                detect_s=rec.detect_s, init_s=fatal, lost_iters=0.5, rollback=False, degraded_s=slow
+                detect_s=rec.detect_s,
+                init_s=fatal,
+                lost_iters=0.5,
+                rollback=False,
+                degraded_s=self.slow,
             ),
         }
 
-    common = {"t_iter_s": t_iter, "usable_lag": lag, "policy": policy}
-    if policy == "jit":
-        if not steps.replicated_optimizer:
-            return PolicyTerms(
-                applicable=False,
-                reason="JIT checkpointing needs replicated optimizer states (sharded here)",
-                omega=0.0,
-                t_ckpt_s=0.0,
-                interval=0,
-                costs=jit_costs(),
-                **common,
-            )
-        return PolicyTerms(
-            applicable=True,
-            reason="",
-            omega=0.0,
-            t_ckpt_s=0.0,
-            interval=0,
-            costs=jit_costs(),
-            **common,
+
+def _gemini_terms(policy: str, c: _Costing, mix: FailureMix, common: dict) -> PolicyTerms:
+    """Gemini: checkpoints to peers' host memory at the Young interval; gemini+ restarts on a
+    preinitialized spare."""
+    steps, rec = c.steps, c.rec
+    interval = rec.ckpt_interval or young_interval(
+        steps.t_ckpt_s, mix.mttf_s, steps.t_iter_s, rec.max_interval
+    )
+    if policy == "gemini":
+        costs = c.ckpt_costs(
+            interval, c.restart + steps.load_local_s, c.restart + steps.load_remote_s
         )
-    if policy in ("gemini", "gemini+"):
-        interval = rec.ckpt_interval or young_interval(
-            steps.t_ckpt_s, mix.mttf_s, t_iter, rec.max_interval
+    else:
+        costs = c.ckpt_costs(
+            interval, c.spare_plus + steps.load_remote_s, c.spare_plus + steps.load_remote_s
         )
-        if policy == "gemini":
-            costs = ckpt_costs(
-                interval, restart + steps.load_local_s, restart + steps.load_remote_s
-            )
-        else:
-            costs = ckpt_costs(
-                interval, spare_plus + steps.load_remote_s, spare_plus + steps.load_remote_s
-            )
-        return PolicyTerms(
-            applicable=True,
-            reason="",
-            omega=0.0,
-            t_ckpt_s=steps.t_ckpt_s,
-            interval=interval,
-            costs=costs,
-            **common,
-        )
-    # inplace: HOFs promote the shadow; everything else falls back to a checkpoint system.
-    omega = steps.rmu_s / t_iter
+    return PolicyTerms(
+        applicable=True,
+        reason="",
+        omega=0.0,
+        t_ckpt_s=steps.t_ckpt_s,
+        interval=interval,
+        costs=costs,
+        **common,
+    )
+
+
+def _inplace_terms(c: _Costing, mix: FailureMix, common: dict) -> PolicyTerms:
+    """In place: HOFs promote the shadow; everything else falls back to a checkpoint system
+    (JIT+ with replicated optimizer states, as Leto §8.1 does; else checkpoints at the Young
+    interval of the fatal failures alone)."""
+    steps, rec = c.steps, c.rec
+    omega = steps.rmu_s / steps.t_iter_s
     hof = KindCost(detect_s=rec.detect_s, init_s=rec.takeover_s, lost_iters=0.5, rollback=False)
     if steps.replicated_optimizer:
-        costs = jit_costs(spare=True)  # JIT+ for fatal failures, as Leto §8.1 does
+        costs = c.jit_costs(spare=True)  # JIT+ for fatal failures, as Leto §8.1 does
         costs["hof"] = hof
         return PolicyTerms(
             applicable=True,
@@ -307,9 +333,9 @@ def policy_terms(
     ff_rate = (1.0 - mix.hof_ratio) / mix.mttf_s
     ff_mttf = math.inf if ff_rate <= 0 else 1.0 / ff_rate
     interval = rec.ckpt_interval or young_interval(
-        steps.t_ckpt_s, ff_mttf, t_iter, rec.max_interval
+        steps.t_ckpt_s, ff_mttf, steps.t_iter_s, rec.max_interval
     )
-    costs = ckpt_costs(interval, 0.0, spare_plus + steps.load_remote_s)
+    costs = c.ckpt_costs(interval, 0.0, c.spare_plus + steps.load_remote_s)
     costs["hof"] = hof
     return PolicyTerms(
         applicable=True,

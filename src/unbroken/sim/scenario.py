@@ -325,6 +325,71 @@ def _trace_mix(trace: list[Failure]) -> FailureMix:
     return FailureMix(mttf_s=span / n, hof_ratio=hof, fail_slow_ratio=slow)
 
 
+def _closed_form_row(wl, mix: FailureMix, policy: str, terms, cf) -> dict[str, Any]:
+    """One combination's row from the closed-form model `cf` of `terms`."""
+    interval = terms.interval or (1 if terms.costs["fatal"].rollback is False else 0)
+    return {
+        "model": wl.label,
+        "gpus": wl.gpus,
+        "mttf_s": mix.mttf_s,
+        "hof_ratio": mix.hof_ratio,
+        "policy": policy,
+        "ettr": cf.ettr,
+        "t_iter_s": terms.t_iter_s,
+        "t_rec_s": cf.t_rec_s,
+        "ckpt_interval": interval,
+        "t_eff_s": cf.t_eff_s,
+        "t_rec_by_kind_s": cf.t_rec_by_kind,
+        "recovery_by_kind": {
+            k: {
+                "detect_s": terms.costs[k].detect_s,
+                "init_s": terms.costs[k].init_s,
+                "recompute_s": terms.costs[k].lost_iters * cf.t_eff_s,
+                "degraded_s": terms.costs[k].degraded_s,
+            }
+            for k in cf.t_rec_by_kind
+        },
+        "hardware": wl.hardware,
+        "warnings": list(cf.warnings),
+    }
+
+
+def _add_des(
+    row: dict[str, Any], scenario: Scenario, terms, mix: FailureMix, cf, slow, progress
+) -> None:
+    """Add the discrete-event figures (over the trace, or replicated runs of `mix`) and their
+    warnings to `row`."""
+    if scenario.trace is not None:
+        horizon = scenario.trace[-1].t_s + mix.mttf_s
+        run = simulate_once(terms, trace=scenario.trace, horizon_s=horizon, slow=slow)
+        row.update(ettr_des=run.ettr, ettr_des_ci95=None)
+        row["des_overlapping"] = run.overlapping
+    else:
+        res = simulate(
+            terms,
+            mix,
+            horizon_s=scenario.sim.horizon_mttf * mix.mttf_s,
+            replications=scenario.sim.replications,
+            seed=scenario.sim.seed,
+            slow=slow,
+            progress=progress,
+        )
+        row.update(ettr_des=res.ettr, ettr_des_ci95=res.ci95)
+        row["des_overlapping"] = res.overlapping
+        crashes = sum(res.failures.values())
+        if crashes and res.overlapping / crashes > OVERLAP_LIMIT:
+            row["warnings"].append(
+                f"{res.overlapping / crashes:.1%} of failures overlapped a "
+                "recovery in the discrete-event run (assumption 2)"
+            )
+        gap = abs(res.ettr - cf.ettr)
+        if gap > 0.01 and not math.isnan(gap):
+            row["warnings"].append(
+                f"discrete-event and closed form differ by {gap * 100:.1f} "
+                "points; trust the discrete-event value"
+            )
+
+
 def evaluate(
     scenario: Scenario, *, des: bool | None = None, progress: Callable[[str], None] | None = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -361,64 +426,10 @@ def evaluate(
                         skipped.append(entry)
                     continue
                 cf = closed_form(terms, mix)
-                interval = terms.interval or (1 if terms.costs["fatal"].rollback is False else 0)
-                row: dict[str, Any] = {
-                    "model": wl.label,
-                    "gpus": wl.gpus,
-                    "mttf_s": mix.mttf_s,
-                    "hof_ratio": mix.hof_ratio,
-                    "policy": policy,
-                    "ettr": cf.ettr,
-                    "t_iter_s": terms.t_iter_s,
-                    "t_rec_s": cf.t_rec_s,
-                    "ckpt_interval": interval,
-                    "t_eff_s": cf.t_eff_s,
-                    "t_rec_by_kind_s": cf.t_rec_by_kind,
-                    "recovery_by_kind": {
-                        k: {
-                            "detect_s": terms.costs[k].detect_s,
-                            "init_s": terms.costs[k].init_s,
-                            "recompute_s": terms.costs[k].lost_iters * cf.t_eff_s,
-                            "degraded_s": terms.costs[k].degraded_s,
-                        }
-                        for k in cf.t_rec_by_kind
-                    },
-                    "hardware": wl.hardware,
-                    "warnings": list(cf.warnings),
-                }
+                row = _closed_form_row(wl, mix, policy, terms, cf)
                 if run_des:
                     if progress is not None:
                         progress(f"{wl.label} h={mix.hof_ratio:g} mttf={mix.mttf_s:g}s {policy}")
-                    if scenario.trace is not None:
-                        horizon = scenario.trace[-1].t_s + mix.mttf_s
-                        run = simulate_once(
-                            terms, trace=scenario.trace, horizon_s=horizon, slow=slow
-                        )
-                        row.update(ettr_des=run.ettr, ettr_des_ci95=None)
-                        row["des_overlapping"] = run.overlapping
-                    else:
-                        res = simulate(
-                            terms,
-                            mix,
-                            horizon_s=scenario.sim.horizon_mttf * mix.mttf_s,
-                            replications=scenario.sim.replications,
-                            seed=scenario.sim.seed,
-                            slow=slow,
-                            progress=progress,
-                        )
-                        row.update(ettr_des=res.ettr, ettr_des_ci95=res.ci95)
-                        row["des_overlapping"] = res.overlapping
-                        crashes = sum(res.failures.values())
-                        if crashes and res.overlapping / crashes > OVERLAP_LIMIT:
-                            row["warnings"].append(
-                                f"{res.overlapping / crashes:.1%} of failures overlapped a "
-                                "recovery in the discrete-event run (assumption 2)"
-                            )
-                        gap = abs(res.ettr - cf.ettr)
-                        if gap > 0.01 and not math.isnan(gap):
-                            row["warnings"].append(
-                                f"discrete-event and closed form differ by {gap * 100:.1f} "
-                                "points; trust the discrete-event value"
-                            )
+                    _add_des(row, scenario, terms, mix, cf, slow, progress)
                 rows.append(row)
     return rows, skipped

@@ -103,13 +103,83 @@ def validate_run(run_dir: str | Path) -> Validation:
     root = Path(run_dir)
     if not root.is_dir():
         raise UserError(f"{root}: not a directory")
+    notes: list[str] = []
+    ref, name, flt, f_events = _read_runs(root, notes)
+
+    last = min(max(_completed(flt)), max(_completed(ref)))  # 0-based index
+    iterations = last + 1
+    ref_wall = _wall(ref, last)
+    flt_wall = _wall(flt, last)
+    measured = ref_wall / flt_wall
+    t_iter = ref_wall / iterations
+    a = _steady_iteration(root, flt, f_events)
+    omega = a / t_iter - 1.0
+    ckpt_s, interval = _checkpointing(root, f_events)
+    failures, mean_init = _failures(root, flt, f_events, t_iter * (1.0 + omega), notes)
+    terms = _measured_terms(name, t_iter, omega, ckpt_s, interval, mean_init)
+    run = _replay(terms, failures, iterations, a)
+    n = len(failures)
+    if n:
+        hof = sum(f["kind"] == "hof" for f in failures) / n
+        cf = closed_form(terms, FailureMix(mttf_s=flt_wall / n, hof_ratio=hof)).ettr
+    else:
+        cf = 1.0 / (1.0 + omega + (ckpt_s / interval / t_iter if interval else 0.0))
+    return Validation(
+        run_dir=str(root),
+        measured_ettr=measured,
+        predicted_ettr=run.ettr,
+        closed_form_ettr=cf,
+        iterations=iterations,
+        t_iter_s=t_iter,
+        omega=omega,
+        ckpt_interval=interval,
+        ckpt_s=ckpt_s,
+        failures=failures,
+        measured_wall_s=flt_wall,
+        predicted_wall_s=run.wall_s,
+        notes=notes,
+    )
+
+
+def _measured_terms(
+    name: str, t_iter: float, omega: float, ckpt_s: float, interval: int, mean_init: dict
+) -> PolicyTerms:
+    """The policy terms of the measured run: its iteration time, overhead, checkpointing and
+    mean initialization per failure kind (a fail-slow costs what a fatal failure does)."""
+    costs = {
+        "hof": KindCost(detect_s=0.0, init_s=mean_init["hof"], lost_iters=0.5, rollback=False),
+        "fatal": KindCost(
+            detect_s=0.0,
+            init_s=mean_init["fatal"],
+            lost_iters=(interval / 2.0 if interval else 0.5),
+            rollback=True,
+        ),
+    }
+    costs["fail-slow"] = costs["fatal"]
+    return PolicyTerms(
+        policy=f"measured:{name}",
+        applicable=True,
+        reason="",
+        t_iter_s=t_iter,
+        omega=omega,
+        t_ckpt_s=ckpt_s,
+        interval=interval,
+        usable_lag=0,  # the runtime's checkpoint save is synchronous: usable when it returns
+        costs=costs,
+    )
+
+
+Records = list[dict[str, Any]]
+
+
+def _read_runs(root: Path, notes: list[str]) -> tuple[Records, str, Records, Records]:
+    """(reference metrics, name of the run with failures, its metrics, its events)."""
     metrics = read_run_log(root / "metrics.jsonl")
     events = read_run_log(root / "events.jsonl")
     ref = [m for m in metrics if m.get("run") == "reference"]
     runs = {m.get("run") for m in metrics} - {"reference"}
     if not ref or not runs:
         raise UserError(f"{root}: needs both a reference run and a run with failures")
-    notes: list[str] = []
     generations = sorted({m.get("generation", 0) for m in ref})
     if len(generations) > 1:
         # A fault-free reference that restarted (e.g. a spurious hang detection) is not a
@@ -121,19 +191,15 @@ def validate_run(run_dir: str | Path) -> Validation:
     name = "faulty" if "faulty" in runs else sorted(runs)[0]
     flt = [m for m in metrics if m.get("run") == name]
     f_events = [e for e in events if e.get("run") == name]
+    return ref, name, flt, f_events
 
-    last = min(max(_completed(flt)), max(_completed(ref)))  # 0-based index
-    iterations = last + 1
-    ref_wall = _wall(ref, last)
-    flt_wall = _wall(flt, last)
-    measured = ref_wall / flt_wall
-    t_iter = ref_wall / iterations
 
-    # Steady iteration of the faulty run, from wall-clock spacing: the start-to-start time of
-    # consecutive iterations in one generation (gaps and bookkeeping included), less the
-    # checkpoint save an iteration recorded, over every pair no failure falls into. The
-    # checkpoint cost is what the saves recorded (the difference of spacings with and without
-    # a save measured it too, but on a shared machine with the noise of two small samples).
+def _steady_iteration(root: Path, flt: Records, f_events: Records) -> float:
+    """Steady iteration of the faulty run, from wall-clock spacing: the start-to-start time of
+    consecutive iterations in one generation (gaps and bookkeeping included), less the
+    checkpoint save an iteration recorded, over every pair no failure falls into. The
+    checkpoint cost is what the saves recorded (the difference of spacings with and without
+    a save measured it too, but on a shared machine with the noise of two small samples)."""
     plain = []
     ordered = sorted(flt, key=lambda m: m["t_start"])
     fault_times = [e["t"] for e in f_events if e["kind"] == "failure_injected"]
@@ -143,8 +209,11 @@ def validate_run(run_dir: str | Path) -> Validation:
             plain.append(n["t_start"] - m["t_start"] - (m.get("ckpt_s") or 0.0))
     if not plain:
         raise UserError(f"{root}: too few iterations to measure the iteration time")
-    a = statistics.fmean(plain)
-    omega = a / t_iter - 1.0
+    return statistics.fmean(plain)
+
+
+def _checkpointing(root: Path, f_events: Records) -> tuple[float, int]:
+    """(mean seconds of a checkpoint save, checkpoint interval; 0 when nothing was saved)."""
     saves = [e for e in f_events if e["kind"] == "checkpoint_saved" and e.get("iter", 0) > 0]
     ckpt_s = statistics.fmean(e["seconds"] for e in saves) if saves else 0.0
     interval_ev = [e for e in f_events if e["kind"] == "checkpoint_interval"]
@@ -156,7 +225,14 @@ def validate_run(run_dir: str | Path) -> Validation:
         interval = int(summary.get("ckpt_interval") or 0)
     if not saves:
         interval = 0
+    return ckpt_s, interval
 
+
+def _failures(
+    root: Path, flt: Records, f_events: Records, steady_iter_s: float, notes: list[str]
+) -> tuple[Records, dict[str, float]]:
+    """Each injected failure (but fail-slows) with its recovery, and the mean measured
+    initialization per failure kind (hof, fatal)."""
     injected = sorted(
         (e for e in f_events if e["kind"] == "failure_injected" and e.get("fault") != "slow"),
         key=lambda e: e["t"],
@@ -180,7 +256,7 @@ def validate_run(run_dir: str | Path) -> Validation:
         inits[kind].append(init)
         started = inj.get("iter_t_start")
         if started:
-            frac = (inj["t"] - started) / (t_iter * (1.0 + omega))
+            frac = (inj["t"] - started) / steady_iter_s
         else:
             frac = PHASE_FRACTION.get(inj.get("phase", ""), 0.5)
         frac = min(1.0, max(0.0, frac))
@@ -197,27 +273,12 @@ def validate_run(run_dir: str | Path) -> Validation:
             }
         )
     mean_init = {k: (statistics.fmean(v) if v else 0.0) for k, v in inits.items()}
-    costs = {
-        "hof": KindCost(detect_s=0.0, init_s=mean_init["hof"], lost_iters=0.5, rollback=False),
-        "fatal": KindCost(
-            detect_s=0.0,
-            init_s=mean_init["fatal"],
-            lost_iters=(interval / 2.0 if interval else 0.5),
-            rollback=True,
-        ),
-    }
-    costs["fail-slow"] = costs["fatal"]
-    terms = PolicyTerms(
-        policy=f"measured:{name}",
-        applicable=True,
-        reason="",
-        t_iter_s=t_iter,
-        omega=omega,
-        t_ckpt_s=ckpt_s,
-        interval=interval,
-        usable_lag=0,  # the runtime's checkpoint save is synchronous: usable when it returns
-        costs=costs,
-    )
+    return failures, mean_init
+
+
+def _replay(terms: PolicyTerms, failures: Records, iterations: int, steady_iter_s: float):
+    """Replay the failures against the checkpoint schedule; sets each failure's
+    `predicted_recompute_s` and returns the replayed run."""
     schedule = [
         IterFailure(
             f["iteration"] + 1,
@@ -232,25 +293,5 @@ def validate_run(run_dir: str | Path) -> Validation:
         range(len(failures)), key=lambda i: (schedule[i].iteration, schedule[i].fraction)
     )
     for i, lost in zip(order, run.lost_each, strict=False):
-        failures[i]["predicted_recompute_s"] = lost * a
-    n = len(failures)
-    if n:
-        hof = sum(f["kind"] == "hof" for f in failures) / n
-        cf = closed_form(terms, FailureMix(mttf_s=flt_wall / n, hof_ratio=hof)).ettr
-    else:
-        cf = 1.0 / (1.0 + omega + (ckpt_s / interval / t_iter if interval else 0.0))
-    return Validation(
-        run_dir=str(root),
-        measured_ettr=measured,
-        predicted_ettr=run.ettr,
-        closed_form_ettr=cf,
-        iterations=iterations,
-        t_iter_s=t_iter,
-        omega=omega,
-        ckpt_interval=interval,
-        ckpt_s=ckpt_s,
-        failures=failures,
-        measured_wall_s=flt_wall,
-        predicted_wall_s=run.wall_s,
-        notes=notes,
-    )
+        failures[i]["predicted_recompute_s"] = lost * steady_iter_s
+    return run

@@ -51,8 +51,10 @@ import signal
 import socket
 import stat
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 from unbroken.state._syscalls import peer_credentials
 from unbroken.state._wire import FrameError, FrameReader, send_frame
@@ -221,63 +223,11 @@ class StateManager:
         if isinstance(frame, FrameError):
             return _error(str(frame)), []
         op = frame.get("op")
-        try:
-            if op == "allocate":
-                region, fresh = self.pool.allocate(
-                    frame.get("name"),
-                    frame.get("nbytes"),
-                    frame.get("page_bytes"),
-                    frame.get("protected", True),
-                    frame.get("device"),
-                )
-                return _region_reply(region, fresh), region.fds()
-            if op == "attach":
-                region = self.pool.get(frame.get("name"))
-                return _region_reply(region, False), region.fds()
-            if op == "list":
-                return {"ok": True, "regions": [r.describe() for r in self.pool.regions()]}, []
-            if op == "localize":
-                names = frame.get("names")
-                if names is not None and not (
-                    isinstance(names, list) and all(isinstance(n, str) for n in names)
-                ):
-                    raise PoolError(f"names must be a list of region names, got {names!r}")
-                lost, ms = self.pool.localize(names)
-                if any(lost.values()):
-                    log.warning(
-                        "rank %d: localized %d lost pages in %.1f ms: %s",
-                        self.rank,
-                        sum(map(len, lost.values())),
-                        ms,
-                        {name: pages for name, pages in lost.items() if pages},
-                    )
-                return {"ok": True, "lost": lost, "ms": ms}, []
-            if op == "remap":
-                region = self.pool.get(frame.get("name"))
-                fds: list[int] = []
-                if region.device is None:
-                    ms = self.pool.remap(region.name, frame.get("pages"))
-                else:
-                    ms, fds = self.pool.remap_device(region.name, frame.get("pages"))
-                log.info("rank %d: remapped %s in %.1f ms", self.rank, region.name, ms)
-                return {"ok": True, "ms": ms}, fds
-            if op == "discard":
-                self.pool.discard(frame.get("name"), frame.get("pages"))
-                log.warning(
-                    "rank %d: discarded pages %s of %s",
-                    self.rank,
-                    frame.get("pages"),
-                    frame.get("name"),
-                )
-                return {"ok": True}, []
-            if op == "free":
-                self.pool.free(frame.get("name"))
-                return {"ok": True}, []
-            if op == "shutdown":
-                log.info("rank %d: shutdown requested", self.rank)
-                self._running = False
-                return {"ok": True}, []
+        serve = self._OPS.get(op) if isinstance(op, str) else None
+        if serve is None:
             return _error(f"unknown op {op!r}"), []
+        try:
+            return serve(self, frame)
         except PoolError as exc:
             return _error(str(exc)), []
         except OSError as exc:
@@ -288,6 +238,88 @@ class StateManager:
             # (with its traceback) and refuse only this request.
             log.exception("rank %d: internal error serving %r", self.rank, op)
             return _error(f"internal error in {op}: {exc!r}"), []
+
+    # One method per op of the protocol (the table in the module docstring); each returns the
+    # reply and the fds to pass with it. Errors are turned into replies by `_handle`.
+
+    def _op_allocate(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        region, fresh = self.pool.allocate(
+            frame.get("name"),
+            frame.get("nbytes"),
+            frame.get("page_bytes"),
+            frame.get("protected", True),
+            frame.get("device"),
+        )
+        return _region_reply(region, fresh), region.fds()
+
+    def _op_attach(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        region = self.pool.get(frame.get("name"))
+        return _region_reply(region, False), region.fds()
+
+    def _op_list(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        return {"ok": True, "regions": [r.describe() for r in self.pool.regions()]}, []
+
+    def _op_localize(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        names = frame.get("names")
+        if names is not None and not (
+            isinstance(names, list) and all(isinstance(n, str) for n in names)
+        ):
+            raise PoolError(f"names must be a list of region names, got {names!r}")
+        lost, ms = self.pool.localize(names)
+        if any(lost.values()):
+            log.warning(
+                "rank %d: localized %d lost pages in %.1f ms: %s",
+                self.rank,
+                sum(map(len, lost.values())),
+                ms,
+                {name: pages for name, pages in lost.items() if pages},
+            )
+        return {"ok": True, "lost": lost, "ms": ms}, []
+
+    def _op_remap(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        region = self.pool.get(frame.get("name"))
+        fds: list[int] = []
+        if region.device is None:
+            ms = self.pool.remap(region.name, frame.get("pages"))
+        else:
+            ms, fds = self.pool.remap_device(region.name, frame.get("pages"))
+        log.info("rank %d: remapped %s in %.1f ms", self.rank, region.name, ms)
+        return {"ok": True, "ms": ms}, fds
+
+    def _op_discard(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        self.pool.discard(frame.get("name"), frame.get("pages"))
+        log.warning(
+            "rank %d: discarded pages %s of %s",
+            self.rank,
+            frame.get("pages"),
+            frame.get("name"),
+        )
+        return {"ok": True}, []
+
+    def _op_free(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        self.pool.free(frame.get("name"))
+        return {"ok": True}, []
+
+    def _op_shutdown(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        log.info("rank %d: shutdown requested", self.rank)
+        self._running = False
+        return {"ok": True}, []
+
+    _OPS: ClassVar[Mapping[str, Callable[..., tuple[dict[str, Any], list[int]]]]] = (
+        MappingProxyType(
+            {
+                "allocate": _op_allocate,
+                "attach": _op_attach,
+                "list": _op_list,
+                "localize": _op_localize,
+                "remap": _op_remap,
+                "discard": _op_discard,
+                "free": _op_free,
+                "shutdown": _op_shutdown,
+            }
+        )
+    )
+    """Op name -> the method serving it."""
 
     def _drop(self, conn: socket.socket, reason: str | None) -> None:
         if reason:

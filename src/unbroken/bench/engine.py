@@ -44,8 +44,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from unbroken.bench.ranks import run_ranks
 from unbroken.errors import UserError
-from unbroken.launch.ranks import run_ranks
 
 if TYPE_CHECKING:
     from unbroken.parallel import ParallelPlan
@@ -104,7 +104,7 @@ def _launch(spec: dict, tmp: Path) -> dict:
     path = tmp / "spec.json"
     path.write_text(json.dumps(spec))
     run_ranks(
-        "unbroken.engine._bench_ranks", [str(path)], WORLD_SIZE, spec["threads"], "bench engine"
+        "unbroken.bench.engine_ranks", [str(path)], WORLD_SIZE, spec["threads"], "bench engine"
     )
     return json.loads(Path(spec["result"]).read_text())
 
@@ -228,6 +228,68 @@ def _cpu_per_iteration(cpu: list[dict], engine: str) -> float:
     return statistics.median(map(sum, zip(*(c[engine] for c in cpu), strict=True)))
 
 
+def _result(name: str, plan, m: dict, tokens_per_microbatch: int) -> dict:
+    """One plan's row: both engines' tokens/s and CPU seconds, our simulator's prediction
+    against the mean measured iteration, and the calibration it was given."""
+    ours = statistics.median(m["times"]["ours"])
+    base = statistics.median(m["times"]["baseline"])
+    # The costs are per-action means, so the consistent comparison is with the mean
+    # iteration (a median of sums is not a sum of medians); tokens/s use medians.
+    mean = statistics.fmean(m["times"]["ours"])
+    tokens = tokens_per_microbatch * plan.total_microbatches
+    cal = m["calibration"]
+    delivery = delivery_seconds(plan, cal["batches"], cal["iterations"])
+    reduce = reduce_seconds(plan, cal["reduce_grad"], cal["iterations"])
+    predicted = _predict(plan, m, delivery, reduce, "rendezvous")
+    pingpong = _predict(plan, m, m["link"], m["reduce_grad_alone"], "eager")
+    cpu, base_cpu = (
+        _cpu_per_iteration(m["cpu"], "ours"),
+        _cpu_per_iteration(m["cpu"], "baseline"),
+    )
+    return {
+        "plan": name,
+        "tokens_per_s": tokens / ours,
+        "baseline_tokens_per_s": tokens / base,
+        "ratio": base / ours,
+        "cpu_ratio": base_cpu / cpu,
+        "predicted_iter_s": predicted,
+        "measured_iter_s": ours,
+        "measured_mean_iter_s": mean,
+        "baseline_iter_s": base,
+        "prediction_error_pct": 100.0 * (predicted - mean) / mean,
+        "cpu_s": cpu,
+        "baseline_cpu_s": base_cpu,
+        "delivery_s": delivery,
+        "link_s": m["link"],
+        "pingpong_predicted_iter_s": pingpong,
+        "pingpong_prediction_error_pct": 100.0 * (pingpong - mean) / mean,
+        "reduce_grad_s": max(reduce.values()),
+        "reduce_grad_alone_s": m["reduce_grad_alone"],
+    }
+
+
+def _print_table(args: argparse.Namespace, setup: dict, results: list[dict]) -> None:
+    print(
+        f"{args.preset}, {args.tokens} tokens x {args.microbatches} micro-batches per replica, "
+        f"{WORLD_SIZE} gloo ranks on {os.cpu_count()} CPUs (load average "
+        f"{setup['load_average_1m']:.1f}), median of {args.block * args.rounds} iterations each"
+    )
+    head = (
+        f"{'plan':<26} {'ours tok/s':>10} {'torch tok/s':>11} {'ratio':>5} {'cpu ratio':>9} "
+        f"{'median s':>8} {'mean s':>6} {'predicted s':>11} {'error':>6} {'delivery ms':>11} "
+        f"{'ping-pong model':>15}"
+    )
+    print(head)
+    for r in results:
+        print(
+            f"{r['plan']:<26} {r['tokens_per_s']:>10.0f} {r['baseline_tokens_per_s']:>11.0f} "
+            f"{r['ratio']:>5.2f} {r['cpu_ratio']:>9.2f} {r['measured_iter_s']:>8.3f} "
+            f"{r['measured_mean_iter_s']:>6.3f} {r['predicted_iter_s']:>11.3f} "
+            f"{r['prediction_error_pct']:>+5.1f}% {r['delivery_s'] * 1e3:>11.2f} "
+            f"{r['pingpong_prediction_error_pct']:>+14.1f}%"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table (or JSON). Returns the exit status."""
     if args.device == "cuda":
@@ -250,46 +312,7 @@ def run(args: argparse.Namespace) -> int:
         }
         print(f"bench engine: {len(plans)} plans on {WORLD_SIZE} gloo ranks", file=sys.stderr)
         measured = _launch(spec, Path(tmp))
-    results = []
-    for name, plan in plans.items():
-        m = measured[name]
-        ours = statistics.median(m["times"]["ours"])
-        base = statistics.median(m["times"]["baseline"])
-        # The costs are per-action means, so the consistent comparison is with the mean
-        # iteration (a median of sums is not a sum of medians); tokens/s use medians.
-        mean = statistics.fmean(m["times"]["ours"])
-        tokens = args.tokens * plan.total_microbatches
-        cal = m["calibration"]
-        delivery = delivery_seconds(plan, cal["batches"], cal["iterations"])
-        reduce = reduce_seconds(plan, cal["reduce_grad"], cal["iterations"])
-        predicted = _predict(plan, m, delivery, reduce, "rendezvous")
-        pingpong = _predict(plan, m, m["link"], m["reduce_grad_alone"], "eager")
-        cpu, base_cpu = (
-            _cpu_per_iteration(m["cpu"], "ours"),
-            _cpu_per_iteration(m["cpu"], "baseline"),
-        )
-        results.append(
-            {
-                "plan": name,
-                "tokens_per_s": tokens / ours,
-                "baseline_tokens_per_s": tokens / base,
-                "ratio": base / ours,
-                "cpu_ratio": base_cpu / cpu,
-                "predicted_iter_s": predicted,
-                "measured_iter_s": ours,
-                "measured_mean_iter_s": mean,
-                "baseline_iter_s": base,
-                "prediction_error_pct": 100.0 * (predicted - mean) / mean,
-                "cpu_s": cpu,
-                "baseline_cpu_s": base_cpu,
-                "delivery_s": delivery,
-                "link_s": m["link"],
-                "pingpong_predicted_iter_s": pingpong,
-                "pingpong_prediction_error_pct": 100.0 * (pingpong - mean) / mean,
-                "reduce_grad_s": max(reduce.values()),
-                "reduce_grad_alone_s": m["reduce_grad_alone"],
-            }
-        )
+    results = [_result(name, plan, measured[name], args.tokens) for name, plan in plans.items()]
     setup = {
         "preset": args.preset,
         "tokens_per_microbatch": args.tokens,
@@ -302,32 +325,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"setup": setup, "results": results}, indent=2))
         return 0
-    print(
-        f"{args.preset}, {args.tokens} tokens x {args.microbatches} micro-batches per replica, "
-        f"{WORLD_SIZE} gloo ranks on {os.cpu_count()} CPUs (load average "
-        f"{setup['load_average_1m']:.1f}), median of {args.block * args.rounds} iterations each"
-    )
-    head = (
-        f"{'plan':<26} {'ours tok/s':>10} {'torch tok/s':>11} {'ratio':>5} {'cpu ratio':>9} "
-        f"{'median s':>8} {'mean s':>6} {'predicted s':>11} {'error':>6} {'delivery ms':>11} "
-        f"{'ping-pong model':>15}"
-    )
-    print(head)
-    for r in results:
-        print(
-            f"{r['plan']:<26} {r['tokens_per_s']:>10.0f} {r['baseline_tokens_per_s']:>11.0f} "
-            f"{r['ratio']:>5.2f} {r['cpu_ratio']:>9.2f} {r['measured_iter_s']:>8.3f} "
-            f"{r['measured_mean_iter_s']:>6.3f} {r['predicted_iter_s']:>11.3f} "
-            f"{r['prediction_error_pct']:>+5.1f}% {r['delivery_s'] * 1e3:>11.2f} "
-            f"{r['pingpong_prediction_error_pct']:>+14.1f}%"
-        )
+    _print_table(args, setup, results)
     return 0
 
 
 def _run_cuda(args: argparse.Namespace) -> int:
     import torch
 
-    from unbroken.engine._bench_gpu import run_gpu
+    from unbroken.bench.engine_gpu import run_gpu
 
     if not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible")

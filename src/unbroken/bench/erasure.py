@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from unbroken.bench.erasure_report import command_line, machine_name, print_row
 from unbroken.errors import UserError
 
 __all__ = ["add_arguments", "run"]
@@ -90,6 +91,7 @@ def _zeros(device: str, shape: tuple[int, int]):
 
 
 def _measure(args, device: str, d: int, h: int, block: int, baselines: dict) -> dict:
+    """All figures of one (D, H, block) configuration, ours and the baselines'."""
     from unbroken.erasure import PageTable, get_codec
 
     rng = np.random.default_rng(d * 1000 + h)
@@ -113,6 +115,68 @@ def _measure(args, device: str, d: int, h: int, block: int, baselines: dict) -> 
         sync = torch.cuda.synchronize
     clock = _Clock(sync)
     repeat = args.repeat or (3 if device == "cpu" else 20)
+    isal = baselines.get("isal")
+    isal_codecs = _calibrated_isal(isal, d, h, block, old_t, new_t, clock) if isal else (None, None)
+    isal_parity = np.zeros((h, block), dtype=np.uint8) if isal_codecs[0] else None
+    tables = (old_t, new_t, par_t, everything)
+    best = _best_times(codec, isal_codecs, isal_parity, tables, lost, clock, repeat)
+    cold, fresh, verified = _rebuild_checks(codec, device, old, tables, d, lost, clock)
+    data_bytes = d * block
+    result = {
+        "device": device,
+        "backend": codec.backend,
+        "data_pages": d,
+        "parity_pages": h,
+        "block_bytes": block,
+        "encode_gbps": data_bytes / best["encode"] / 1e9,
+        "update_gbps": data_bytes / best["update"] / 1e9,
+        "reconstruct_ms": best["reconstruct"] * 1e3,
+        "reconstruct_cold_ms": cold * 1e3,
+        "reconstruct_cold_lost": len(fresh),
+        "isal_encode_gbps": None,
+        "isal_update_gbps": None,
+        "zfec_encode_gbps": None,
+        "reconstruct_verified": verified,
+    }
+    result |= _baseline_figures(args, device, old, d, h, baselines, isal_codecs, best, clock)
+    return result
+
+
+def _baseline_figures(
+    args, device: str, old, d: int, h: int, baselines: dict, isal_codecs, best: dict, clock: _Clock
+) -> dict:
+    """The baselines' figures for one configuration: ISA-L's (from `best`, with the slice sizes
+    and update method it was calibrated to), the plain-torch GPU encoder's, zfec's."""
+    data_bytes = d * old.shape[1]
+    extra: dict = {}
+    isal_enc, isal_upd = isal_codecs
+    if isal_enc is not None:
+        extra["isal_encode_slice_bytes"] = isal_enc.slice_bytes
+        extra["isal_update_slice_bytes"] = isal_upd.slice_bytes
+        extra["isal_update_method"] = isal_upd.update_method
+        extra["isal_encode_gbps"] = data_bytes / best["isal_encode"] / 1e9
+        extra["isal_update_gbps"] = data_bytes / best["isal_update"] / 1e9
+    if device != "cpu" and not args.no_baselines:
+        seconds = min(clock.once(_torch_gather_encoder(old, d, h)) for _ in range(2))
+        extra["torch_gather_encode_gbps"] = data_bytes / seconds / 1e9
+    zfec = baselines.get("zfec")
+    if zfec is not None and d + h <= 256:
+        blocks = [bytes(row) for row in (old if device == "cpu" else old.cpu().numpy())]
+        encoder = zfec.Encoder(d, d + h)
+        seconds = min(clock.once(lambda: encoder.encode(blocks)) for _ in range(1))
+        extra["zfec_encode_gbps"] = data_bytes / seconds / 1e9
+    return extra
+
+
+def _best_times(
+    codec, isal_codecs, isal_parity, tables, lost: list[int], clock: _Clock, repeat: int
+) -> dict[str, float]:
+    """Best of `repeat` seconds of our encode, fused update and rebuild of `lost`, and of ISA-L's
+    encode and update (`isal_codecs`: (encoder, updater), or Nones; its parity goes to
+    `isal_parity`), measured in turns. `tables`: old, new, parity and old + parity pages."""
+    from unbroken.erasure import PageTable
+
+    old_t, new_t, par_t, everything = tables
     best = {
         "encode": float("inf"),
         "update": float("inf"),
@@ -120,11 +184,7 @@ def _measure(args, device: str, d: int, h: int, block: int, baselines: dict) -> 
         "isal_encode": float("inf"),
         "isal_update": float("inf"),
     }
-    isal = baselines.get("isal")
-    isal_enc, isal_upd = (
-        _calibrated_isal(isal, d, h, block, old_t, new_t, clock) if isal else (None, None)
-    )
-    isal_parity = np.zeros((h, block), dtype=np.uint8) if isal_enc else None
+    isal_enc, isal_upd = isal_codecs
     codec.encode(old_t, par_t)  # warm-up (compiles GPU kernels, builds cached operands)
     codec.update_from_old_new(par_t, old_t, new_t)
     codec.reconstruct(everything, lost)
@@ -145,6 +205,14 @@ def _measure(args, device: str, d: int, h: int, block: int, baselines: dict) -> 
                 best["isal_update"],
                 clock.once(lambda ip=ip: isal_upd.update_from_old_new(ip, old_t, new_t)),
             )
+    return best
+
+
+def _rebuild_checks(codec, device: str, old, tables, d: int, lost: list[int], clock: _Clock):
+    """(seconds of a first rebuild of a new loss pattern, that pattern, whether a rebuild
+    restores the lost bytes exactly). `old`: the data pages, whose first H are overwritten."""
+    old_t, _, par_t, everything = tables
+    h = len(lost)
     # A first rebuild of a new loss pattern also plans it (solves for the decoding matrix) and
     # uploads its operands: what a real failure pays.
     fresh = [(h + i * 7) % d if i % 2 else d + (i % h) for i in range(h)]
@@ -156,39 +224,7 @@ def _measure(args, device: str, d: int, h: int, block: int, baselines: dict) -> 
     old[:h] = 0
     codec.reconstruct(everything, lost)
     verified = bool((_host(old[:h], device) == truth).all())
-    data_bytes = d * block
-    result = {
-        "device": device,
-        "backend": codec.backend,
-        "data_pages": d,
-        "parity_pages": h,
-        "block_bytes": block,
-        "encode_gbps": data_bytes / best["encode"] / 1e9,
-        "update_gbps": data_bytes / best["update"] / 1e9,
-        "reconstruct_ms": best["reconstruct"] * 1e3,
-        "reconstruct_cold_ms": cold * 1e3,
-        "reconstruct_cold_lost": len(fresh),
-        "isal_encode_gbps": None,
-        "isal_update_gbps": None,
-        "zfec_encode_gbps": None,
-        "reconstruct_verified": verified,
-    }
-    if isal_enc is not None:
-        result["isal_encode_slice_bytes"] = isal_enc.slice_bytes
-        result["isal_update_slice_bytes"] = isal_upd.slice_bytes
-        result["isal_update_method"] = isal_upd.update_method
-        result["isal_encode_gbps"] = data_bytes / best["isal_encode"] / 1e9
-        result["isal_update_gbps"] = data_bytes / best["isal_update"] / 1e9
-    if device != "cpu" and not args.no_baselines:
-        seconds = min(clock.once(_torch_gather_encoder(old, d, h)) for _ in range(2))
-        result["torch_gather_encode_gbps"] = data_bytes / seconds / 1e9
-    zfec = baselines.get("zfec")
-    if zfec is not None and d + h <= 256:
-        blocks = [bytes(row) for row in (old if device == "cpu" else old.cpu().numpy())]
-        encoder = zfec.Encoder(d, d + h)
-        seconds = min(clock.once(lambda: encoder.encode(blocks)) for _ in range(1))
-        result["zfec_encode_gbps"] = data_bytes / seconds / 1e9
-    return result
+    return cold, fresh, verified
 
 
 ISAL_SLICE_CANDIDATES = (4 * _KIB, 16 * _KIB, 64 * _KIB)
@@ -278,10 +314,6 @@ def _baselines(device: str, disabled: bool) -> tuple[dict, list[str]]:
     return found, notes
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:5.2f}x" if a and b else "   - "
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print a table (or one JSON object with ``--json``)."""
     device = args.device
@@ -307,13 +339,13 @@ def run(args: argparse.Namespace) -> int:
             for block in blocks:
                 results.append(_measure(args, device, d, h, block, baselines))
                 if not args.json:
-                    _print_row(results[-1], header=len(results) == 1)
+                    print_row(results[-1], header=len(results) == 1)
     if args.json:
         summary = {
             "benchmark": "erasure",
-            "command": _command(args),
+            "command": command_line(args),
             "host": platform.node(),
-            "machine": _machine(device),
+            "machine": machine_name(device),
             "notes": notes,
             "results": results,
         }
@@ -324,71 +356,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _command(args: argparse.Namespace) -> str:
-    parts = ["unbroken", "bench", "erasure", "--device", args.device]
-    for flag, value in (
-        ("--backend", args.backend),
-        ("--data-pages", args.data_pages),
-        ("--parity-pages", args.parity_pages),
-        ("--block-kib", args.block_kib),
-        ("--repeat", args.repeat),
-    ):
-        if value is not None:
-            parts += [flag, str(value)]
-    if args.no_baselines:
-        parts.append("--no-baselines")
-    if args.cuda_kernel != "auto":
-        parts += ["--cuda-kernel", args.cuda_kernel]
-    return " ".join([*parts, "--json"])
-
-
-def _machine(device: str) -> str:
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.get_device_name()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _isal_choice(r: dict) -> str:
-    if "isal_encode_slice_bytes" not in r:
-        return "-"
-    enc, upd = r["isal_encode_slice_bytes"] // _KIB, r["isal_update_slice_bytes"] // _KIB
-    return f"{enc}/{upd} ({r['isal_update_method']})"
-
-
-def _print_row(r: dict, *, header: bool) -> None:
-    if header:
-        print(
-            f"{'device':6} {'D':>4} {'H':>3} {'block':>8} | {'encode':>8} {'vs isal':>7} | "
-            f"{'update':>8} {'vs isal':>7} | {'rebuild':>9} | {'isal enc':>8} {'isal upd':>8} "
-            f"{'zfec enc':>8} {'vs zfec':>8} | isal slices (enc/upd, KiB)"
-            "   (GB/s of data; rebuild of H lost pages in ms)"
-        )
-
-    def gbps(v):
-        return f"{v:8.2f}" if v is not None else "       -"
-
-    print(
-        f"{r['device']:6} {r['data_pages']:4} {r['parity_pages']:3} "
-        f"{r['block_bytes'] // _KIB:6}Ki | {r['encode_gbps']:8.2f} "
-        f"{_ratio(r['encode_gbps'], r['isal_encode_gbps']):>7} | {r['update_gbps']:8.2f} "
-        f"{_ratio(r['update_gbps'], r['isal_update_gbps']):>7} | {r['reconstruct_ms']:7.2f}ms | "
-        f"{gbps(r['isal_encode_gbps'])} {gbps(r['isal_update_gbps'])} "
-        f"{gbps(r['zfec_encode_gbps'])} {_ratio(r['encode_gbps'], r['zfec_encode_gbps']):>8} | "
-        f"{_isal_choice(r)}",
-        flush=True,
-    )
-
-
-if __name__ == "__main__":  # `python -m unbroken.cli.bench_erasure`, same flags
+if __name__ == "__main__":  # `python -m unbroken.bench.erasure`, same flags
     _parser = argparse.ArgumentParser(prog="unbroken bench erasure", description=__doc__)
     add_arguments(_parser)
     raise SystemExit(run(_parser.parse_args()))

@@ -1,6 +1,6 @@
 """One rank of `unbroken bench engine`: our interpreter and torch's `Schedule1F1B`, same job.
 
-Run as ``python -m unbroken.engine._bench_ranks SPEC RANK`` (a process per rank, FileStore
+Run as ``python -m unbroken.bench.engine_ranks SPEC RANK`` (a process per rank, FileStore
 rendezvous). For every plan in the spec, in one process group:
 
 1. ours: `build_worker` + `PlanWorker.run_iteration`, with the per-action profile on;
@@ -12,7 +12,7 @@ rendezvous). For every plan in the spec, in one process group:
    batches timestamped (`_StampedProfile`; the ranks are processes on one host, and
    `time.perf_counter` is CLOCK_MONOTONIC there, one clock for all of them), so the parent can
    tell how long a batch took once every transfer in it could start ([Note: p2p delivery] in
-   `unbroken.engine.bench`), and its REDUCE_GRAD spans; for the ping-pong model it replaces,
+   `unbroken.bench.engine`), and its REDUCE_GRAD spans; for the ping-pong model it replaces,
    the one-way time of one activation by ping-pong between the ranks of adjacent stages and
    the DP gradient all-reduce on its own.
 
@@ -261,7 +261,7 @@ def _run_plan(spec: dict, plan: ParallelPlan, rank: int) -> dict:
     # Every block opens with one untimed lead-in iteration (for both engines, so switching
     # engines costs neither). Ours has its p2p batches and REDUCE_GRAD timestamped there: the
     # simulator's calibration, spread over the run like the timed iterations but never one of
-    # them ([Note: p2p delivery] in unbroken.engine.bench).
+    # them ([Note: p2p delivery] in unbroken.bench.engine).
     stamped, timed = _StampedProfile(), {}
     times: dict[str, list[float]] = {"ours": [], "baseline": []}
     cpu: dict[str, list[float]] = {"ours": [], "baseline": []}

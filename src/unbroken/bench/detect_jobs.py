@@ -26,8 +26,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from unbroken.jobstore import JobStore
-from unbroken.launch.ranks import run_ranks
+from unbroken.bench.ranks import run_ranks
 
 __all__ = ["BenchJob", "BenchSetup", "run_jobs"]
 
@@ -54,7 +53,7 @@ class BenchSetup:
     device: str = "cpu"
     """cpu (gloo) or cuda (NCCL, one GPU per rank)."""
     workload: str = "iid"
-    """iid: documents drawn independently every iteration; phases: `unbroken.detect.phases`
+    """iid: documents drawn independently every iteration; phases: `unbroken.bench.detect_phases`
     (runs of iterations with short documents)."""
     phase_iters: int = 6
     """phases: iterations per phase."""
@@ -147,15 +146,6 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
     import torch
     import torch.distributed as dist
 
-    from unbroken.detect.phases import PhasedSource
-    from unbroken.detect.timing import PhaseTimer
-    from unbroken.detect.varlen import varlen_loss
-    from unbroken.inject import Injector, parse_fault
-    from unbroken.metrics.log import JsonlLog
-    from unbroken.train import Trainer
-    from unbroken.train.build import build_training
-    from unbroken.update import PlainUpdater
-
     s = BenchSetup(**setup)
     if s.pin_cpus >= 0:
         os.sched_setaffinity(0, {(s.pin_cpus + rank) % (os.cpu_count() or 1)})
@@ -178,69 +168,99 @@ def _worker(rank: int, setup: dict, jobs: list[dict], out: str, port: int) -> No
         **({"device_id": device} if cuda else {}),
     )
     for spec in jobs:
-        job = BenchJob(**spec)
-        cfg = _job_config(s, job)
-        built = build_training(cfg, n_shards=s.world_size, device=device)
-        source = built.source
-        if s.workload == "phases":
-            source = PhasedSource(source, job.seed, s.phase_iters, s.short_tokens)
-        events = JsonlLog(Path(out) / "events.jsonl", run=f"job{job.index}")
-        log = JsonlLog(Path(out) / f"job{job.index}-rank{rank}.jsonl")
-        injector = Injector(
-            [parse_fault(f) for f in job.faults],
-            rank,
-            JobStore(dist.PrefixStore(f"job{job.index}", store)),
-            events.emit,
-            time.time(),
-        )
-        injector.device = device
-        timer = PhaseTimer(rank=rank, device=device)
-        trainer = Trainer(
-            model=built.model,
-            state=built.state,
-            source=source,
-            shard=rank,
-            cfg=cfg.train,
-            group=dist.group.WORLD,
-            device=device,
-            autocast_dtype=torch.bfloat16 if cuda else None,
-            hooks=[injector, timer],
-            updater=PlainUpdater(built.state, built.geometry, built.step),
-            loss_fn=varlen_loss,
-        )
-        t0 = time.time()
-        for it in range(s.iterations):
-            res = trainer.run_iteration(it)
-            timer.flush()  # CUDA: the iteration's events become its record
-            rec = timer.records[-1]
-            log.write(
-                {
-                    "iter": it,
-                    "t_start": res.t_start,
-                    "t_end": res.t_end,
-                    "doc_lengths": [list(d) for d in res.doc_lengths],
-                    "loss": res.loss,
-                }
-                | rec.to_dict()
-            )
-        log.close()
-        events.close()
-        dist.barrier()
-        if rank == 0:
-            wall = time.time() - t0
-            print(
-                f"  job {job.index + 1}/{len(jobs)}: {s.iterations} iterations in {wall:.1f} s"
-                f" ({wall / s.iterations:.3f} s/iter), faults: {', '.join(job.faults) or '-'}",
-                file=sys.stderr,
-                flush=True,
-            )
+        _run_job(rank, s, BenchJob(**spec), len(jobs), store, device, Path(out))
     dist.destroy_process_group()
+
+
+def _run_job(
+    rank: int, s: BenchSetup, job: BenchJob, n_jobs: int, store, device, out: Path
+) -> None:
+    """Train one job on this rank and log every iteration's timings."""
+    import torch.distributed as dist
+
+    from unbroken.metrics.log import JsonlLog
+
+    events = JsonlLog(out / "events.jsonl", run=f"job{job.index}")
+    log = JsonlLog(out / f"job{job.index}-rank{rank}.jsonl")
+    trainer, timer = _trainer(rank, s, job, store, device, events)
+    t0 = time.time()
+    for it in range(s.iterations):
+        res = trainer.run_iteration(it)
+        timer.flush()  # CUDA: the iteration's events become its record
+        rec = timer.records[-1]
+        log.write(
+            {
+                "iter": it,
+                "t_start": res.t_start,
+                "t_end": res.t_end,
+                "doc_lengths": [list(d) for d in res.doc_lengths],
+                "loss": res.loss,
+            }
+            | rec.to_dict()
+        )
+    log.close()
+    events.close()
+    dist.barrier()
+    if rank == 0:
+        wall = time.time() - t0
+        print(
+            f"  job {job.index + 1}/{n_jobs}: {s.iterations} iterations in {wall:.1f} s"
+            f" ({wall / s.iterations:.3f} s/iter), faults: {', '.join(job.faults) or '-'}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _trainer(rank: int, s: BenchSetup, job: BenchJob, store, device, events):
+    """(trainer, its timer hook) of one job on this rank: fresh model, state and sampler from
+    the job's seeds, the injector firing the job's faults (recorded to `events`), then the
+    timer, and the per-document loss."""
+    import torch
+    import torch.distributed as dist
+
+    from unbroken.bench.detect_phases import PhasedSource
+    from unbroken.bench.detect_varlen import varlen_loss
+    from unbroken.detect.timing import PhaseTimer
+    from unbroken.inject import Injector, parse_fault
+    from unbroken.jobstore import JobStore
+    from unbroken.train import Trainer
+    from unbroken.train.build import build_training
+    from unbroken.update import PlainUpdater
+
+    cfg = _job_config(s, job)
+    built = build_training(cfg, n_shards=s.world_size, device=device)
+    source = built.source
+    if s.workload == "phases":
+        source = PhasedSource(source, job.seed, s.phase_iters, s.short_tokens)
+    injector = Injector(
+        [parse_fault(f) for f in job.faults],
+        rank,
+        JobStore(dist.PrefixStore(f"job{job.index}", store)),
+        events.emit,
+        time.time(),
+    )
+    injector.device = device
+    timer = PhaseTimer(rank=rank, device=device)
+    trainer = Trainer(
+        model=built.model,
+        state=built.state,
+        source=source,
+        shard=rank,
+        cfg=cfg.train,
+        group=dist.group.WORLD,
+        device=device,
+        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        hooks=[injector, timer],
+        updater=PlainUpdater(built.state, built.geometry, built.step),
+        loss_fn=varlen_loss,
+    )
+    return trainer, timer
 
 
 def run_jobs(setup: BenchSetup, jobs: list[BenchJob], out: Path) -> None:
     """Run `jobs` in `setup.world_size` fresh processes; per-rank logs land under `out`.
 
-    Workers are `python -m unbroken.detect._jobs SPEC RANK` processes (not multiprocessing's
+    Workers are `python -m unbroken.bench.detect_jobs SPEC RANK` processes (not multiprocessing's
     spawn, which re-runs the caller's `__main__` and breaks under `python -m unbroken`).
 
     Raises:
@@ -270,7 +290,9 @@ def run_jobs(setup: BenchSetup, jobs: list[BenchJob], out: Path) -> None:
             }
         )
     )
-    run_ranks("unbroken.detect._jobs", [str(spec)], setup.world_size, setup.threads, "bench worker")
+    run_ranks(
+        "unbroken.bench.detect_jobs", [str(spec)], setup.world_size, setup.threads, "bench worker"
+    )
 
 
 def _main(argv: list[str]) -> None:

@@ -1,5 +1,5 @@
 """Sweep the GPU kernels' launch parameters on the machine at hand (``python -m
-unbroken.erasure._cuda_tuning``); prints one JSON line per variant. How `DEFAULT_TUNING` in
+unbroken.bench.erasure_tuning``); prints one JSON line per variant. How `DEFAULT_TUNING` in
 `cuda_backend` was chosen. Every variant's parity is checked against the CPU backend first."""
 
 from __future__ import annotations

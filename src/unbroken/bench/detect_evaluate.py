@@ -169,42 +169,28 @@ def _healthy(job: JobSeries, obs: Observation) -> bool:
     return job.fault_iter is None or obs.iteration < job.fault_iter
 
 
+@dataclass(slots=True)
+class _Tally:
+    """What `score_jobs` sums over the jobs' replays."""
+
+    mb_err: list[float] = field(default_factory=list)
+    it_err: list[float] = field(default_factory=list)
+    false_alarms: int = 0
+    fa_validation_s: float = 0.0
+    benign: int = 0
+    validations: int = 0
+    det_s: float = 0.0
+    wall_s: float = 0.0
+
+
 def score_jobs(jobs: Sequence[JobSeries], cfg: DetectorConfig) -> Score:
     """Replay every job through a fresh detector with `cfg` and score it."""
     hook_s = timer_cost_s()
-    mb_err: list[float] = []
-    it_err: list[float] = []
-    false_alarms, fa_validation_s, correct, delays = 0, 0.0, 0, []
-    benign, validations, det_s, wall_s = 0, 0, 0.0, 0.0
+    t = _Tally()
+    correct, delays = 0, []
     detail = []
     for job in jobs:
-        det = FailSlowDetector(cfg)
-        first_report = None
-        for obs in job.observations:
-            d = det.observe(obs)
-            wall_s += obs.seconds
-            # Hook calls per rank: forward and backward per micro-batch, the first all-reduce
-            # bucket, reduced, protect.
-            calls = sum(2 * len(t.forward_s) + 3 for t in (obs.ranks or {}).values())
-            det_s += hook_s * calls / max(1, len(obs.ranks or {1: 0}))
-            if d.verdict is Verdict.BENIGN:
-                benign += 1
-            if d.verdict in (Verdict.FALSE_ALARM, Verdict.FAIL_SLOW, Verdict.KNOWN):
-                validations += 1
-                before_fault = job.fault_iter is None or (
-                    d.change_iteration is not None and d.change_iteration < job.fault_iter
-                )
-                if before_fault:
-                    false_alarms += 1
-                    fa_validation_s += d.validation_s
-            if d.report is not None and first_report is None:
-                first_report = d.report
-            p = det.predictor
-            if p is not None and d.verdict is not Verdict.WARMUP and _healthy(job, obs):
-                pred = p.iteration_time(obs.doc_lengths)
-                it_err.append(abs(pred - obs.seconds) / obs.seconds)
-                mb_err += [abs(p.mb.predict(d) - s) / s for d, s in mb_samples([obs])]
-        det_s += det.observe_s
+        first_report = _replay(job, cfg, hook_s, t)
         ok = _correct(job, first_report)
         if job.fault_iter is not None and ok:
             delays.append(first_report.detected_at - job.fault_iter)
@@ -227,17 +213,50 @@ def score_jobs(jobs: Sequence[JobSeries], cfg: DetectorConfig) -> Score:
         )
     n = max(1, len(jobs))
     return Score(
-        mb_mape=100.0 * statistics.fmean(mb_err) if mb_err else float("nan"),
-        iter_mape=100.0 * statistics.fmean(it_err) if it_err else float("nan"),
-        false_alarms_per_job=false_alarms / n,
-        validation_s_per_false_alarm=fa_validation_s / false_alarms if false_alarms else 0.0,
+        mb_mape=100.0 * statistics.fmean(t.mb_err) if t.mb_err else float("nan"),
+        iter_mape=100.0 * statistics.fmean(t.it_err) if t.it_err else float("nan"),
+        false_alarms_per_job=t.false_alarms / n,
+        validation_s_per_false_alarm=t.fa_validation_s / t.false_alarms if t.false_alarms else 0.0,
         accuracy=correct / n,
         detect_delay_iters=statistics.fmean(delays) if delays else None,
-        overhead_pct=100.0 * det_s / wall_s if wall_s else 0.0,
-        benign_dropped_per_job=benign / n,
-        validations_per_job=validations / n,
+        overhead_pct=100.0 * t.det_s / t.wall_s if t.wall_s else 0.0,
+        benign_dropped_per_job=t.benign / n,
+        validations_per_job=t.validations / n,
         detail=detail,
     )
+
+
+def _replay(job: JobSeries, cfg: DetectorConfig, hook_s: float, t: _Tally):
+    """Feed one job's observations to a fresh detector, adding to `t`; returns its first
+    report (None if it reported nothing)."""
+    det = FailSlowDetector(cfg)
+    first_report = None
+    for obs in job.observations:
+        d = det.observe(obs)
+        t.wall_s += obs.seconds
+        # Hook calls per rank: forward and backward per micro-batch, the first all-reduce
+        # bucket, reduced, protect.
+        calls = sum(2 * len(r.forward_s) + 3 for r in (obs.ranks or {}).values())
+        t.det_s += hook_s * calls / max(1, len(obs.ranks or {1: 0}))
+        if d.verdict is Verdict.BENIGN:
+            t.benign += 1
+        if d.verdict in (Verdict.FALSE_ALARM, Verdict.FAIL_SLOW, Verdict.KNOWN):
+            t.validations += 1
+            before_fault = job.fault_iter is None or (
+                d.change_iteration is not None and d.change_iteration < job.fault_iter
+            )
+            if before_fault:
+                t.false_alarms += 1
+                t.fa_validation_s += d.validation_s
+        if d.report is not None and first_report is None:
+            first_report = d.report
+        p = det.predictor
+        if p is not None and d.verdict is not Verdict.WARMUP and _healthy(job, obs):
+            pred = p.iteration_time(obs.doc_lengths)
+            t.it_err.append(abs(pred - obs.seconds) / obs.seconds)
+            t.mb_err += [abs(p.mb.predict(x) - y) / y for x, y in mb_samples([obs])]
+    t.det_s += det.observe_s
+    return first_report
 
 
 def noise_diagnostics(jobs: Sequence[JobSeries], cfg: DetectorConfig) -> dict[str, float | None]:

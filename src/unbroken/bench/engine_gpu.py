@@ -102,6 +102,22 @@ def _timed(step, first: int, n: int, device: torch.device) -> list[float]:
     return out
 
 
+def _alternate(ours, plain, warmup: int, block: int, rounds: int, device) -> dict[str, list]:
+    """`warmup` untimed iterations of both, then `rounds` blocks of `block` timed iterations
+    each, alternating which goes first; seconds per iteration by engine."""
+    for i in range(warmup):
+        ours.run_iteration(i)
+        plain.run_iteration(i)
+    times: dict[str, list[float]] = {"ours": [], "plain": []}
+    engines = [("ours", ours.run_iteration), ("plain", plain.run_iteration)]
+    it = warmup
+    for r in range(rounds):
+        for name, step in engines if r % 2 == 0 else engines[::-1]:
+            times[name] += _timed(step, it, block, device)
+        it += block
+    return times
+
+
 def run_gpu(
     preset: str,
     tokens: int,
@@ -141,16 +157,7 @@ def run_gpu(
                 autocast_dtype=autocast,
             ).worker
             plain = _PlainLoop(cfg, source, device, autocast)
-            for i in range(warmup):
-                ours.run_iteration(i)
-                plain.run_iteration(i)
-            times: dict[str, list[float]] = {"ours": [], "plain": []}
-            engines = [("ours", ours.run_iteration), ("plain", plain.run_iteration)]
-            it = warmup
-            for r in range(rounds):
-                for name, step in engines if r % 2 == 0 else engines[::-1]:
-                    times[name] += _timed(step, it, block, device)
-                it += block
+            times = _alternate(ours, plain, warmup, block, rounds, device)
         finally:
             dist.destroy_process_group()
     per_iter = tokens * microbatches

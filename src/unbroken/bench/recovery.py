@@ -56,10 +56,9 @@ def _say(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from unbroken.api import run_job
-    from unbroken.cli.demo import demo_config
+    """Run the benchmark; print a table (or one JSON object). Returns the exit status."""
     from unbroken.config import ParallelConfig
-    from unbroken.metrics.log import read_jsonl
+    from unbroken.config.demo import demo_config
 
     base = demo_config(quick=False)
     base = dataclasses.replace(
@@ -70,47 +69,82 @@ def run(args: argparse.Namespace) -> int:
     )
     root = Path(args.out or tempfile.mkdtemp(prefix="unbroken-recovery-"))
     t0 = time.time()
+    plain_s, protected_s = _steady_runs(base, root, args.repeats)
+    overhead = statistics.median(protected_s) / statistics.median(plain_s) - 1.0
+    out = {
+        "overhead_pct": 100.0 * overhead,
+        "steady_iter_s": {"plain": plain_s, "rmu": protected_s},
+        **_faulty_runs(base, root, args.iterations),
+        "world_size": args.world_size,
+        "iterations": args.iterations,
+        "seconds": time.time() - t0,
+    }
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    _print_report(out)
+    return 0
 
-    def variant(mode: str, checkpoints: bool, inject: list[str], shadow: int = 0) -> JobConfig:
-        return dataclasses.replace(
-            base,
-            recovery=dataclasses.replace(base.recovery, mode=mode, shadow_level=shadow),
-            checkpoint=dataclasses.replace(base.checkpoint, enabled=checkpoints),
-            inject=inject,
-        )
 
-    # 1. Steady-state overhead of in-place protection, alternating the two variants.
-    plain_s, protected_s = [], []
-    for r in range(args.repeats):
+def _variant(
+    base: JobConfig, mode: str, checkpoints: bool, inject: list[str], shadow: int = 0
+) -> JobConfig:
+    """`base` recovering by `mode` (with `shadow`-level shadows), checkpoints on or off, and
+    the faults `inject`."""
+    return dataclasses.replace(
+        base,
+        recovery=dataclasses.replace(base.recovery, mode=mode, shadow_level=shadow),
+        checkpoint=dataclasses.replace(base.checkpoint, enabled=checkpoints),
+        inject=inject,
+    )
+
+
+def _steady_runs(base: JobConfig, root: Path, repeats: int) -> tuple[list[float], list[float]]:
+    """1. Steady-state median iteration without and with in-place protection, fault-free,
+    checkpoints off, the two variants alternated `repeats` times."""
+    from unbroken.api import run_job
+    from unbroken.metrics.log import read_jsonl
+
+    plain_s: list[float] = []
+    protected_s: list[float] = []
+    for r in range(repeats):
         for name, mode, sink in (
             ("plain", "ckpt_restart", plain_s),
             ("rmu", "inplace", protected_s),
         ):
             out = root / f"steady-{name}-{r}"
-            run_job(variant(mode, False, []), out, quiet=True)
+            run_job(_variant(base, mode, False, []), out, quiet=True)
             metrics = read_jsonl(out / "metrics.jsonl")
             sink.append(_median_iter(metrics))
             _say(f"steady {name} #{r}: median iteration {sink[-1] * 1e3:.1f} ms")
-    overhead = statistics.median(protected_s) / statistics.median(plain_s) - 1.0
+    return plain_s, protected_s
 
-    # 2. One failure schedule, two recoveries.
-    n = args.iterations
+
+VARIANTS = {
+    "ckpt_restart": ("ckpt_restart", 0),
+    "inplace": ("inplace", 0),
+    "L1": ("inplace", 1),
+    "L2": ("inplace", 2),
+    "L3": ("inplace", 3),
+}
+"""Name -> (recovery mode, shadow level) of the runs under the failure schedule."""
+
+
+def _faulty_runs(base: JobConfig, root: Path, n: int) -> dict[str, Any]:
+    """2. One failure schedule over `n` iterations, recovered by every one of `VARIANTS`:
+    median recovery times, speedups, repair times, each run's recoveries and exactness."""
+    from unbroken.api import run_job
+    from unbroken.metrics.log import read_jsonl
+
     marks = dict(a=n // 5, b=2 * n // 5, c=3 * n // 5, d=4 * n // 5)
     schedule = [f.format(**marks) for f in SCHEDULE]
     results: dict[str, dict[str, Any]] = {}
-    variants = {
-        "ckpt_restart": ("ckpt_restart", 0),
-        "inplace": ("inplace", 0),
-        "L1": ("inplace", 1),
-        "L2": ("inplace", 2),
-        "L3": ("inplace", 3),
-    }
-    for name, (mode, shadow) in variants.items():
+    for name, (mode, shadow) in VARIANTS.items():
         out = root / f"faulty-{name}"
         faults = schedule
         if mode == "ckpt_restart":
             faults = [f.split(",pages")[0].replace("pageloss:", "kill:") for f in schedule]
-        s = run_job(variant(mode, True, faults, shadow), out, reference=False, quiet=True)
+        s = run_job(_variant(base, mode, True, faults, shadow), out, reference=False, quiet=True)
         totals = [r["total_s"] for r in s["recoveries"]]
         results[name] = {"summary": s, "totals": totals, "dir": out}
         _say(f"{name}: recoveries {[round(t, 2) for t in totals]} s")
@@ -122,9 +156,7 @@ def run(args: argparse.Namespace) -> int:
     inplace_med = statistics.median(results["inplace"]["totals"])
     ckpt_med = statistics.median(results["ckpt_restart"]["totals"])
     shadow_med = {lv: statistics.median(results[lv]["totals"]) for lv in ("L1", "L2", "L3")}
-    out = {
-        "overhead_pct": 100.0 * overhead,
-        "steady_iter_s": {"plain": plain_s, "rmu": protected_s},
+    return {
         "inplace_recovery_s": inplace_med,
         "ckpt_restart_recovery_s": ckpt_med,
         "speedup": ckpt_med / inplace_med,
@@ -135,32 +167,31 @@ def run(args: argparse.Namespace) -> int:
             statistics.median(e["reconstruct_ms"] for e in repairs) if repairs else None
         ),
         "schedule": schedule,
-        "recoveries": {name: results[name]["summary"]["recoveries"] for name in variants},
+        "recoveries": {name: results[name]["summary"]["recoveries"] for name in VARIANTS},
         "exact": {
             name: results[name]["summary"]["final_state_hash"]
             == results["ckpt_restart"]["summary"]["final_state_hash"]
-            for name in variants
+            for name in VARIANTS
         },
-        "world_size": args.world_size,
-        "iterations": args.iterations,
-        "seconds": time.time() - t0,
     }
-    if args.json:
-        print(json.dumps(out, indent=1))
-        return 0
+
+
+def _print_report(out: dict[str, Any]) -> None:
+    plain_s, protected_s = out["steady_iter_s"]["plain"], out["steady_iter_s"]["rmu"]
+    inplace_med, ckpt_med = out["inplace_recovery_s"], out["ckpt_restart_recovery_s"]
     print(
         f"protection overhead      {out['overhead_pct']:6.2f} %  (median iteration, "
         f"{statistics.median(protected_s) * 1e3:.1f} vs {statistics.median(plain_s) * 1e3:.1f} ms)"
     )
     print(
-        f"in-place recovery        {inplace_med:6.2f} s   (median of {len(results['inplace']['totals'])})"
+        f"in-place recovery        {inplace_med:6.2f} s   (median of {len(out['recoveries']['inplace'])})"
     )
     print(f"checkpoint-restart       {ckpt_med:6.2f} s")
     print(f"speedup                  {out['speedup']:6.2f} x")
-    for lv, sec in shadow_med.items():
+    for lv, sec in out["shadow_recovery_s"].items():
         print(f"in-place, {lv} shadows      {sec:6.2f} s")
     print(f"speedup with L3 shadows  {out['speedup_l3']:6.2f} x")
-    if repairs:
+    if out["localize_ms"] is not None:
         print(
             f"localize / reconstruct   {out['localize_ms']:.2f} ms / {out['reconstruct_ms']:.2f} ms"
         )
@@ -172,4 +203,3 @@ def run(args: argparse.Namespace) -> int:
                 f"{what:44}{mode:>14}{r['detect_s']:8.3f}{r['init_s']:8.2f}"
                 f"{r['recompute_s']:8.2f}{r['total_s']:8.2f}"
             )
-    return 0

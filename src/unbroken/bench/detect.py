@@ -14,7 +14,7 @@ is part of what the detectors see.
 
 `--latency` measures fail-stop detection instead: process exit, hang (SIGSTOP), agent SIGKILL and
 agent SIGSTOP, `--repeats` times each on real runs, median and max against the bound the default
-configuration implies (`unbroken.detect._latency`).
+configuration implies (`unbroken.bench.detect_latency`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -96,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _schedule(n_jobs: int, iterations: int, world: int, seed: int, first: int, what: str) -> list:
     """Fault-free or one slow fault per job; about half faulty, levels round-robin; `what`:
     compute, comm, or mixed (alternating, compute first)."""
-    from unbroken.detect._jobs import BenchJob
+    from unbroken.bench.detect_jobs import BenchJob
     from unbroken.detect.levels import Level
 
     rng = random.Random(seed)
@@ -116,73 +115,6 @@ def _schedule(n_jobs: int, iterations: int, world: int, seed: int, first: int, w
     return jobs
 
 
-def _level_of(spec: str) -> str:
-    """The level of a slow fault spec (`level=`, or the factor of older logs)."""
-    from unbroken.detect.levels import LEVEL_LOSS, slow_factor_for
-
-    if "level=" in spec:
-        return spec.split("level=", 1)[1].split(",", 1)[0]
-    factor = float(spec.rsplit("factor=", 1)[1].split(",", 1)[0])
-    by_factor = {round(slow_factor_for(lv), 3): lv.value for lv in LEVEL_LOSS}
-    return by_factor.get(round(factor, 3), f"{factor:g}")
-
-
-def _measured_loss(jobs) -> dict[tuple[str, str], list[float]]:
-    """Throughput loss each injected (what, level) really caused: 1 - 1 / the median, after
-    the fault, of iteration time over the healthy time of the same workload, predicted by a
-    workload model fitted on every healthy iteration before it (so that a phase of cheaper
-    documents after the fault does not hide part of the loss, nor a costlier one add to it).
-    Without per-rank timings: median iteration time after vs before."""
-    from unbroken.detect.detector import mb_samples
-    from unbroken.detect.workload import WorkloadPredictor
-
-    out: dict[tuple[str, str], list[float]] = {}
-    for job in jobs:
-        if job.fault_iter is None:
-            continue
-        healthy = job.observations[2 : job.fault_iter]
-        after = job.observations[job.fault_iter + 1 :]
-        if not healthy or not after:
-            continue
-        samples = mb_samples(healthy)
-        if samples:
-            model = WorkloadPredictor.fit_data_parallel(
-                samples, [(o.doc_lengths, o.seconds) for o in healthy]
-            )
-            ratio = statistics.median(
-                o.seconds / model.iteration_time(o.doc_lengths) for o in after
-            )
-        else:
-            ratio = statistics.median(o.seconds for o in after) / statistics.median(
-                o.seconds for o in healthy
-            )
-        out.setdefault((job.fault_what, _level_of(job.fault_spec)), []).append(1.0 - 1.0 / ratio)
-    return out
-
-
-def _mean_active(jobs, level: str, key: str) -> float | None:
-    """Mean of a comm fault's `slow_active` field over the jobs of one level."""
-    values = [
-        j.fault_active[key]
-        for j in jobs
-        if j.fault_what == "comm" and j.fault_active and _level_of(j.fault_spec) == level
-    ]
-    return statistics.fmean(values) if values else None
-
-
-def _multi_doc_share(jobs) -> tuple[float, float]:
-    """Share of micro-batches holding several documents; 5th percentile of sum l^2 / N^2."""
-    multi, ratios = 0, []
-    for job in jobs:
-        for o in job.observations:
-            for replica in o.doc_lengths:
-                for d in replica:
-                    multi += len(d) > 1
-                    ratios.append(sum(x * x for x in d) / sum(d) ** 2)
-    ratios.sort()
-    return multi / max(1, len(ratios)), ratios[len(ratios) // 20] if ratios else 1.0
-
-
 def _recorded_setup(dirs: list[Path], given):
     """The job shape the replayed logs were recorded with (their `bench-spec.json`), so the
     report describes them and not this command's flags; `given` for logs without one.
@@ -190,7 +122,7 @@ def _recorded_setup(dirs: list[Path], given):
     Raises:
         UserError: the directories were recorded with different shapes.
     """
-    from unbroken.detect._jobs import BenchSetup
+    from unbroken.bench.detect_jobs import BenchSetup
 
     found = []
     for d in dirs:
@@ -206,7 +138,7 @@ def _recorded_setup(dirs: list[Path], given):
 
 
 def _run_latency(args: argparse.Namespace) -> int:
-    from unbroken.detect._latency import measure_latencies
+    from unbroken.bench.detect_latency import measure_latencies
 
     if args.repeats < 1:
         raise UserError("--repeats must be >= 1")
@@ -233,18 +165,13 @@ def _run_latency(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.latency:
-        return _run_latency(args)
-    from unbroken.detect._jobs import BenchSetup, run_jobs
-    from unbroken.detect.detector import DetectorConfig
-    from unbroken.detect.evaluate import load_jobs, noise_diagnostics, score_jobs
-    from unbroken.detect.levels import LEVEL_LOSS, slow_factor_for
+def _setup(args: argparse.Namespace, first: int):
+    """The jobs' `BenchSetup` from the flags.
 
-    if args.jobs < 1:
-        raise UserError("--jobs must be >= 1")
-    cfg = DetectorConfig()
-    first = cfg.skip_iters + cfg.warmup_iters + 3
+    Raises:
+        UserError: an unknown preset, a shape `BenchSetup` rejects, or too few iterations.
+    """
+    from unbroken.bench.detect_jobs import BenchSetup
     from unbroken.model import PRESETS
 
     if args.preset not in PRESETS:
@@ -269,108 +196,57 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     if args.iterations < first + 10:
         raise UserError(f"--iterations must be >= {first + 10} (warm-up + room for a fault)")
-    t0 = time.time()
+    return setup
+
+
+def _log_dirs(args: argparse.Namespace, setup, first: int) -> tuple[object, list[Path]]:
+    """(the setup the logs were recorded with, their directories): the `--replay` dirs, or one
+    directory of freshly run jobs."""
+    from unbroken.bench.detect_jobs import run_jobs
+
     if args.replay:
         dirs = [Path(d) for d in args.replay]
         for d in dirs:
             if not (d / "job0-rank0.jsonl").exists():
                 raise UserError(f"--replay {d}: no job0-rank0.jsonl there")
-        setup = _recorded_setup(dirs, setup)
-    else:
-        out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="unbroken-detect-"))
-        jobs = _schedule(args.jobs, args.iterations, args.world_size, args.seed, first, args.what)
-        print(
-            f"bench detect: {args.jobs} jobs x {args.iterations} iterations, "
-            f"{args.world_size} ranks, N={args.tokens}, {args.microbatches} micro-batches/rank, "
-            f"model {setup.describe()}, "
-            f"{sum(bool(j.faults) for j in jobs)} with a fail-slow; logs in {out}",
-            file=sys.stderr,
-            flush=True,
-        )
-        try:
-            run_jobs(setup, jobs, out)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-        dirs = [out]
+        return _recorded_setup(dirs, setup), dirs
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="unbroken-detect-"))
+    jobs = _schedule(args.jobs, args.iterations, args.world_size, args.seed, first, args.what)
+    print(
+        f"bench detect: {args.jobs} jobs x {args.iterations} iterations, "
+        f"{args.world_size} ranks, N={args.tokens}, {args.microbatches} micro-batches/rank, "
+        f"model {setup.describe()}, "
+        f"{sum(bool(j.faults) for j in jobs)} with a fail-slow; logs in {out}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        run_jobs(setup, jobs, out)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return setup, [out]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run (or replay) the jobs, score both detectors; print a table (or one JSON object)."""
+    if args.latency:
+        return _run_latency(args)
+    from unbroken.bench.detect_evaluate import load_jobs
+    from unbroken.bench.detect_report import print_summary, summarize
+    from unbroken.detect.detector import DetectorConfig
+
+    if args.jobs < 1:
+        raise UserError("--jobs must be >= 1")
+    cfg = DetectorConfig()
+    first = cfg.skip_iters + cfg.warmup_iters + 3
+    setup = _setup(args, first)
+    t0 = time.time()
+    setup, dirs = _log_dirs(args, setup, first)
     series = [job for d in dirs for job in load_jobs(d, setup.world_size)]
     print(f"scoring {len(series)} jobs (ours, baseline)...", file=sys.stderr, flush=True)
-    ours = score_jobs(series, cfg)
-    base = score_jobs(series, DetectorConfig(baseline=True))
-    strict = score_jobs(series, DetectorConfig(baseline=True, baseline_slowdowns_only=True))
-    multi, q5 = _multi_doc_share(series)
-    losses = _measured_loss(series)
-    result = {
-        "ours": ours.to_dict(),
-        "baseline": base.to_dict(),
-        "baseline_slowdowns_only": strict.to_dict(),
-        "jobs": len(series),
-        "faulty_jobs": sum(j.fault_iter is not None for j in series),
-        "setup": {
-            "world_size": setup.world_size,
-            "iterations": setup.iterations,
-            "tokens_per_microbatch": setup.tokens_per_microbatch,
-            "microbatches_per_rank": setup.microbatches,
-            "model": setup.describe(),
-            "multi_doc_share": multi,
-            "sum_sq_over_n2_p5": q5,
-        },
-        "noise": noise_diagnostics(series, cfg),
-        "levels": {
-            f"{what}/{lv.value}": {
-                "factor": slow_factor_for(lv)
-                if what == "compute"
-                else _mean_active(series, lv.value, "factor"),
-                "comm_share": _mean_active(series, lv.value, "comm_share")
-                if what == "comm"
-                else None,
-                "target_loss": LEVEL_LOSS[lv],
-                "measured_loss": statistics.fmean(losses[(what, lv.value)]),
-                "jobs": len(losses[(what, lv.value)]),
-            }
-            for what in ("compute", "comm")
-            for lv in LEVEL_LOSS
-            if losses.get((what, lv.value))
-        },
-        "per_job": {"ours": ours.detail, "baseline": base.detail},
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-        "load_avg": os.getloadavg(),
-        "wall_s": time.time() - t0,
-    }
+    result = summarize(series, setup, cfg, t0)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    rows = [
-        ("micro-batch time MAPE (%)", "mb_mape", "{:.2f}"),
-        ("iteration time MAPE (%)", "iter_mape", "{:.2f}"),
-        ("false alarms per job", "false_alarms_per_job", "{:.2f}"),
-        ("validation s per false alarm", "validation_s_per_false_alarm", "{:.2e}"),
-        ("accuracy", "accuracy", "{:.3f}"),
-        ("detection delay (iterations)", "detect_delay_iters", "{:.2f}"),
-        ("detector overhead (% of iter)", "overhead_pct", "{:.3f}"),
-        ("benign points dropped per job", "benign_dropped_per_job", "{:.2f}"),
-    ]
-    modes = ("ours", "baseline", "baseline_slowdowns_only")
-    print(f"{'':34}{'ours':>12}{'baseline':>12}{'(slowdowns)':>12}")
-    for label, key, fmt in rows:
-        cells = ["-" if result[m][key] is None else fmt.format(result[m][key]) for m in modes]
-        print(f"{label:34}" + "".join(f"{c:>12}" for c in cells))
-    print(
-        f"jobs {result['jobs']} ({result['faulty_jobs']} faulty); multi-document micro-batches "
-        f"{100 * multi:.1f}%, 5th pct of sum l^2/N^2 = {q5:.2f}"
-    )
-    noise = result["noise"]
-    cpu, floor = noise["mb_mape_cpu"], noise["mb_mape_floor"]
-    print(
-        "timing noise: micro-batch MAPE on process CPU time "
-        + ("-" if cpu is None else f"{cpu:.2f}%")
-        + "; error of a perfect model on identical micro-batches "
-        + ("-" if floor is None else f"{floor:.2f}%")
-    )
-    for lv, v in result["levels"].items():
-        factor = "-" if v["factor"] is None else f"{v['factor']:.2f}"
-        share = "" if v["comm_share"] is None else f" (comm share {v['comm_share']:.1%})"
-        print(
-            f"level {lv}: factor {factor}{share}, target loss {v['target_loss']:.0%}, "
-            f"measured {v['measured_loss']:.0%} ({v['jobs']} jobs)"
-        )
+    print_summary(result)
     return 0
