@@ -115,3 +115,15 @@ def test_the_same_start_up_error_on_every_rank_fails_at_once(job):  # noqa: F811
     assert "every rank failed before its first iteration: in attach: error: the plan" in (
         job.core.done_reason
     )
+
+
+def test_a_checkpoint_fallback_on_every_rank_is_not_a_start_up_failure(job):  # noqa: F811
+    """Every rank exits FALLBACK before its first iteration when retained state is beyond
+    repair: the same recovery goes on from a checkpoint, not a new failure, not a job failure."""
+    job.tell(RankExited(rank=0, generation=0, returncode=3, t=1.0, said="same"))
+    assert job.core.fsm.state is RecoveryState.STOPPING
+    assert job.heard() == StopGeneration(generation=0)
+    job.tell(RankExited(rank=1, generation=0, returncode=3, t=1.1, said="same"))
+    assert job.records("failure_detected") == []
+    assert [e["rank"] for e in job.records("recovery_fallback")] == [0]
+    assert job.core.fsm.fallback is True

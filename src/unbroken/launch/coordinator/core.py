@@ -45,6 +45,7 @@ from unbroken.recovery import (
     Action,
     Fail,
     Finish,
+    RankExit,
     RecoveryMachine,
     RecoveryState,
     RestoreMode,
@@ -190,6 +191,12 @@ class CoordinatorCore:
 
     def _rank_exited(self, node: int, msg: RankExited) -> None:
         if msg.returncode == 0 or not self._live(msg.generation):
+            self.execute(self.fsm.on_rank_exit(msg.rank, msg.generation, msg.returncode))
+            return
+        if msg.returncode == RankExit.FALLBACK:
+            # Not a new failure: the in-place recovery of the last one gave up (its retained
+            # state is beyond repair); the same recovery continues from a checkpoint.
+            self.events.emit("recovery_fallback", rank=msg.rank, generation=msg.generation)
             self.execute(self.fsm.on_rank_exit(msg.rank, msg.generation, msg.returncode))
             return
         if msg.iteration < 0 and self._injected_since_last_failure() is None:
