@@ -26,6 +26,7 @@ from unbroken.inject import parse_fault
 from unbroken.launch.coordinator import Coordinator, RunOutcome
 from unbroken.metrics.plot import plot_runs
 from unbroken.metrics.summary import build_summary
+from unbroken.preflight import check_job
 
 __all__ = ["run_job"]
 
@@ -47,6 +48,8 @@ def run_job(
     search_path: list[str] | None = None,
     quiet: bool = False,
     fresh: bool = True,
+    source: str | None = None,
+    strict: bool = False,
 ) -> dict[str, Any]:
     """Run a job (and optionally its fault-free reference); returns the summary dict.
 
@@ -56,6 +59,8 @@ def run_job(
         reference: also run the fault-free reference and compare.
         search_path: extra dirs for user modules (default: the config file's dir).
         quiet: no terminal progress.
+        source: where the config came from, for messages (default: `config` if a path).
+        strict: refuse, instead of warning about, a memory estimate over the device.
 
     Raises:
         UserError: bad config, bad fault spec, missing data.
@@ -65,6 +70,7 @@ def run_job(
         path = Path(config)
         cfg = load_config(JobConfig, path)
         search.append(str(path.resolve().parent))
+        source = source or str(path)
     else:
         cfg = config
     cfg = resolve_device_defaults(cfg)
@@ -94,6 +100,7 @@ def run_job(
                 "trains on the CPU (use mb=N)"
             )
     _check_user_objects(cfg, search)
+    check_job(cfg, out, search, cuda=_on_cuda(cfg), source=source or "the job", strict=strict)
     out = Path(out)
     if fresh and out.exists():
         for name in ("events.jsonl", "metrics.jsonl", "timings.jsonl", "summary.json", "plot.png"):
