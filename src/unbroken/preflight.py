@@ -86,8 +86,7 @@ def _check_plan(cfg: JobConfig, source: str) -> None:
     except ValueError as exc:
         raise _fail(
             source,
-            f"data.microbatches = {cfg.data.microbatches} with parallel.schedule = "
-            f"{p.schedule!r}",
+            f"data.microbatches = {cfg.data.microbatches} with parallel.schedule = {p.schedule!r}",
             str(exc),
             "change data.microbatches (or the schedule)",
         ) from None
@@ -169,8 +168,7 @@ def _check_devices(cfg: JobConfig, cuda: bool, source: str) -> None:
         raise _fail(
             source,
             f"parallel.world_size = {ws}",
-            f"NCCL runs one rank per GPU and this job has {devices} GPU(s) per node × {nodes} "
-            "node",
+            f"NCCL runs one rank per GPU and this job has {devices} GPU(s) per node × {nodes} node",
             f"lower parallel.world_size to at most {devices * nodes}",
         )
 

@@ -80,7 +80,12 @@ def _config_is_a_directory(tmp: Path) -> list[str]:
 
 def _out_under_a_file(tmp: Path) -> list[str]:
     (tmp / "a_file").write_text("x")
-    return _config(TINY)(tmp)[:-1] + [str(tmp / "a_file" / "run")]
+    return [*_config(TINY)(tmp)[:-1], str(tmp / "a_file" / "run")]
+
+
+def _huge_model_strict(tmp: Path) -> list[str]:
+    huge = TINY.replace('"tiny"\n', '"tiny"\ndim = 16384\nffn_dim = 65536\n')
+    return [*_config(huge)(tmp), "--strict"]
 
 
 def _plan(**parallel) -> str:
@@ -153,9 +158,9 @@ CASES = {
     ),
     "microbatches-vs-interleaving": (
         _config(
-            _plan(world_size=2, pp=2, schedule="interleaved", virtual_stages=2).replace(
-                '"tiny"\n', '"tiny"\nn_layers = 4\n'
-            ).replace("microbatches = 2", "microbatches = 3")
+            _plan(world_size=2, pp=2, schedule="interleaved", virtual_stages=2)
+            .replace('"tiny"\n', '"tiny"\nn_layers = 4\n')
+            .replace("microbatches = 2", "microbatches = 3")
         ),
         "data.microbatches = 3 with parallel.schedule = 'interleaved'",
     ),
@@ -169,10 +174,7 @@ CASES = {
         "parallel.world_size = 100000: the job trains on this machine's CPU",
     ),
     "absurd-memory-strict": (
-        lambda tmp: _config(TINY.replace('"tiny"\n', '"tiny"\ndim = 16384\nffn_dim = 65536\n'))(
-            tmp
-        )
-        + ["--strict"],
+        _huge_model_strict,
         "memory: the job needs about",
     ),
     # data

@@ -44,8 +44,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from unbroken.api import run_job
-
     try:
         cfg = load_config(JobConfig, args.config)
     except (OSError, UnicodeDecodeError) as exc:
@@ -59,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         changes["train"] = dataclasses.replace(cfg.train, iterations=args.iterations)
     cfg = dataclasses.replace(cfg, **changes)
     reference = args.reference if args.reference is not None else bool(cfg.inject)
+    from unbroken.api import run_job  # after the config: a bad one fails without importing torch
+
     summary = run_job(
         cfg,
         args.out,

@@ -36,6 +36,17 @@ def same_layouts(plan: ParallelPlan) -> bool:
     return all([(g.layers, g.tp) for g in rep.stages] == first for rep in plan.replicas[1:])
 
 
+def _tie_group(plan: ParallelPlan, rank: int, new_group) -> tuple[dist.ProcessGroup | None, str]:
+    """Create every tied-embedding pair's group (collective, fixed order); this rank's group
+    and the name it holds its copy under, or (None, "")."""
+    tie, tie_name = None, ""
+    for ranks, names in embedding_pairs(plan):
+        group = new_group(ranks)
+        if rank in ranks:
+            tie, tie_name = group, names[ranks.index(rank)]
+    return tie, tie_name
+
+
 @dataclass(frozen=True, slots=True)
 class PlanGroups:
     """One rank's groups for one plan."""
@@ -107,11 +118,7 @@ class PlanGroups:
                     group = new_group(ranks)
                     if rank in ranks:
                         dp, dp_size = group, len(ranks)
-        tie, tie_name = None, ""
-        for ranks, names in embedding_pairs(plan) if tied else ():
-            group = new_group(ranks)
-            if rank in ranks:
-                tie, tie_name = group, names[ranks.index(rank)]
+        tie, tie_name = _tie_group(plan, rank, new_group) if tied else (None, "")
         # NCCL: the first operation on a communicator must involve all its ranks; the first
         # p2p batch of a plan does not, so the world meets once here.
         dist.barrier(group=world)
