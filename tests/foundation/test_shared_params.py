@@ -209,3 +209,16 @@ def test_the_example_config_loads():
     cfg = load_config(JobConfig, EXAMPLE / "config.toml")
     assert cfg.train.no_decay == ["embed.weight"]
     assert dataclasses.asdict(cfg)["model"]["factory_args"]["freeze_positions"] is True
+
+
+def test_the_tied_reference_model_trains_data_parallel_style():
+    from .conftest import local_trainer, tiny_job
+
+    cfg = tiny_job()
+    cfg = dataclasses.replace(cfg, model=ModelConfig(preset="tiny", tie_embeddings=True))
+    built, tr = local_trainer(cfg)
+    losses = [tr.run_iteration(it).loss for it in range(4)]
+    assert built.model.head.weight is built.model.embed.weight
+    assert losses[-1] < losses[0]
+    # the default stays untied: every existing state hash is unchanged
+    assert ModelConfig().tie_embeddings is False
