@@ -23,6 +23,9 @@ LAYERS: tuple[str | tuple[str, ...], ...] = (
     "cli",  # the command line: parses arguments, calls api and bench
     "bench",  # benchmark harnesses: may run whole jobs (api) or drive any library part
     "api",  # run_job: a job config to a finished run directory
+    # Checks of a job before launch, in the CLI process: calls the engine's, the model's and
+    # inject's own checks on the meta-device model; launches nothing.
+    "preflight",
     "launch",  # processes of a job: coordinator, agents, trainers, restore
     "recovery",  # what to do after a failure; launch executes it
     # Fault injection: imported by launch's trainers and by api; it fires faults at a

@@ -26,6 +26,7 @@ from unbroken.inject import faults_not_fired, parse_fault
 from unbroken.launch.coordinator import Coordinator, RunOutcome
 from unbroken.metrics.plot import plot_runs
 from unbroken.metrics.summary import build_summary
+from unbroken.preflight import check_job
 
 __all__ = ["run_job"]
 
@@ -50,6 +51,8 @@ def run_job(
     quiet: bool = False,
     fresh: bool = True,
     debug: bool = False,
+    source: str | None = None,
+    strict: bool = False,
 ) -> dict[str, Any]:
     """Run a job (and optionally its fault-free reference); returns the summary dict.
 
@@ -60,12 +63,16 @@ def run_job(
         search_path: extra dirs for user modules (default: the config file's dir).
         quiet: no terminal progress.
         debug: a failed rank's traceback (always in its log) also on the terminal.
+        source: where the config came from, for messages (default: `config` if a path).
+        strict: refuse, instead of warning about, a memory estimate over the device.
 
     Raises:
         UserError: bad config, bad fault spec, missing data.
         JobFailed: the fault-free reference run failed (its reason says why).
     """
     cfg, search = _load(config, search_path)
+    src = source or (str(config) if not isinstance(config, JobConfig) else "the job")
+    check_job(cfg, out, search, cuda=_on_cuda(cfg), source=src, strict=strict)
     out = Path(out)
     if fresh:
         _clear_outputs(out)

@@ -40,8 +40,10 @@ def test_parameters_are_views_of_caller_storage():
         assert lo <= p.data_ptr() < hi
     flat.zero_()
     assert all(float(p.detach().abs().sum()) == 0 for p in model.parameters())
-    # decayed (matrices) first, norm weights after decay_end
-    assert all(s.decay == (s.offset < layout.decay_end) for s in layout.slots)
+    # decayed (matrices) first, norm weights after: one decay range from 0
+    ((lo, decay_end),) = layout.decay_ranges()
+    assert lo == 0
+    assert all(s.decay == (s.offset < decay_end) for s in layout.slots)
 
 
 def test_init_std_and_norm_ones():
@@ -49,7 +51,7 @@ def test_init_std_and_norm_ones():
     layout = FlatLayout.of(model)
     flat = torch.zeros(layout.numel)
     init_parameters(layout, flat, std=0.006, seed=0)
-    mats = flat[: layout.decay_end]
+    mats = flat[: layout.decay_ranges()[0][1]]
     assert abs(float(mats[mats != 0].std()) - 0.006) < 2e-4
     norms = [flat[s.offset : s.offset + s.numel] for s in layout.slots if not s.decay]
     assert all(bool((n == 1).all()) for n in norms)
@@ -127,7 +129,7 @@ def test_chunked_update_equals_one_flat_adamw_step():
     tr.compute(0)
     _, _, scale = tr.sync(0, 0.0)
     p, m, v = s.params.clone(), s.exp_avg.clone(), s.exp_avg_sq.clone()
-    n, dec = s.layout.numel, s.layout.decay_end
+    n, ((_, dec),) = s.layout.numel, s.layout.decay_ranges()
     opt = tr.updater.step.optimizer
     for lo, hi, decay in ((0, dec, True), (dec, n, False)):
         opt.update_range(

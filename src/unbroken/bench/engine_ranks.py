@@ -103,7 +103,7 @@ class _Baseline:
         load_from_full(full_initial_params(cfg), layout, self.state.params, 1, 0)
         materialize(model, layout, self.state.params)
         bind_grads(model, layout, self.state.grads)
-        step = ChunkStep(geometry, AdamW.from_config(cfg.train), layout.decay_end)
+        step = ChunkStep.for_layout(geometry, AdamW.from_config(cfg.train), layout)
         self.updater = PlainUpdater(self.state, geometry, step)
         self.cfg, self.source = cfg, source
         m, div = plan.microbatches[d], plan.total_microbatches / plan.dp

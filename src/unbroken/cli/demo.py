@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     cfg = dataclasses.replace(cfg, parallel=parallel)
     t0 = time.time()
-    summary = run_job(cfg, args.out, reference=True, debug=args.debug)
+    summary = run_job(cfg, args.out, reference=True, debug=args.debug, source="unbroken demo")
     report = _report(args.out) if args.report else None
     if args.json:
         print(json.dumps(summary, indent=1))

@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 from unbroken.config import JobConfig, load_config
+from unbroken.errors import UserError
 from unbroken.metrics.summary import format_table
 
 __all__ = ["add_parser"]
@@ -30,6 +31,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="also run a fault-free reference and compare (default: on when faults are injected)",
     )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse a job whose memory estimate exceeds the device (default: warn)",
+    )
     p.add_argument("--quiet", action="store_true", help="no live progress")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
@@ -38,16 +44,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from unbroken.api import run_job
-
-    cfg = load_config(JobConfig, args.config)
+    try:
+        cfg = load_config(JobConfig, args.config)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{args.config}: cannot read the config ({exc})") from None
     changes = {}
     if args.inject:
         changes["inject"] = [*cfg.inject, *args.inject]
-    if args.iterations:
+    if args.iterations is not None:
+        if args.iterations < 1:
+            raise UserError(f"--iterations {args.iterations}: give at least 1")
         changes["train"] = dataclasses.replace(cfg.train, iterations=args.iterations)
     cfg = dataclasses.replace(cfg, **changes)
     reference = args.reference if args.reference is not None else bool(cfg.inject)
+    from unbroken.api import run_job  # after the config: a bad one fails without importing torch
+
     summary = run_job(
         cfg,
         args.out,
@@ -55,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         search_path=[str(Path(args.config).resolve().parent)],
         quiet=args.quiet,
         debug=args.debug,
+        source=args.config,
+        strict=args.strict,
     )
     print(json.dumps(summary, indent=1) if args.json else format_table(summary))
     ok = (

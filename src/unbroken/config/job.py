@@ -46,6 +46,10 @@ class ModelConfig:
     """Routed experts per layer; 0 = dense model."""
     moe_top_k: int | None = None
     """Experts each token is routed to."""
+    tie_embeddings: bool = False
+    """Share one weight between the token embedding and the output head (GPT-2 style weight
+    tying; reference model only). On a pipeline the first and last stages each hold a copy
+    whose gradients are summed across the stages, as Megatron does."""
     factory: str | None = None
     """Import path `module:function` of a user model factory (see docs/own-model.md)."""
     factory_args: dict[str, Any] = field(default_factory=dict)
@@ -115,7 +119,13 @@ class TrainConfig:
     eps: float = 1e-8
     """AdamW epsilon."""
     weight_decay: float = 0.1
-    """Decoupled weight decay, applied to matrices (not to norm weights)."""
+    """Decoupled weight decay, applied to trainable matrices; never to vectors (norm weights,
+    biases) nor to parameters matched by `no_decay`."""
+    no_decay: list[str] = field(default_factory=list)
+    """Parameters exempt from weight decay, as `fnmatch` patterns over parameter names
+    (case-sensitive; a tied parameter is exempt when any of its names matches), e.g.
+    ["embed.*", "head.weight"] for "no decay for embeddings" on the reference model. Each
+    pattern must match a parameter of the model (checked before launch)."""
     grad_clip: float = 1.0
     """Clip gradients to this global norm (0 disables)."""
     init_std: float = 0.006
@@ -147,6 +157,11 @@ class TrainConfig:
             raise ValueError("train.threads must be at least 1")
         if self.hash_every < 0:
             raise ValueError("train.hash_every must be >= 0 (0 = only the final state)")
+        if self.weight_decay < 0:
+            raise ValueError("train.weight_decay must be >= 0")
+        for i, pattern in enumerate(self.no_decay):
+            if not pattern.strip():
+                raise ValueError(f"train.no_decay[{i}] is empty; give a parameter-name pattern")
 
 
 @dataclass(kw_only=True, slots=True)

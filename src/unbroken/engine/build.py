@@ -9,6 +9,7 @@ shard per replica, the plan's groups and the updater.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from unbroken.engine.groups import PlanGroups
 from unbroken.engine.interpreter import PlanWorker
 from unbroken.engine.sharding import load_from_full
 from unbroken.engine.stage import StageModel
+from unbroken.engine.tied import TiedGradReduction
 from unbroken.errors import UserError
 from unbroken.model import FlatLayout, build_model, init_parameters, materialize, resolve_args
 from unbroken.model.flat import bind_grads
@@ -84,9 +86,10 @@ def make_source(cfg: JobConfig, replicas: int) -> Sampler:
 
 
 def full_initial_params(cfg: JobConfig) -> dict[str, torch.Tensor]:
-    """The reference model's initial parameters by name (as `build_training` initializes)."""
-    model = build_model(resolve_args(cfg.model), device="meta")
-    layout = FlatLayout.of(model)
+    """The reference model's initial parameters by name, tied names included (as
+    `build_training` initializes)."""
+    args = resolve_args(cfg.model)
+    layout = FlatLayout.of(build_model(args, device="meta"), tied=args.tied)
     flat = torch.zeros(layout.numel)
     init_parameters(layout, flat, std=cfg.train.init_std, seed=cfg.train.seed)
     return layout.views(flat)
@@ -145,7 +148,7 @@ def build_worker(
         model = StageModel(args, ranges, groups.tp, device="meta")
     except ValueError as exc:
         raise UserError(f"plan: {exc}") from None
-    layout = FlatLayout.of(model)
+    layout = FlatLayout.of(model, no_decay=cfg.train.no_decay, tied=model.tied)
     geometry = state_geometry(cfg, max(layout.numel, 1), torch.device(device).type == "cuda")
     if allocate is None:
         state, fresh = TrainState.allocate(layout, device, geometry.padded_numel), True
@@ -157,9 +160,16 @@ def build_worker(
         )
     materialize(model, layout, state.params)
     bind_grads(model, layout, state.grads)
+    if groups.tie is not None:  # the DP average plus the tied-embedding sum (engine.tied)
+        groups = dataclasses.replace(
+            groups,
+            fine=TiedGradReduction(
+                state.grads, groups.dp, groups.dp_size, groups.tie, groups.tie_name
+            ),
+        )
     if source is None:
         source = make_source(cfg, plan.dp)
-    step = ChunkStep(geometry, AdamW.from_config(cfg.train), layout.decay_end)
+    step = ChunkStep.for_layout(geometry, AdamW.from_config(cfg.train), layout)
     worker = PlanWorker(
         plan=plan,
         model=model,

@@ -2,7 +2,9 @@
 
 `PlanGroups.build(plan, world)` creates, in one fixed order on every rank, a TP group per
 (replica, physical stage) whose degree is above 1 and a DP group per (physical stage, TP
-position) across the replicas, and returns this rank's view of them. Point-to-point transfers
+position) across the replicas, for a model with tied embeddings a two-rank group per replica
+and TP position joining the holders of the embedding and its copy on the last stage
+(`unbroken.engine.tied`), and returns this rank's view of them. Point-to-point transfers
 and the iteration-wide reductions (loss, gradient norm) use `world` itself, named explicitly.
 
 Re-planning builds a new `PlanGroups` for the new plan (or a new world, a new generation with a
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from unbroken.engine.dp_sync import FineShardSync
+from unbroken.engine.tied import TiedGradReduction, embedding_pairs
 from unbroken.engine.tp import TPGroup
 from unbroken.model import TransformerArgs
 from unbroken.parallel import ParallelPlan
@@ -31,6 +34,17 @@ def same_layouts(plan: ParallelPlan) -> bool:
     gradients can be averaged position by position over whole flat buffers."""
     first = [(g.layers, g.tp) for g in plan.replicas[0].stages]
     return all([(g.layers, g.tp) for g in rep.stages] == first for rep in plan.replicas[1:])
+
+
+def _tie_group(plan: ParallelPlan, rank: int, new_group) -> tuple[dist.ProcessGroup | None, str]:
+    """Create every tied-embedding pair's group (collective, fixed order); this rank's group
+    and the name it holds its copy under, or (None, "")."""
+    tie, tie_name = None, ""
+    for ranks, names in embedding_pairs(plan):
+        group = new_group(ranks)
+        if rank in ranks:
+            tie, tie_name = group, names[ranks.index(rank)]
+    return tie, tie_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +61,14 @@ class PlanGroups:
     """This rank's peers at the same stage and TP position in the other replicas (replicas
     with the same layout only)."""
     dp_size: int
-    fine: FineShardSync | None = None
-    """Gradient averaging at the finest shard when replica layouts differ (`dp_sync`)."""
+    fine: FineShardSync | TiedGradReduction | None = None
+    """A gradient reduction that replaces the flat DP all-reduce: averaging at the finest
+    shard when replica layouts differ (`dp_sync`), or the DP average plus the tied-embedding
+    sum across stages (`tied`, set by `unbroken.engine.build` once the buffers exist)."""
+    tie: dist.ProcessGroup | None = None
+    """The two holders of this rank's copy of a tied embedding (`unbroken.engine.tied`)."""
+    tie_name: str = ""
+    """The name this rank holds that copy under."""
 
     @classmethod
     def build(
@@ -71,6 +91,9 @@ class PlanGroups:
         uniform = same_layouts(plan)
         if not uniform and args is None:
             raise ValueError("replicas with different layouts need the model args to sync")
+        tied = args is not None and args.tie_embeddings
+        if tied and not uniform:
+            raise ValueError("tied embeddings with replicas of different layouts: not built")
         size, rank = dist.get_world_size(world), dist.get_rank(world)
         if max(plan.ranks) >= size:
             raise ValueError(f"the plan names rank {max(plan.ranks)}; the world has {size}")
@@ -95,7 +118,17 @@ class PlanGroups:
                     group = new_group(ranks)
                     if rank in ranks:
                         dp, dp_size = group, len(ranks)
+        tie, tie_name = _tie_group(plan, rank, new_group) if tied else (None, "")
         # NCCL: the first operation on a communicator must involve all its ranks; the first
         # p2p batch of a plan does not, so the world meets once here.
         dist.barrier(group=world)
-        return cls(world=world, rank=rank, tp=tp, dp=dp, dp_size=dp_size, fine=fine)
+        return cls(
+            world=world,
+            rank=rank,
+            tp=tp,
+            dp=dp,
+            dp_size=dp_size,
+            fine=fine,
+            tie=tie,
+            tie_name=tie_name,
+        )

@@ -69,7 +69,10 @@ def routes(
         ValueError: a parameter has no replica in `old` whose holders are all alive.
     """
     live = set(old.ranks if alive is None else alive)
-    shapes = {n: tuple(p.shape) for n, p in build_model(args, "meta").named_parameters()}
+    # Every name, tied ones included: a tied head on a last stage is a copy the new plan's
+    # last stage needs (a rank holding both names receives the same values twice).
+    model = build_model(args, "meta")
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
     out = []
     for name, shape in shapes.items():
         dim = split_dim(name)

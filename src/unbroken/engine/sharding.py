@@ -76,8 +76,9 @@ def load_from_full(
     tp_size: int,
     tp_rank: int,
 ) -> None:
-    """Copy this rank's shard of every parameter in `layout` from a full model's tensors."""
+    """Copy this rank's shard of every parameter in `layout` (copies of tied parameters
+    included) from a full model's tensors by name (aliases included)."""
     views = layout.views(flat)
     with torch.no_grad():
-        for slot in layout.slots:
+        for slot in layout.stored:
             views[slot.name].copy_(shard_of(full[slot.name], slot.name, tp_size, tp_rank))

@@ -13,6 +13,12 @@ keeps its grouping: position r holds query heads [r·H/t, (r+1)·H/t) and kv-gro
 [r·G/t, (r+1)·G/t), which are exactly the groups those query heads read. As in Megatron, the
 kv-group count must be divisible by the TP degree.
 
+Tied embedding and head (`TransformerArgs.tie_embeddings`): a rank that runs both the first and
+the last layer holds one parameter under both names; otherwise the first stage holds the
+embedding and the last stage a copy named ``head.weight`` (both sharded by vocabulary alike),
+and `unbroken.engine.tied` sums their gradients ([Note: shared parameters] in
+`unbroken.model.flat`; `tied` is the argument `FlatLayout.of` needs for it).
+
 Like the reference model it owns no storage: build it on "meta", then
 `unbroken.model.flat.materialize` puts its parameters into the caller's flat buffer
 ([Note: flat-storage]). See [Note: tp-degree-1] in `unbroken.engine.tp` for TP degree 1.
@@ -161,6 +167,8 @@ class StageModel(nn.Module):
         for lo, hi in self.layer_ranges:
             if not 0 <= lo < hi <= args.n_layers:
                 raise ValueError(f"layer range {(lo, hi)} outside [0, {args.n_layers})")
+        self.tied = args.tied
+        """Groups of names that are one parameter of the full model (`FlatLayout.of`)."""
         owned = sorted(i for lo, hi in self.layer_ranges for i in range(lo, hi))
         if any(lo == 0 for lo, _ in self.layer_ranges):
             v_local = args.vocab_size // tp.size
@@ -172,6 +180,8 @@ class StageModel(nn.Module):
             self.norm = RMSNorm(args.dim, args.norm_eps, device=device)
             v_local = args.vocab_size // tp.size
             self.head = SplitLinear(args.dim, v_local, self.wgrad, device=device)
+            if args.tie_embeddings and hasattr(self, "embed"):
+                self.head.weight = self.embed.weight
 
     def forward(
         self, layers: tuple[int, int], x: torch.Tensor | None, inputs: MicroBatchInputs

@@ -6,11 +6,18 @@ parameters into views of storage the caller owns (later: the state manager's ret
 """
 
 from unbroken.model.flat import FlatLayout, ParamSlot, init_parameters, materialize
-from unbroken.model.llama import Transformer, TransformerArgs, build_model, resolve_args
+from unbroken.model.llama import (
+    TIED_EMBEDDINGS,
+    Transformer,
+    TransformerArgs,
+    build_model,
+    resolve_args,
+)
 from unbroken.model.presets import PRESETS
 
 __all__ = [
     "PRESETS",
+    "TIED_EMBEDDINGS",
     "FlatLayout",
     "ParamSlot",
     "Transformer",

@@ -20,7 +20,11 @@ from unbroken.data.packing import IGNORE_INDEX
 from unbroken.errors import UserError
 from unbroken.model.presets import PRESETS
 
-__all__ = ["Transformer", "TransformerArgs", "build_model", "resolve_args"]
+__all__ = ["TIED_EMBEDDINGS", "Transformer", "TransformerArgs", "build_model", "resolve_args"]
+
+TIED_EMBEDDINGS = ("embed.weight", "head.weight")
+"""The names of the one parameter a model with `tie_embeddings` shares, its owner first (the
+`tied` argument of `FlatLayout.of`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,8 @@ class TransformerArgs:
     moe_aux_coef: float = 0.01
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    """The output head shares the embedding's weight ([Note: shared parameters])."""
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -50,6 +56,11 @@ class TransformerArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def tied(self) -> tuple[tuple[str, ...], ...]:
+        """Groups of parameter names that are one parameter (`FlatLayout.of`'s `tied`)."""
+        return (TIED_EMBEDDINGS,) if self.tie_embeddings else ()
 
 
 def resolve_args(cfg: ModelConfig) -> TransformerArgs:
@@ -68,6 +79,7 @@ def resolve_args(cfg: ModelConfig) -> TransformerArgs:
         fields["moe_experts"] = cfg.moe_experts
     if cfg.moe_top_k is not None:
         fields["moe_top_k"] = cfg.moe_top_k
+    fields["tie_embeddings"] = cfg.tie_embeddings
     try:
         args = TransformerArgs(**fields)
     except ValueError as exc:
@@ -181,7 +193,10 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM over one packed micro-batch; `forward` returns the mean token loss."""
+    """Decoder-only LM over one packed micro-batch; `forward` returns the mean token loss.
+
+    With `tie_embeddings` the head's weight is the embedding's (one parameter, two names).
+    """
 
     def __init__(self, a: TransformerArgs, device=None) -> None:
         super().__init__()
@@ -190,6 +205,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(a, device=device) for _ in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps, device=device)
         self.head = nn.Linear(a.dim, a.vocab_size, bias=False, device=device)
+        if a.tie_embeddings:
+            self.head.weight = self.embed.weight
 
     def forward(
         self,

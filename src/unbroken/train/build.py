@@ -119,18 +119,19 @@ def build_training(
             model = factory(**cfg.model.factory_args)
         if not isinstance(model, nn.Module):
             raise UserError(f"model.factory {cfg.model.factory!r} must return a torch.nn.Module")
-        layout = FlatLayout.of(model)
+        layout = FlatLayout.of(model, no_decay=cfg.train.no_decay)
         state, fresh, geometry = make_state(layout)
         if fresh:
             views = layout.views(state.params)
             with torch.no_grad():
-                for name, p in model.named_parameters():
+                for name, p in model.named_parameters():  # one name per shared parameter
                     views[name].copy_(p.detach())
         model.to(device)
         loss_fn: LossFn = user_loss
     else:
-        model = build_model(resolve_args(cfg.model), device="meta")
-        layout = FlatLayout.of(model)
+        args = resolve_args(cfg.model)
+        model = build_model(args, device="meta")
+        layout = FlatLayout.of(model, no_decay=cfg.train.no_decay, tied=args.tied)
         state, fresh, geometry = make_state(layout)
         if fresh:
             init_parameters(layout, state.params, std=cfg.train.init_std, seed=cfg.train.seed)
@@ -147,7 +148,7 @@ def build_training(
         except ValueError as exc:
             raise UserError(f"data: {exc}") from None
         source = Sampler(stream, n_shards, cfg.data.microbatches)
-    step = ChunkStep(geometry, AdamW.from_config(cfg.train), layout.decay_end)
+    step = ChunkStep.for_layout(geometry, AdamW.from_config(cfg.train), layout)
     return Built(
         model=model, state=state, source=source, loss_fn=loss_fn, geometry=geometry, step=step
     )
