@@ -91,7 +91,7 @@ def reference(cfg: JobConfig, dp: int, iterations: int) -> Outcome:
                 total += grads
             grads.copy_(total).div_(dp)  # the trainer's all-reduce (a sum), then / dp
             loss, norm, scale = tr.sync(it, loss_sum)
-            tr.update(it, lr_at(cfg.train, it), scale)
+            tr.updater.update(it, lr=lr_at(cfg.train, it), grad_scale=scale, hook=tr._hook)
             losses.append(loss / dp)
             norms.append(norm)
         layout = built.state.layout

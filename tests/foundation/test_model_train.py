@@ -118,7 +118,7 @@ def test_update_does_not_modify_gradients():
     _, _, scale = tr.sync(0, 0.0)
     assert float(state.grads.abs().sum()) > 0
     before = state.grads.clone()
-    tr.update(0, 1e-3, scale)
+    tr.updater.update(0, lr=1e-3, grad_scale=scale, hook=tr._hook)
     assert state.grads.equal(before)
 
 
@@ -142,7 +142,7 @@ def test_chunked_update_equals_one_flat_adamw_step():
             grad_scale=scale,
             decay=decay,
         )
-    tr.update(0, 1e-3, scale)
+    tr.updater.update(0, lr=1e-3, grad_scale=scale, hook=tr._hook)
     assert torch.allclose(s.params[:n], p[:n], rtol=1e-6, atol=1e-9)
     assert torch.allclose(s.exp_avg_sq[:n], v[:n], rtol=1e-6, atol=1e-12)
 
