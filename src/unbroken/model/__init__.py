@@ -6,7 +6,13 @@ parameters into views of storage the caller owns (later: the state manager's ret
 """
 
 from unbroken.model.flat import FlatLayout, ParamSlot, init_parameters, materialize
-from unbroken.model.llama import Transformer, TransformerArgs, build_model, resolve_args
+from unbroken.model.llama import (
+    Transformer,
+    TransformerArgs,
+    build_model,
+    compile_blocks,
+    resolve_args,
+)
 from unbroken.model.presets import PRESETS
 
 __all__ = [
@@ -16,6 +22,7 @@ __all__ = [
     "Transformer",
     "TransformerArgs",
     "build_model",
+    "compile_blocks",
     "init_parameters",
     "materialize",
     "resolve_args",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from unbroken.train.optim import AdamW
+from unbroken.update.fused_adamw import AdamWCoefficients, fused_adamw_, fused_available
 from unbroken.update.geometry import ChunkRef, StateGeometry
 
 __all__ = ["ChunkStep"]
@@ -12,7 +13,8 @@ __all__ = ["ChunkStep"]
 
 class ChunkStep:
     """Applies AdamW to one chunk of the striped state, with weight decay only on elements
-    below `decay_end` (the matrices of the flat layout)."""
+    below `decay_end` (the matrices of the flat layout). On a CUDA device the chunk is one
+    fused kernel launch (`unbroken.update.fused_adamw`); on the CPU, the eager reference."""
 
     def __init__(self, geometry: StateGeometry, optimizer: AdamW, decay_end: int) -> None:
         self.geometry = geometry
@@ -47,8 +49,14 @@ class ChunkStep:
         grad_scale: float,
     ) -> None:
         g = self.geometry
-        decay = self._decay(ref)
         p = g.chunk_view(params, ref)
+        if p.is_cuda and fused_available():  # one launch per chunk (see fused_adamw)
+            coeffs = AdamWCoefficients.of(self.optimizer, step=step, lr=lr, grad_scale=grad_scale)
+            first = ref.group * g.stripe_pages * g.elems_per_page + ref.byte_lo // 4
+            views = (g.chunk_view(t, ref) for t in (grads, exp_avg, exp_avg_sq))
+            fused_adamw_(p, *views, coeffs, first_index=first, decay_end=self.decay_end)
+            return
+        decay = self._decay(ref)
         if isinstance(decay, torch.Tensor):
             factor = torch.where(decay.to(p.device), 1.0 - lr * self.optimizer.weight_decay, 1.0)
             p.mul_(factor.to(p.dtype))

@@ -1,0 +1,390 @@
+"""`unbroken bench gpu`: the in-place recovery figures of issue 16 on one GPU, in one run.
+
+In one process on one CUDA device, with the trainer's own code (`Trainer`, `PlainUpdater`,
+`ResumableUpdater` on local device regions, DCP checkpoints) and the trainers' settings
+(deterministic algorithms, bf16 autocast over fp32 master weights):
+
+- step: iterations of the reference model (`--preset`, `--microbatches` x `--tokens`), eager
+  and, with `--compile`, with `compile_blocks`; MFU = model FLOPs / (iteration time x peak);
+- update: the plain (fused) update and the resumable update of the same state, timed alone
+  (device synchronized around each), and the iteration overhead of protection at the step's
+  shape and at a Leto-shaped one (micro-batches added until compute is >= 100x the plain
+  update), plain and protected iterations alternated (ABBA);
+- HBM: protection's device memory (parity, undo, scratch, marker) over the retained state;
+- checkpoints: the blocking part of an asynchronous DCP save (first, with pinned staging
+  allocated, and steady), its time to completion, iterations run while it writes, and the
+  restart path (find the newest valid checkpoint, load it), with a bit-exact round trip.
+
+[Note: MFU formula] model FLOPs of one iteration = 6 N tokens + 6 L d sum_docs(l^2): N the
+parameters in matrix products (all but the embedding table), L layers, d the model width, l
+the document lengths — attention is causal within documents, so its forward costs 2 d l^2 per
+layer and document and its backward twice that. Peak: `--peak-tflops` (989, the H100/H200
+dense bf16 datasheet figure). `mfu_full_causal` also reports the common 6 N + 6 L d T per
+token (attention over the whole T-token window), for comparison with other reports.
+
+Recovery times of real jobs (`l3_recovery_s`, `ckpt_restart_s`) and the external kill
+campaign are not measured here yet: the result says so (null), it never estimates them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="1b", help="model preset (default 1b)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
+    p.add_argument("--iterations", type=int, default=6, help="timed iterations per variant")
+    p.add_argument("--compile", action="store_true", help="also time compile_blocks")
+    p.add_argument("--no-rmu", action="store_true", help="skip the resumable updater")
+    p.add_argument("--no-ckpt", action="store_true", help="skip the checkpoint figures")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint root (default: a temp dir)")
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument(
+        "--device", default="cuda", help="cuda (default); cpu only smoke-tests the harness"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _say(text: str) -> None:
+    print(f"[gpu] {text}", file=sys.stderr, flush=True)
+
+
+def _job(args: argparse.Namespace, microbatches: int):
+    from unbroken.config import DataConfig, JobConfig, ModelConfig, TrainConfig
+
+    cuda = args.device == "cuda"
+    return JobConfig(
+        model=ModelConfig(preset=args.preset),
+        data=DataConfig(tokens_per_microbatch=args.tokens, microbatches=microbatches),
+        train=TrainConfig(
+            iterations=1000,
+            lr=3e-4,
+            device="cuda" if cuda else "cpu",
+            precision="bf16" if cuda else "fp32",
+        ),
+    )
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class _TimedUpdater:
+    """Delegates to an updater; times `update` alone, the device synchronized around it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.update_s: list[float] = []
+        self.protect_s: list[float] = []
+
+    def protect(self, iteration: int) -> None:
+        _sync()
+        t0 = time.perf_counter()
+        self.inner.protect(iteration)
+        _sync()
+        self.protect_s.append(time.perf_counter() - t0)
+
+    def record_sync(self, iteration: int, **stats: float) -> None:
+        self.inner.record_sync(iteration, **stats)
+
+    def update(self, iteration: int, **kwargs: Any) -> None:
+        _sync()
+        t0 = time.perf_counter()
+        self.inner.update(iteration, **kwargs)
+        _sync()
+        self.update_s.append(time.perf_counter() - t0)
+
+    def boundary(self, iteration: int) -> None:
+        self.inner.boundary(iteration)
+
+
+def _build(cfg, device, *, protected: bool, init_from=None, compiled: bool = False):
+    """A Trainer on `device` with the plain or the resumable updater (local device regions)."""
+    import torch
+
+    from unbroken.model import compile_blocks
+    from unbroken.train import Trainer
+    from unbroken.train.build import build_training, state_geometry
+    from unbroken.update import PlainUpdater
+    from unbroken.update.regions import region_specs
+    from unbroken.update.rmu import ResumableUpdater, state_from_regions
+
+    regions: dict[str, torch.Tensor] = {}
+
+    def allocate(layout, geometry, dev):
+        for spec in region_specs(geometry, cfg.protection.resolved(device.type == "cuda")):
+            regions[spec.name] = torch.zeros(spec.nbytes, dtype=torch.uint8, device=dev)
+        return state_from_regions(layout, geometry, regions), init_from is None
+
+    def plain_allocate(layout, geometry, dev):
+        from unbroken.train.state import TrainState
+
+        st = TrainState.allocate(layout, dev, geometry.padded_numel)
+        return st, init_from is None
+
+    built = build_training(
+        cfg, n_shards=1, device=device, allocate=allocate if protected else plain_allocate
+    )
+    if init_from is not None:
+        built.state.params.copy_(init_from)
+    prot = cfg.protection.resolved(device.type == "cuda")
+    if protected:
+        inner = ResumableUpdater(built.state, built.geometry, built.step, regions, prot)
+        inner.initialize(-1)
+    else:
+        inner = PlainUpdater(built.state, built.geometry, built.step)
+    if compiled:
+        compile_blocks(built.model)
+    upd = _TimedUpdater(inner)
+    trainer = Trainer(
+        model=built.model,
+        state=built.state,
+        source=built.source,
+        shard=0,
+        cfg=cfg.train,
+        group=None,
+        device=device,
+        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        updater=upd,
+    )
+    geometry = state_geometry(cfg, built.state.layout.numel, device.type == "cuda")
+    return trainer, upd, built, regions, geometry
+
+
+def _model_flops(model, results) -> tuple[float, float]:
+    """(documents-causal FLOPs, full-window causal FLOPs) of the iterations in `results`."""
+    a = model.args
+    n_matrix = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name)
+    docs = full = 0.0
+    for r in results:
+        tokens = sum(sum(lens) for lens in r.doc_lengths)
+        attn_docs = sum(n * n for lens in r.doc_lengths for n in lens)
+        attn_full = sum(sum(lens) ** 2 for lens in r.doc_lengths)
+        docs += 6 * n_matrix * tokens + 6 * a.n_layers * a.dim * attn_docs
+        full += 6 * n_matrix * tokens + 6 * a.n_layers * a.dim * attn_full
+    return docs, full
+
+
+def _time_step(trainer, iterations: int, first: int) -> list:
+    out = []
+    for it in range(first, first + iterations):
+        out.append(trainer.run_iteration(it))
+    return out
+
+
+def _step_figures(trainer, results, peak: float) -> dict[str, Any]:
+    secs = [r.seconds for r in results]
+    docs, full = _model_flops(trainer.model, results)
+    per_iter = statistics.median(secs)
+    n = len(results)
+    return {
+        "iteration_s": per_iter,
+        "iteration_s_all": secs,
+        "tokens": results[0].tokens,
+        "model_tflop_per_iter": docs / n / 1e12,
+        "mfu": docs / n / per_iter / (peak * 1e12),
+        "mfu_full_causal": full / n / per_iter / (peak * 1e12),
+    }
+
+
+def _overhead(plain, rmu, iterations: int, first: int) -> dict[str, Any]:
+    """Plain and protected iterations alternated (ABBA); medians and the overhead."""
+    times: dict[str, list[float]] = {"plain": [], "rmu": []}
+    pairs = [("plain", plain), ("rmu", rmu)]
+    for i, it in enumerate(range(first, first + iterations)):
+        for name, tr in pairs if i % 2 else pairs[::-1]:
+            times[name].append(tr.run_iteration(it).seconds)
+    a, b = statistics.median(times["plain"]), statistics.median(times["rmu"])
+    return {
+        "plain_iteration_s": a,
+        "rmu_iteration_s": b,
+        "overhead_pct": 100 * (b / a - 1),
+        "samples": times,
+    }
+
+
+def _hbm(regions: dict, geometry) -> dict[str, Any]:
+    retained = sum(regions[k].numel() for k in ("model", "grads"))
+    extra = {k: regions[k].numel() for k in regions if k not in ("model", "grads")}
+    return {
+        "retained_bytes": retained,
+        "protection_bytes": extra,
+        "hbm_overhead_pct": 100 * sum(extra.values()) / retained,
+    }
+
+
+def _checkpoints(trainer, root: Path, first: int) -> dict[str, Any]:
+
+    from unbroken.checkpoint import (
+        CheckpointStager,
+        find_latest_valid,
+        load_checkpoint,
+        save_checkpoint_async,
+    )
+
+    state = trainer.state
+    stager = CheckpointStager()
+    out: dict[str, Any] = {"bytes": sum(t.numel() * 4 for t in state.persistent().values())}
+    pend = save_checkpoint_async(root, state, first, group=None, rank=0, keep=1, stager=stager)
+    out["first_save_blocking_s"] = pend.blocking_s
+    during = [trainer.run_iteration(first + i).seconds for i in range(2)]
+    out["first_save_total_s"] = pend.wait()
+    it = first + 2
+    expected = state.state_hash()
+    pend = save_checkpoint_async(root, state, it, group=None, rank=0, keep=1, stager=stager)
+    out["ckpt_save_blocking_s"] = pend.blocking_s
+    during += [trainer.run_iteration(it + i).seconds for i in range(3)]
+    out["save_total_s"] = pend.wait()
+    out["iteration_s_while_saving"] = during
+    # The restart path: find (the seal's quick check), load into the live buffers.
+    for t in state.persistent().values():
+        t.zero_()
+    _sync()
+    t0 = time.perf_counter()
+    info = find_latest_valid(root)
+    out["find_s"] = time.perf_counter() - t0
+    assert info is not None, "no valid checkpoint after the save"
+    t1 = time.perf_counter()
+    load_checkpoint(info, state, group=None)
+    _sync()
+    out["load_s"] = time.perf_counter() - t1
+    out["load_gb_per_s"] = out["bytes"] / out["load_s"] / 1e9
+    out["round_trip_exact"] = state.state_hash() == expected
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("unbroken bench gpu needs a CUDA device", file=sys.stderr)
+        return 2
+    # The trainers' settings (unbroken.launch.trainer): deterministic kernels, fixed workspace.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    if args.device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    cfg = _job(args, args.microbatches)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "preset": args.preset,
+        "tokens_per_iteration": args.tokens * args.microbatches,
+        "peak_tflops": args.peak_tflops,
+        "l3_recovery_s": None,
+        "ckpt_restart_s": None,
+        "trials": None,
+        "exact": None,
+    }
+    t0 = time.time()
+    _say(f"building {args.preset} (plain updater)")
+    plain, plain_upd, built, _, geometry = _build(cfg, device, protected=False)
+    init = built.state.params.clone()
+    _say(f"built in {time.time() - t0:.1f} s; warm-up")
+    _time_step(plain, 2, 0)
+    eager = _time_step(plain, args.iterations, 2)
+    result["step_eager"] = _step_figures(plain, eager, args.peak_tflops)
+    result["plain_update_ms"] = 1e3 * statistics.median(plain_upd.update_s[2:])
+    _say(
+        f"eager: {result['step_eager']['iteration_s']:.3f} s/iter, "
+        f"MFU {result['step_eager']['mfu']:.3f}; plain update {result['plain_update_ms']:.2f} ms"
+    )
+    first = 2 + args.iterations
+    best = result["step_eager"]
+    if args.compile:
+        from unbroken.model import compile_blocks
+
+        compile_blocks(plain.model)
+        t1 = time.time()
+        _time_step(plain, 2, first)
+        result["compile_s"] = time.time() - t1
+        comp = _time_step(plain, args.iterations, first + 2)
+        first += 2 + args.iterations
+        result["step_compiled"] = _step_figures(plain, comp, args.peak_tflops)
+        best = min(best, result["step_compiled"], key=lambda r: r["iteration_s"])
+        _say(
+            f"compiled: {result['step_compiled']['iteration_s']:.3f} s/iter, "
+            f"MFU {result['step_compiled']['mfu']:.3f} (compile {result['compile_s']:.1f} s)"
+        )
+    result["mfu"] = best["mfu"]
+    if not args.no_rmu:
+        _say("building the resumable updater's trainer")
+        rmu, rmu_upd, _, regions, geometry = _build(
+            cfg, device, protected=True, init_from=init, compiled=args.compile
+        )
+        result["geometry"] = dataclasses.asdict(geometry)
+        result["protection"] = dataclasses.asdict(cfg.protection.resolved(device.type == "cuda"))
+        result.update(_hbm(regions, geometry))
+        _time_step(rmu, 2, 0)
+        plain_upd.update_s.clear()
+        ov = _overhead(plain, rmu, args.iterations, first)
+        first += args.iterations
+        result["rmu_update_ms"] = 1e3 * statistics.median(rmu_upd.update_s[2:])
+        result["plain_update_ms"] = 1e3 * statistics.median(plain_upd.update_s)
+        result["rmu_protect_ms"] = 1e3 * statistics.median(rmu_upd.protect_s[2:])
+        result["rmu_vs_plain_update"] = result["rmu_update_ms"] / result["plain_update_ms"]
+        result["overhead"] = ov
+        result["overhead_pct"] = ov["overhead_pct"]
+        # Leto-shaped: add micro-batches until compute >= 100x the plain update.
+        compute_s = ov["plain_iteration_s"] - result["plain_update_ms"] / 1e3
+        per_mb = compute_s / args.microbatches
+        need = 100 * result["plain_update_ms"] / 1e3
+        mbs = max(args.microbatches, int(-(-need // per_mb)))
+        from unbroken.data import PackedStream, Sampler, load_corpus
+
+        stream = PackedStream(load_corpus("stdlib"), args.tokens, cfg.data.seed)
+        for tr in (plain, rmu):
+            tr.source = Sampler(stream, 1, mbs)
+        leto = _overhead(plain, rmu, max(4, args.iterations // 2), first)
+        first += max(4, args.iterations // 2)
+        leto["microbatches"] = mbs
+        leto["compute_over_plain_update"] = (
+            leto["plain_iteration_s"] * 1e3 - result["plain_update_ms"]
+        ) / result["plain_update_ms"]
+        result["overhead_leto"] = leto
+        result["overhead_pct_leto"] = leto["overhead_pct"]
+        for tr in (plain, rmu):
+            tr.source = built.source
+        del rmu, regions
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if not args.no_ckpt:
+        root = Path(args.ckpt_dir or tempfile.mkdtemp(prefix="unbroken-ckpt-"))
+        _say(f"checkpoints under {root}")
+        result["ckpt"] = _checkpoints(plain, root, first)
+        result["ckpt_save_blocking_s"] = result["ckpt"]["ckpt_save_blocking_s"]
+    result["wall_s"] = time.time() - t0
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
+    else:
+        for k in (
+            "mfu",
+            "plain_update_ms",
+            "rmu_update_ms",
+            "overhead_pct",
+            "overhead_pct_leto",
+            "hbm_overhead_pct",
+            "ckpt_save_blocking_s",
+            "l3_recovery_s",
+            "ckpt_restart_s",
+        ):
+            print(f"{k:24s} {result.get(k)}")
+    return 0
