@@ -81,12 +81,14 @@ def test_compiled_blocks_match_eager_and_do_not_recompile_per_micro_batch():
     model = build_model(ARGS, device="cuda")
     eager = [_loss_and_grads(model, _batch(ls, "cuda"), ls) for ls in ([512, 512], [1000, 24])]
     compile_blocks(model)
-    torch._dynamo.utils.counters.clear()
-    shapes = ([512, 512], [1000, 24], [1, 1, 1022], [1024], [300, 300, 424])
-    runs = [_loss_and_grads(model, _batch(ls, "cuda"), ls) for ls in shapes]
+    stats = torch._dynamo.utils.counters["stats"]
+    shapes = ([512, 512], [1000, 24], [1, 1, 1022], [1024], [300, 300, 424], [7, 1017])
+    runs = [_loss_and_grads(model, _batch(ls, "cuda"), ls) for ls in shapes[:3]]
+    graphs = stats["unique_graphs"]
+    runs += [_loss_and_grads(model, _batch(ls, "cuda"), ls) for ls in shapes[3:]]
     for (le, ge), (lc, gc) in zip(eager, runs, strict=False):
         torch.testing.assert_close(lc, le, rtol=1e-2, atol=1e-2)
         for a, r in zip(gc, ge, strict=True):
             assert ((a - r).norm() / r.norm()) < 2e-2
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert frames <= 4, dict(torch._dynamo.utils.counters["stats"])
+    # Other document counts and lengths reuse the graphs compiled so far.
+    assert stats["unique_graphs"] == graphs, dict(stats)

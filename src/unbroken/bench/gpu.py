@@ -129,7 +129,9 @@ def _build(cfg, device, *, protected: bool, init_from=None, compiled: bool = Fal
 
     def allocate(layout, geometry, dev):
         for spec in region_specs(geometry, cfg.protection.resolved(device.type == "cuda")):
-            regions[spec.name] = torch.zeros(spec.nbytes, dtype=torch.uint8, device=dev)
+            # The progress marker is host memory, as in a job (the state manager's).
+            where = "cpu" if spec.name == "marker" else dev
+            regions[spec.name] = torch.zeros(spec.nbytes, dtype=torch.uint8, device=where)
         return state_from_regions(layout, geometry, regions), init_from is None
 
     def plain_allocate(layout, geometry, dev):
@@ -221,7 +223,7 @@ def _overhead(plain, rmu, iterations: int, first: int) -> dict[str, Any]:
 
 def _hbm(regions: dict, geometry) -> dict[str, Any]:
     retained = sum(regions[k].numel() for k in ("model", "grads"))
-    extra = {k: regions[k].numel() for k in regions if k not in ("model", "grads")}
+    extra = {k: t.numel() for k, t in regions.items() if k not in ("model", "grads") and t.is_cuda}
     return {
         "retained_bytes": retained,
         "protection_bytes": extra,
