@@ -42,9 +42,11 @@ def _loss_and_grads(model, batch, lengths):
 
 @pytest.mark.gpu
 @cuda
-def test_the_documents_path_matches_the_dense_masked_path():
+@pytest.mark.parametrize("kernel", ["varlen", "flex"])
+def test_the_documents_path_matches_the_dense_masked_path(kernel):
     torch.manual_seed(0)
     model = build_model(ARGS, device="cuda")
+    model.attention_kernel = kernel
     lengths = [700, 1, 300, 1023, 24, 2048]
     batch = _batch(lengths, "cuda")
     model.dense_attention = True
@@ -58,12 +60,14 @@ def test_the_documents_path_matches_the_dense_masked_path():
 
 @pytest.mark.gpu
 @cuda
-def test_the_documents_path_is_deterministic_under_deterministic_algorithms():
+@pytest.mark.parametrize("kernel", ["varlen", "flex"])
+def test_the_documents_path_is_deterministic_under_deterministic_algorithms(kernel):
     """Bit-exact recovery needs a redone micro-batch to produce the same gradient bits."""
     torch.use_deterministic_algorithms(True)
     try:
         torch.manual_seed(1)
         model = build_model(ARGS, device="cuda")
+        model.attention_kernel = kernel
         lengths = [1500, 500, 2000, 96]
         batch = _batch(lengths, "cuda")
         a = _loss_and_grads(model, batch, lengths)
@@ -76,9 +80,11 @@ def test_the_documents_path_is_deterministic_under_deterministic_algorithms():
 
 @pytest.mark.gpu
 @cuda
-def test_compiled_blocks_match_eager_and_do_not_recompile_per_micro_batch():
+@pytest.mark.parametrize("kernel", ["varlen", "flex"])
+def test_compiled_blocks_match_eager_and_do_not_recompile_per_micro_batch(kernel):
     torch.manual_seed(2)
     model = build_model(ARGS, device="cuda")
+    model.attention_kernel = kernel
     eager = [_loss_and_grads(model, _batch(ls, "cuda"), ls) for ls in ([512, 512], [1000, 24])]
     compile_blocks(model)
     stats = torch._dynamo.utils.counters["stats"]

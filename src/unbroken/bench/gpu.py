@@ -48,6 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
     p.add_argument("--iterations", type=int, default=6, help="timed iterations per variant")
     p.add_argument("--compile", action="store_true", help="also time compile_blocks")
+    p.add_argument(
+        "--kernels", default="varlen,flex", help="attention kernels to time (default varlen,flex)"
+    )
+    p.add_argument(
+        "--fill-uninitialized",
+        action="store_true",
+        help="keep torch's NaN fill of new allocations under deterministic algorithms",
+    )
     p.add_argument("--no-rmu", action="store_true", help="skip the resumable updater")
     p.add_argument("--no-ckpt", action="store_true", help="skip the checkpoint figures")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint root (default: a temp dir)")
@@ -183,6 +191,49 @@ def _model_flops(model, results) -> tuple[float, float]:
     return docs, full
 
 
+def _attention_figures(trainer, kernels: list[str]) -> dict[str, Any]:
+    """Forward + backward of one layer's attention on the first micro-batch's documents, per
+    kernel: device time (CUDA events, median of 20) and whether two backward passes give the
+    same bits under deterministic algorithms."""
+    import torch
+
+    from unbroken.model.attention import Documents, document_attention
+
+    a = trainer.model.args
+    mb = trainer.source.iteration(0, 0)[0]
+    seg = mb.segment_ids.to("cuda")
+    t = seg.numel()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape_q, shape_kv = (t, a.n_heads, a.head_dim), (t, a.n_kv_heads, a.head_dim)
+    q0 = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k0 = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v0 = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dout = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out: dict[str, Any] = {"doc_lengths": list(mb.doc_lengths)}
+    for kernel in kernels:
+        docs = Documents.of(mb.doc_lengths, seg, kernel)
+
+        def once(docs=docs):
+            q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+            document_attention(q, k, v, docs).backward(dout)
+            return q.grad, k.grad, v.grad
+
+        g1, g2 = once(), once()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(20):
+            start.record()
+            once()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        out[kernel] = {
+            "fwd_bwd_ms": statistics.median(times),
+            "deterministic": all(torch.equal(x, y) for x, y in zip(g1, g2, strict=True)),
+        }
+    return out
+
+
 def _time_step(trainer, iterations: int, first: int) -> list:
     out = []
     for it in range(first, first + iterations):
@@ -243,6 +294,9 @@ def _checkpoints(trainer, root: Path, first: int) -> dict[str, Any]:
     state = trainer.state
     stager = CheckpointStager()
     out: dict[str, Any] = {"bytes": sum(t.numel() * 4 for t in state.persistent().values())}
+    t0 = time.perf_counter()
+    stager.reserve(state)  # a trainer does this at start-up, off the critical path
+    out["reserve_s"] = time.perf_counter() - t0
     pend = save_checkpoint_async(root, state, first, group=None, rank=0, keep=1, stager=stager)
     out["first_save_blocking_s"] = pend.blocking_s
     during = [trainer.run_iteration(first + i).seconds for i in range(2)]
@@ -263,7 +317,7 @@ def _checkpoints(trainer, root: Path, first: int) -> dict[str, Any]:
     out["find_s"] = time.perf_counter() - t0
     assert info is not None, "no valid checkpoint after the save"
     t1 = time.perf_counter()
-    load_checkpoint(info, state, group=None)
+    load_checkpoint(info, state, group=None, stager=stager)
     _sync()
     out["load_s"] = time.perf_counter() - t1
     out["load_gb_per_s"] = out["bytes"] / out["load_s"] / 1e9
@@ -280,6 +334,9 @@ def run(args: argparse.Namespace) -> int:
     # The trainers' settings (unbroken.launch.trainer): deterministic kernels, fixed workspace.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
+    # Deterministic mode also fills every new allocation with NaN (a debugging aid; ~10 % of
+    # the 1b step on an H200). Bit-exactness does not depend on it.
+    torch.utils.deterministic.fill_uninitialized_memory = args.fill_uninitialized
     if args.device == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
@@ -295,43 +352,57 @@ def run(args: argparse.Namespace) -> int:
         "ckpt_restart_s": None,
         "trials": None,
         "exact": None,
+        "fill_uninitialized_memory": args.fill_uninitialized,
     }
     t0 = time.time()
     _say(f"building {args.preset} (plain updater)")
     plain, plain_upd, built, _, geometry = _build(cfg, device, protected=False)
     init = built.state.params.clone()
     _say(f"built in {time.time() - t0:.1f} s; warm-up")
-    _time_step(plain, 2, 0)
-    eager = _time_step(plain, args.iterations, 2)
-    result["step_eager"] = _step_figures(plain, eager, args.peak_tflops)
-    result["plain_update_ms"] = 1e3 * statistics.median(plain_upd.update_s[2:])
-    _say(
-        f"eager: {result['step_eager']['iteration_s']:.3f} s/iter, "
-        f"MFU {result['step_eager']['mfu']:.3f}; plain update {result['plain_update_ms']:.2f} ms"
-    )
-    first = 2 + args.iterations
-    best = result["step_eager"]
-    if args.compile:
-        from unbroken.model import compile_blocks
+    kernels = [k for k in args.kernels.split(",") if k] if device.type == "cuda" else ["dense"]
+    if device.type == "cuda":
+        result["attention"] = _attention_figures(plain, kernels)
+        _say(f"attention: {result['attention']}")
+    first = 0
+    steps: dict[str, dict] = {}
+    modes = ["eager", "compiled"] if args.compile else ["eager"]
+    for mode in modes:
+        if mode == "compiled":
+            from unbroken.model import compile_blocks
 
-        compile_blocks(plain.model)
-        t1 = time.time()
-        _time_step(plain, 2, first)
-        result["compile_s"] = time.time() - t1
-        comp = _time_step(plain, args.iterations, first + 2)
-        first += 2 + args.iterations
-        result["step_compiled"] = _step_figures(plain, comp, args.peak_tflops)
-        best = min(best, result["step_compiled"], key=lambda r: r["iteration_s"])
-        _say(
-            f"compiled: {result['step_compiled']['iteration_s']:.3f} s/iter, "
-            f"MFU {result['step_compiled']['mfu']:.3f} (compile {result['compile_s']:.1f} s)"
-        )
-    result["mfu"] = best["mfu"]
+            compile_blocks(plain.model)
+        for kernel in kernels:
+            plain.model.attention_kernel = kernel if kernel != "dense" else "varlen"
+            t1 = time.time()
+            _time_step(plain, 2, first)
+            warm_s = time.time() - t1
+            res = _time_step(plain, args.iterations, first + 2)
+            first += 2 + args.iterations
+            name = f"{mode}_{kernel}"
+            steps[name] = _step_figures(plain, res, args.peak_tflops)
+            steps[name]["warmup_s"] = warm_s
+            _say(
+                f"step {name}: {steps[name]['iteration_s']:.3f} s/iter, MFU {steps[name]['mfu']:.3f}"
+            )
+    result["steps"] = steps
+    best_name = min(steps, key=lambda k: steps[k]["iteration_s"])
+    result["step"] = best_name
+    result["mfu"] = steps[best_name]["mfu"]
+    result["mfu_full_causal"] = steps[best_name]["mfu_full_causal"]
+    result["iteration_s"] = steps[best_name]["iteration_s"]
+    if "compiled" not in best_name and args.compile:
+        # compile_blocks cannot be undone in place: later figures run compiled anyway.
+        result["note"] = "later figures ran with compiled blocks"
+    kernel = best_name.split("_", 1)[1]
+    plain.model.attention_kernel = kernel if kernel != "dense" else "varlen"
+    result["plain_update_ms"] = 1e3 * statistics.median(plain_upd.update_s[2:])
+    _say(f"best step {best_name}; plain update {result['plain_update_ms']:.2f} ms")
     if not args.no_rmu:
         _say("building the resumable updater's trainer")
         rmu, rmu_upd, _, regions, geometry = _build(
-            cfg, device, protected=True, init_from=init, compiled=args.compile
+            cfg, device, protected=True, init_from=init, compiled="compiled" in best_name
         )
+        rmu.model.attention_kernel = plain.model.attention_kernel
         result["geometry"] = dataclasses.asdict(geometry)
         result["protection"] = dataclasses.asdict(cfg.protection.resolved(device.type == "cuda"))
         result.update(_hbm(regions, geometry))

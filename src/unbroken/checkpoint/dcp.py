@@ -379,19 +379,37 @@ def load_checkpoint(
     group: dist.ProcessGroup | None,
     shard: str = "",
     rng_seed: int | None = None,
+    stager: CheckpointStager | None = None,
 ) -> int:
     """Load into the flat buffers in place; returns the next iteration to run.
+
+    Without a process group (or with one rank) the tensors are read by parallel DCP loads,
+    one per tensor. Device tensors load through host buffers — `stager`'s pinned ones when
+    given (then copied to the device asynchronously), else fresh ones; nothing is copied out
+    of the device first.
 
     Raises:
         CheckpointMismatch: `rng_seed` is given and the checkpoint was saved with another.
     """
     sd = _state_dict(state, 0, shard)
-    # Device tensors load through empty host buffers (nothing is copied out of them first).
-    host = {
-        k: (torch.empty_like(v, device="cpu") if v.device.type != "cpu" else v)
-        for k, v in sd.items()
-    }
-    dcp.load(host, checkpoint_id=str(info.path), process_group=group)
+    if stager is not None and stager._pending is not None:
+        stager._pending.wait()  # its buffers may still be written out
+
+    def host_buffer(k: str, v: torch.Tensor) -> torch.Tensor:
+        if v.device.type == "cpu":
+            return v
+        return stager._buffer(k, v) if stager is not None else torch.empty_like(v, device="cpu")
+
+    host = {k: host_buffer(k, v) for k, v in sd.items()}
+    if group is None or dist.get_world_size(group) == 1:
+        with ThreadPoolExecutor(max_workers=len(host)) as pool:
+            done = pool.map(
+                lambda item: dcp.load(dict([item]), checkpoint_id=str(info.path), no_dist=True),
+                host.items(),
+            )
+            list(done)
+    else:
+        dcp.load(host, checkpoint_id=str(info.path), process_group=group)
     saved = int(host.pop("rng_seed"))
     sd.pop("rng_seed")
     if rng_seed is not None and saved != rng_seed:
@@ -400,5 +418,7 @@ def load_checkpoint(
         )
     for k, v in sd.items():
         if v.data_ptr() != host[k].data_ptr():
-            v.copy_(host[k])
+            v.copy_(host[k], non_blocking=host[k].is_pinned())
+    if any(v.is_cuda for v in sd.values()):
+        torch.cuda.synchronize()
     return int(host["iteration"])

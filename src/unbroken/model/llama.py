@@ -207,6 +207,8 @@ class Transformer(nn.Module):
         self.head = nn.Linear(a.dim, a.vocab_size, bias=False, device=device)
         self.dense_attention = False
         """Force the dense reference path where the documents path would run (tests)."""
+        self.attention_kernel = "varlen"
+        """The documents path's kernel, one of `unbroken.model.attention.KERNELS`."""
 
     def forward(
         self,
@@ -226,7 +228,7 @@ class Transformer(nn.Module):
         t = tokens.shape[0]
         mask: torch.Tensor | Documents
         if not self.dense_attention and uses_documents(tokens.device):
-            mask = Documents.of(doc_lengths, segment_ids)
+            mask = Documents.of(doc_lengths, segment_ids, self.attention_kernel)
         else:
             causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
             mask = causal & (segment_ids[:, None] == segment_ids[None, :])
