@@ -104,11 +104,16 @@ def _block_mask(segment_ids: torch.Tensor):
     return create_block_mask(same_document_causal, None, None, t, t, device=segment_ids.device)
 
 
-@cache
-def _flex():
-    from torch.nn.attention.flex_attention import flex_attention
+_COMPILED_FLEX: list = []
 
-    return torch.compile(flex_attention, dynamic=False)
+
+def _flex():
+    """FlexAttention compiled once per process (eager flex materializes the scores)."""
+    if not _COMPILED_FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _COMPILED_FLEX[0]
 
 
 @cache

@@ -251,9 +251,11 @@ def build_model(args: TransformerArgs, device: str | torch.device = "meta") -> T
 
 def compile_blocks(model: Transformer) -> Transformer:
     """Compile every block with `torch.compile` (norms, RoPE, SwiGLU and residuals fused around
-    the matrix products); the documents attention kernel stays outside the compiled graphs.
+    the matrix products), for the "flex" attention kernel, which the block graphs include.
 
-    The blocks share one compiled graph (their modules are graph inputs). Worth it on a GPU
+    The blocks share their compiled graphs (their modules are graph inputs); other document
+    counts and lengths reuse them. The "varlen" kernel breaks the graphs around its call and
+    recompiles as document counts change: use "flex" with compiled blocks. Worth it on a GPU
     only: the CPU reference keeps its eager bits. Returns `model`.
     """
     for layer in model.layers:
