@@ -246,8 +246,9 @@ def _build(cfg, device, *, protected: bool, init_from=None, compiled: bool = Fal
     built = build_training(
         cfg, n_shards=1, device=device, allocate=allocate if protected else plain_allocate
     )
-    if init_from is not None:
-        built.state.params.copy_(init_from)
+    if init_from is not None:  # the same initial parameters (padding differs by geometry)
+        n = built.state.layout.numel
+        built.state.params[:n].copy_(init_from[:n])
     prot = cfg.protection.resolved(device.type == "cuda")
     if protected:
         inner = ResumableUpdater(built.state, built.geometry, built.step, regions, prot)
