@@ -99,3 +99,63 @@ def test_a_failed_background_save_surfaces_at_wait_and_leaves_no_manifest(tmp_pa
     with pytest.raises(RuntimeError, match="disk full"):
         pending.wait()
     assert find_latest_valid(tmp_path) is None
+
+
+def _two_rank_worker(rank: int, store_path: str, root: str, out: str) -> None:
+    """Rank side: a replicated state and a per-rank one, saved asynchronously twice while the
+    training group keeps running collectives, then loaded back."""
+    import traceback
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, 2),
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        group = dist.group.WORLD
+        stager = CheckpointStager()
+        shard = f"rank{rank}"
+        for it in (3, 6):
+            state = _state(float(it + rank))
+            pending = save_checkpoint_async(
+                root, state, it, group=group, rank=rank, keep=2, shard=shard, stager=stager
+            )
+            # The training loop's own collectives go on while the files are written.
+            x = torch.ones(4)
+            for _ in range(20):
+                dist.all_reduce(x, group=group)
+            pending.wait()
+        dist.barrier(group=group)
+        info = find_latest_valid(root)
+        target = _state(0.0)
+        got = load_checkpoint(info, target, group=group, shard=shard)
+        ok = got == 6 and target.state_hash() == _state(6.0 + rank).state_hash()
+        Path(out, f"rank{rank}.txt").write_text("ok" if ok else f"mismatch at {got}")
+    except BaseException:
+        Path(out, f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_save_asynchronously_beside_their_collectives_and_load_back(tmp_path):
+    import torch.multiprocessing as mp
+
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    mp.start_processes(
+        _two_rank_worker,
+        args=(str(tmp_path / "store"), str(root), str(out)),
+        nprocs=2,
+        start_method="spawn",
+        join=True,
+    )
+    assert [(out / f"rank{r}.txt").read_text() for r in range(2)] == ["ok", "ok"]
+    assert [c.iteration for c in list_checkpoints(root)] == [3, 6]
