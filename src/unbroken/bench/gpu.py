@@ -76,6 +76,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "and one in the backward pass, for l3_recovery_s and ckpt_restart_s",
     )
     p.add_argument("--jobs-out", default=None, help="run dirs of --jobs (default: a temp dir)")
+    p.add_argument(
+        "--kill-trials",
+        type=int,
+        default=0,
+        help="external random-time SIGKILL campaign (unbroken.bench.kills): trials on "
+        "--kill-preset, in place through an L3 shadow",
+    )
+    p.add_argument("--kill-preset", default="125m", help="model of the kill campaign")
+    p.add_argument("--kill-seed", type=int, default=0, help="seed of the kill times")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -162,6 +171,24 @@ def _jobs(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         }
         _say(f"job {name}: {res[name]['state']}, recoveries {res[name]['recovery_s']}")
     return res
+
+
+def _kills(args: argparse.Namespace) -> dict[str, Any]:
+    """The external kill campaign on a GPU job of `--kill-preset` (one rank, L3 shadow)."""
+    from unbroken.bench.kills import run_campaign
+    from unbroken.config import CheckpointConfig, RecoveryConfig
+
+    kargs = argparse.Namespace(**{**vars(args), "preset": args.kill_preset})
+    cfg = _job(kargs, 4)
+    cfg = dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, tokens_per_microbatch=2048),
+        train=dataclasses.replace(cfg.train, iterations=12),
+        checkpoint=CheckpointConfig(interval=4),
+        recovery=RecoveryConfig(mode="inplace", shadow_level=3),
+    )
+    root = Path(tempfile.mkdtemp(prefix="unbroken-kills-"))
+    return run_campaign(cfg, root, trials=args.kill_trials, seed=args.kill_seed, say=_say)
 
 
 def _job(args: argparse.Namespace, microbatches: int):
@@ -559,6 +586,9 @@ def run(args: argparse.Namespace) -> int:
         result["jobs"] = _jobs(args, jobs_out)
         for name, key in (("L3", "l3_recovery_s"), ("ckpt_restart", "ckpt_restart_s")):
             result[key] = result["jobs"][name]["recovery_s"]
+    if args.kill_trials:
+        result["kills"] = _kills(args)
+        result["trials"], result["exact"] = result["kills"]["trials"], result["kills"]["exact"]
     result["wall_s"] = time.time() - t0
     if args.json:
         print(json.dumps(result, indent=1, default=str))
