@@ -132,8 +132,8 @@ def run_campaign(
     """Run the fault-free reference, then `trials` runs each killed once at a random time.
 
     Returns the campaign's figures: trials that were killed, how many ended bit-exact, and
-    every trial's record (kill delay, pid, detection, recovery time from the kill to the
-    coordinator's `recovery_done`).
+    every trial's record (kill delay, pid, detection, and `recovery_s`: the kill to the start
+    of the first iteration after it — Leto's initialization time).
     """
     from unbroken.api import run_job
     from unbroken.metrics.log import read_jsonl
@@ -164,8 +164,10 @@ def run_campaign(
         kill_t = rec.t_kill if rec.t_kill is not None else float("inf")
         after = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("t", 0) >= kill_t]
         rec.detected = any(e.get("kind") == "failure_detected" for e in after)
-        done = [e["t"] for e in after if e.get("kind") == "recovery_done"]
-        rec.recovery_s = (min(done) - rec.t_kill) if done and rec.t_kill else None
+        # Leto's initialization time I: the kill -> the first iteration started after it.
+        starts = [m["t_start"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+        resumed = [t for t in starts if t >= kill_t]
+        rec.recovery_s = (min(resumed) - kill_t) if resumed else None
         rec.events = [
             {k: e.get(k) for k in ("kind", "reason", "mode", "rank")}
             for e in after
@@ -195,6 +197,7 @@ def run_campaign(
                 "trial": r.trial,
                 "delay_s": r.delay_s,
                 "killed_pid": r.killed_pid,
+                "t_kill": r.t_kill,
                 "state": r.state,
                 "exact": r.exact,
                 "detected": r.detected,
