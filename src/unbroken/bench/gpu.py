@@ -45,6 +45,11 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="1b", help="model preset (default 1b)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch")
+    p.add_argument(
+        "--tokenizer",
+        default="auto",
+        help="data.tokenizer (auto: the preset's; the H200 record of 2026-12-01 used bytes)",
+    )
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
     p.add_argument("--iterations", type=int, default=6, help="timed iterations per variant")
     p.add_argument("--compile", action="store_true", help="also time compile_blocks")
@@ -197,7 +202,11 @@ def _job(args: argparse.Namespace, microbatches: int):
     cuda = args.device == "cuda"
     return JobConfig(
         model=ModelConfig(preset=args.preset),
-        data=DataConfig(tokens_per_microbatch=args.tokens, microbatches=microbatches),
+        data=DataConfig(
+            tokens_per_microbatch=args.tokens,
+            microbatches=microbatches,
+            tokenizer=getattr(args, "tokenizer", "auto"),
+        ),
         train=TrainConfig(
             iterations=1000,
             lr=3e-4,
@@ -547,9 +556,9 @@ def run(args: argparse.Namespace) -> int:
         per_mb = compute_s / args.microbatches
         need = 120 * result["plain_update_ms"] / 1e3  # 100x, with a margin for noise
         mbs = max(args.microbatches, int(-(-need // per_mb)))
-        from unbroken.data import PackedStream, Sampler, load_corpus
+        from unbroken.data import PackedStream, Sampler, corpus_for
 
-        stream = PackedStream(load_corpus("stdlib"), args.tokens, cfg.data.seed)
+        stream = PackedStream(corpus_for(cfg.data), args.tokens, cfg.data.seed)
         for tr in (plain, rmu):
             tr.source = Sampler(stream, 1, mbs)
         leto = _overhead(plain, rmu, max(4, args.iterations // 2), first)
