@@ -141,8 +141,10 @@ def run_campaign(
     t0 = time.time()
     ref = run_job(cfg, root / "reference", quiet=True)
     reference_hash = ref["final_state_hash"]
-    wall = float(ref.get("faulty_wall_s") or (time.time() - t0))
-    span = wall * (cfg.train.iterations - 1) / max(1, cfg.train.iterations)
+    # Kill times are drawn over the reference's training after its first iteration (start-up
+    # excluded: the killer starts counting at the first completed iteration).
+    rows = read_jsonl(root / "reference" / "metrics.jsonl")
+    span = rows[-1]["t_end"] - rows[0]["t_end"] if len(rows) > 1 else 1.0
     rng = random.Random(seed)
     records: list[KillRecord] = []
     for trial in range(trials):
