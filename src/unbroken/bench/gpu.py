@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -457,25 +458,36 @@ def _checkpoints(trainer, root: Path, first: int) -> dict[str, Any]:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass(slots=True)
+class _Bench:
+    """What the phases of one bench run share: the plain trainer and the iteration counter."""
+
+    args: argparse.Namespace
+    cfg: Any
+    device: Any
+    plain: Any
+    plain_upd: _TimedUpdater
+    built: Any
+    init: Any
+    result: dict[str, Any]
+    first: int = 0
+    best: str = ""
+
+
+def _setup(args: argparse.Namespace) -> _Bench:
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("unbroken bench gpu needs a CUDA device", file=sys.stderr)
-        return 2
     # The trainers' settings (unbroken.launch.trainer): deterministic kernels, fixed workspace.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     # Deterministic mode also fills every new allocation with NaN (a debugging aid; ~10 % of
     # the 1b step on an H200). Bit-exactness does not depend on it.
     torch.utils.deterministic.fill_uninitialized_memory = args.fill_uninitialized
-    if args.device == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     cfg = _job(args, args.microbatches)
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__,
         "preset": args.preset,
         "tokens_per_iteration": args.tokens * args.microbatches,
@@ -488,17 +500,22 @@ def run(args: argparse.Namespace) -> int:
     }
     t0 = time.time()
     _say(f"building {args.preset} (plain updater)")
-    plain, plain_upd, built, _, geometry = _build(cfg, device, protected=False)
-    init = built.state.params.clone()
+    plain, plain_upd, built, _, _ = _build(cfg, device, protected=False)
     _say(f"built in {time.time() - t0:.1f} s; warm-up")
-    kernels = [k for k in args.kernels.split(",") if k] if device.type == "cuda" else ["dense"]
-    if device.type == "cuda":
-        result["attention"] = _attention_figures(plain, kernels)
-        _say(f"attention: {result['attention']}")
-    first = 0
+    init = built.state.params.clone()
+    return _Bench(args, cfg, device, plain, plain_upd, built, init, result)
+
+
+def _steps(b: _Bench) -> None:
+    """The step per attention kernel, eager and (with --compile) compiled; keeps the best."""
+    args, plain = b.args, b.plain
+    cuda = b.device.type == "cuda"
+    kernels = [k for k in args.kernels.split(",") if k] if cuda else ["dense"]
+    if cuda:
+        b.result["attention"] = _attention_figures(plain, kernels)
+        _say(f"attention: {b.result['attention']}")
     steps: dict[str, dict] = {}
-    modes = ["eager", "compiled"] if args.compile else ["eager"]
-    for mode in modes:
+    for mode in ["eager", "compiled"] if args.compile else ["eager"]:
         if mode == "compiled":
             from unbroken.model import compile_blocks
 
@@ -509,87 +526,124 @@ def run(args: argparse.Namespace) -> int:
             # phases of one run (bench/results/gpu-h200.md); warm compiled variants longer.
             warm = 4 if mode == "compiled" else 2
             t1 = time.time()
-            _time_step(plain, warm, first)
+            _time_step(plain, warm, b.first)
             warm_s = time.time() - t1
-            res = _time_step(plain, args.iterations, first + warm)
-            first += warm + args.iterations
+            res = _time_step(plain, args.iterations, b.first + warm)
+            b.first += warm + args.iterations
             name = f"{mode}_{kernel}"
-            steps[name] = _step_figures(plain, res, args.peak_tflops)
-            steps[name]["warmup_s"] = warm_s
+            steps[name] = _step_figures(plain, res, args.peak_tflops) | {"warmup_s": warm_s}
             _say(
                 f"step {name}: {steps[name]['iteration_s']:.3f} s/iter, MFU {steps[name]['mfu']:.3f}"
             )
-    result["steps"] = steps
-    best_name = min(steps, key=lambda k: steps[k]["iteration_s"])
-    result["step"] = best_name
-    result["mfu"] = steps[best_name]["mfu"]
-    result["mfu_full_causal"] = steps[best_name]["mfu_full_causal"]
-    result["iteration_s"] = steps[best_name]["iteration_s"]
-    if "compiled" not in best_name and args.compile:
+    b.best = min(steps, key=lambda k: steps[k]["iteration_s"])
+    best = steps[b.best]
+    b.result.update(
+        steps=steps,
+        step=b.best,
+        mfu=best["mfu"],
+        mfu_full_causal=best["mfu_full_causal"],
+        iteration_s=best["iteration_s"],
+        plain_update_ms=1e3 * statistics.median(b.plain_upd.update_s[2:]),
+    )
+    if "compiled" not in b.best and args.compile:
         # compile_blocks cannot be undone in place: later figures run compiled anyway.
-        result["note"] = "later figures ran with compiled blocks"
-    kernel = best_name.split("_", 1)[1]
+        b.result["note"] = "later figures ran with compiled blocks"
+    kernel = b.best.split("_", 1)[1]
     plain.model.attention_kernel = kernel if kernel != "dense" else "varlen"
-    result["plain_update_ms"] = 1e3 * statistics.median(plain_upd.update_s[2:])
-    _say(f"best step {best_name}; plain update {result['plain_update_ms']:.2f} ms")
-    if not args.no_rmu:
-        _say("building the resumable updater's trainer")
-        rmu, rmu_upd, _, regions, geometry = _build(
-            cfg, device, protected=True, init_from=init, compiled="compiled" in best_name
-        )
-        rmu.model.attention_kernel = plain.model.attention_kernel
-        result["geometry"] = dataclasses.asdict(geometry)
-        result["protection"] = dataclasses.asdict(cfg.protection.resolved(device.type == "cuda"))
-        result.update(_hbm(regions, geometry))
-        _time_step(rmu, 2, 0)
-        plain_upd.update_s.clear()
-        ov = _overhead(plain, rmu, args.iterations, first)
-        first += args.iterations
-        result["rmu_update_ms"] = 1e3 * statistics.median(rmu_upd.update_s[2:])
-        result["plain_update_ms"] = 1e3 * statistics.median(plain_upd.update_s)
-        result["rmu_protect_ms"] = 1e3 * statistics.median(rmu_upd.protect_s[2:])
-        result["rmu_vs_plain_update"] = result["rmu_update_ms"] / result["plain_update_ms"]
-        result["overhead"] = ov
-        result["overhead_pct"] = ov["overhead_pct"]
-        # Leto-shaped: add micro-batches until compute >= 100x the plain update.
-        compute_s = ov["plain_iteration_s"] - result["plain_update_ms"] / 1e3
-        per_mb = compute_s / args.microbatches
-        need = 120 * result["plain_update_ms"] / 1e3  # 100x, with a margin for noise
-        mbs = max(args.microbatches, int(-(-need // per_mb)))
-        from unbroken.data import PackedStream, Sampler, corpus_for
+    _say(f"best step {b.best}; plain update {b.result['plain_update_ms']:.2f} ms")
 
-        stream = PackedStream(corpus_for(cfg.data), args.tokens, cfg.data.seed)
-        for tr in (plain, rmu):
-            tr.source = Sampler(stream, 1, mbs)
-        leto = _overhead(plain, rmu, max(4, args.iterations // 2), first)
-        first += max(4, args.iterations // 2)
-        leto["microbatches"] = mbs
-        leto["compute_over_plain_update"] = (
-            leto["plain_iteration_s"] * 1e3 - result["plain_update_ms"]
-        ) / result["plain_update_ms"]
-        result["overhead_leto"] = leto
-        result["overhead_pct_leto"] = leto["overhead_pct"]
-        for tr in (plain, rmu):
-            tr.source = built.source
-        del rmu, regions
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if args.rmu_geometries:
-            result["rmu_geometries"] = _geometry_sweep(
-                cfg,
-                device,
-                init,
-                args.rmu_geometries,
-                plain.model.attention_kernel,
-                "compiled" in best_name,
-            )
+
+def _leto_shaped(b: _Bench, rmu) -> None:
+    """Protection overhead with micro-batches added until compute >= 100x the plain update."""
+    from unbroken.data import PackedStream, Sampler, corpus_for
+
+    args, r = b.args, b.result
+    compute_s = r["overhead"]["plain_iteration_s"] - r["plain_update_ms"] / 1e3
+    need = 120 * r["plain_update_ms"] / 1e3  # 100x, with a margin for noise
+    mbs = max(args.microbatches, int(-(-need // (compute_s / args.microbatches))))
+    stream = PackedStream(corpus_for(b.cfg.data), args.tokens, b.cfg.data.seed)
+    for tr in (b.plain, rmu):
+        tr.source = Sampler(stream, 1, mbs)
+    n = max(4, args.iterations // 2)
+    leto = _overhead(b.plain, rmu, n, b.first)
+    b.first += n
+    leto["microbatches"] = mbs
+    leto["compute_over_plain_update"] = (
+        leto["plain_iteration_s"] * 1e3 - r["plain_update_ms"]
+    ) / r["plain_update_ms"]
+    r.update(overhead_leto=leto, overhead_pct_leto=leto["overhead_pct"])
+    for tr in (b.plain, rmu):
+        tr.source = b.built.source
+
+
+def _protection(b: _Bench) -> None:
+    """The resumable updater against the plain one: update times, overheads, HBM, geometries."""
+    import torch
+
+    args, r, cuda = b.args, b.result, b.device.type == "cuda"
+    _say("building the resumable updater's trainer")
+    compiled = "compiled" in b.best
+    rmu, rmu_upd, _, regions, geometry = _build(
+        b.cfg, b.device, protected=True, init_from=b.init, compiled=compiled
+    )
+    rmu.model.attention_kernel = b.plain.model.attention_kernel
+    r["geometry"] = dataclasses.asdict(geometry)
+    r["protection"] = dataclasses.asdict(b.cfg.protection.resolved(cuda))
+    r.update(_hbm(regions, geometry))
+    _time_step(rmu, 2, 0)
+    b.plain_upd.update_s.clear()
+    ov = _overhead(b.plain, rmu, args.iterations, b.first)
+    b.first += args.iterations
+    r["rmu_update_ms"] = 1e3 * statistics.median(rmu_upd.update_s[2:])
+    r["plain_update_ms"] = 1e3 * statistics.median(b.plain_upd.update_s)
+    r["rmu_protect_ms"] = 1e3 * statistics.median(rmu_upd.protect_s[2:])
+    r["rmu_vs_plain_update"] = r["rmu_update_ms"] / r["plain_update_ms"]
+    r.update(overhead=ov, overhead_pct=ov["overhead_pct"])
+    _leto_shaped(b, rmu)
+    del rmu, regions
+    if cuda:
+        torch.cuda.empty_cache()
+    if args.rmu_geometries:
+        kernel = b.plain.model.attention_kernel
+        r["rmu_geometries"] = _geometry_sweep(
+            b.cfg, b.device, b.init, args.rmu_geometries, kernel, compiled
+        )
+
+
+_HEADLINE = (
+    "mfu",
+    "plain_update_ms",
+    "rmu_update_ms",
+    "overhead_pct",
+    "overhead_pct_leto",
+    "hbm_overhead_pct",
+    "ckpt_save_blocking_s",
+    "l3_recovery_s",
+    "ckpt_restart_s",
+    "trials",
+    "exact",
+)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("unbroken bench gpu needs a CUDA device", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    b = _setup(args)
+    _steps(b)
+    if not args.no_rmu:
+        _protection(b)
+    result = b.result
     if not args.no_ckpt:
         root = Path(args.ckpt_dir or tempfile.mkdtemp(prefix="unbroken-ckpt-"))
         _say(f"checkpoints under {root}")
-        result["ckpt"] = _checkpoints(plain, root, first)
+        result["ckpt"] = _checkpoints(b.plain, root, b.first)
         result["ckpt_save_blocking_s"] = result["ckpt"]["ckpt_save_blocking_s"]
+    del b  # the jobs below need the device memory of this process's trainer
     if args.jobs:
-        del plain, plain_upd, built, init
         torch.cuda.empty_cache()
         jobs_out = Path(args.jobs_out or tempfile.mkdtemp(prefix="unbroken-jobs-"))
         result["jobs"] = _jobs(args, jobs_out)
@@ -602,16 +656,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=1, default=str))
     else:
-        for k in (
-            "mfu",
-            "plain_update_ms",
-            "rmu_update_ms",
-            "overhead_pct",
-            "overhead_pct_leto",
-            "hbm_overhead_pct",
-            "ckpt_save_blocking_s",
-            "l3_recovery_s",
-            "ckpt_restart_s",
-        ):
+        for k in _HEADLINE:
             print(f"{k:24s} {result.get(k)}")
     return 0

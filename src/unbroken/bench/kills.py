@@ -97,6 +97,7 @@ class KillRecord:
     killed_pid: int | None = None
     t_kill: float | None = None
     state: str = ""
+    final_hash: str | None = None
     exact: bool = False
     detected: bool = False
     recovery_s: float | None = None
@@ -126,6 +127,64 @@ def _killer(run_dir: Path, rec: KillRecord, rng: random.Random, stop: threading.
     rec.killed_pid, rec.t_kill = pid, time.time()
 
 
+def _trial(cfg: JobConfig, run_dir: Path, rec: KillRecord, rng: random.Random) -> None:
+    """One job with the killer beside it; fills `rec` from the job's summary and logs."""
+    from unbroken.api import run_job
+    from unbroken.metrics.log import read_jsonl
+
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a reused dir's old progress
+    stop = threading.Event()
+    killer = threading.Thread(target=_killer, args=(run_dir, rec, rng, stop), daemon=True)
+    killer.start()
+    try:
+        s = run_job(cfg, run_dir, quiet=True)
+    finally:
+        stop.set()
+        killer.join()
+    rec.state = s["state"]
+    rec.final_hash = s["final_state_hash"]
+    kill_t = rec.t_kill if rec.t_kill is not None else float("inf")
+    after = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("t", 0) >= kill_t]
+    rec.detected = any(e.get("kind") == "failure_detected" for e in after)
+    # Leto's initialization time I: the kill -> the first iteration started after it.
+    starts = [m["t_start"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    resumed = [t for t in starts if t >= kill_t]
+    rec.recovery_s = (min(resumed) - kill_t) if resumed else None
+    rec.events = [
+        {k: e.get(k) for k in ("kind", "reason", "mode", "rank")}
+        for e in after
+        if e.get("kind") in ("failure_detected", "recovery_start", "recovery_done")
+    ]
+
+
+_RECORD_FIELDS = (
+    "trial",
+    "delay_s",
+    "killed_pid",
+    "t_kill",
+    "state",
+    "exact",
+    "detected",
+    "recovery_s",
+    "events",
+)
+
+
+def _figures(records: list[KillRecord]) -> dict[str, Any]:
+    killed = [r for r in records if r.killed_pid is not None]
+    recov = [r.recovery_s for r in killed if r.recovery_s is not None]
+    return {
+        "trials": len(killed),
+        "exact": sum(r.exact for r in killed),
+        "drawn": len(records),
+        "not_killed": len(records) - len(killed),
+        "all_exact": all(r.exact for r in records),
+        "undetected": sum(not r.detected for r in killed),
+        "median_recovery_s": statistics.median(recov) if recov else None,
+        "records": [{k: getattr(r, k) for k in _RECORD_FIELDS} for r in records],
+    }
+
+
 def run_campaign(
     cfg: JobConfig, root: Path, *, trials: int, seed: int, say=lambda text: None
 ) -> dict[str, Any]:
@@ -139,8 +198,7 @@ def run_campaign(
     from unbroken.metrics.log import read_jsonl
 
     t0 = time.time()
-    ref = run_job(cfg, root / "reference", quiet=True)
-    reference_hash = ref["final_state_hash"]
+    reference_hash = run_job(cfg, root / "reference", quiet=True)["final_state_hash"]
     # Kill times are drawn over the reference's training after its first iteration (start-up
     # excluded: the killer starts counting at the first completed iteration).
     rows = read_jsonl(root / "reference" / "metrics.jsonl")
@@ -148,33 +206,9 @@ def run_campaign(
     rng = random.Random(seed)
     records: list[KillRecord] = []
     for trial in range(trials):
-        run_dir = root / f"trial{trial:03d}"
         rec = KillRecord(trial, rng.uniform(0.0, span))
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a reused dir's old progress
-        stop = threading.Event()
-        killer = threading.Thread(
-            target=_killer, args=(run_dir, rec, random.Random(rng.random()), stop), daemon=True
-        )
-        killer.start()
-        try:
-            s = run_job(cfg, run_dir, quiet=True)
-        finally:
-            stop.set()
-            killer.join()
-        rec.state = s["state"]
-        rec.exact = s["final_state_hash"] == reference_hash
-        kill_t = rec.t_kill if rec.t_kill is not None else float("inf")
-        after = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("t", 0) >= kill_t]
-        rec.detected = any(e.get("kind") == "failure_detected" for e in after)
-        # Leto's initialization time I: the kill -> the first iteration started after it.
-        starts = [m["t_start"] for m in read_jsonl(run_dir / "metrics.jsonl")]
-        resumed = [t for t in starts if t >= kill_t]
-        rec.recovery_s = (min(resumed) - kill_t) if resumed else None
-        rec.events = [
-            {k: e.get(k) for k in ("kind", "reason", "mode", "rank")}
-            for e in after
-            if e.get("kind") in ("failure_detected", "recovery_start", "recovery_done")
-        ]
+        _trial(cfg, root / f"trial{trial:03d}", rec, random.Random(rng.random()))
+        rec.exact = rec.final_hash == reference_hash
         records.append(rec)
         say(
             f"trial {trial + 1}/{trials}: kill after {rec.delay_s:.2f} s "
@@ -182,30 +216,6 @@ def run_campaign(
             f"{'exact' if rec.exact else 'DIVERGED'}"
             + (f", recovered in {rec.recovery_s:.2f} s" if rec.recovery_s else "")
         )
-    killed = [r for r in records if r.killed_pid is not None]
-    recov = [r.recovery_s for r in killed if r.recovery_s is not None]
-    return {
-        "trials": len(killed),
-        "exact": sum(r.exact for r in killed),
-        "drawn": len(records),
-        "not_killed": len(records) - len(killed),
-        "all_exact": all(r.exact for r in records),
-        "undetected": sum(not r.detected for r in killed),
-        "median_recovery_s": statistics.median(recov) if recov else None,
-        "reference_state_hash": reference_hash,
-        "seconds": time.time() - t0,
-        "records": [
-            {
-                "trial": r.trial,
-                "delay_s": r.delay_s,
-                "killed_pid": r.killed_pid,
-                "t_kill": r.t_kill,
-                "state": r.state,
-                "exact": r.exact,
-                "detected": r.detected,
-                "recovery_s": r.recovery_s,
-                "events": r.events,
-            }
-            for r in records
-        ],
-    }
+    figures = _figures(records)
+    figures.update(reference_state_hash=reference_hash, seconds=time.time() - t0)
+    return figures
