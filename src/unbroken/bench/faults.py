@@ -89,7 +89,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--iterations", type=int, default=10, help="iterations per trial")
     p.add_argument("--out", default=None, help="keep the run dirs here (default: a temp dir)")
+    p.add_argument(
+        "--external",
+        action="store_true",
+        help="instead: SIGKILL an active trainer from outside the job at a uniformly random "
+        "time in each trial (unbroken.bench.kills)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _external(args: argparse.Namespace, cfg: JobConfig, root: Path) -> int:
+    from unbroken.bench.kills import run_campaign
+
+    def say(text: str) -> None:
+        print(f"[kills] {text}", file=sys.stderr, flush=True)
+
+    result = run_campaign(cfg, root, trials=args.trials, seed=args.seed, say=say)
+    result["config"] = {"preset": args.preset, "world_size": args.world_size, "seed": args.seed}
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(
+            f"external kills: trials {result['trials']} (of {result['drawn']} drawn; "
+            f"{result['not_killed']} ended before their kill)  exact {result['exact']}  "
+            f"undetected {result['undetected']}  median recovery {result['median_recovery_s']} s "
+            f"({result['seconds']:.0f}s, runs in {root})"
+        )
+    return 0 if result["all_exact"] and result["undetected"] == 0 else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--trials must be at least 1")
     cfg = campaign_config(args.preset, args.world_size, args.iterations)
     root = Path(args.out or tempfile.mkdtemp(prefix="unbroken-faults-"))
+    if args.external:
+        return _external(args, cfg, root)
     t0 = time.time()
     ref = run_job(cfg, root / "reference", quiet=True)
     reference_hash = ref["final_state_hash"]

@@ -8,10 +8,13 @@ exists and matches; a corrupt or incomplete one is skipped and the previous one 
 from unbroken.checkpoint.dcp import (
     CheckpointInfo,
     CheckpointMismatch,
+    CheckpointStager,
+    PendingSave,
     find_latest_valid,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
+    save_checkpoint_async,
     verify_checkpoint,
 )
 from unbroken.checkpoint.interval import young_interval
@@ -19,10 +22,13 @@ from unbroken.checkpoint.interval import young_interval
 __all__ = [
     "CheckpointInfo",
     "CheckpointMismatch",
+    "CheckpointStager",
+    "PendingSave",
     "find_latest_valid",
     "list_checkpoints",
     "load_checkpoint",
     "save_checkpoint",
+    "save_checkpoint_async",
     "verify_checkpoint",
     "young_interval",
 ]

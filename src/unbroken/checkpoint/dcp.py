@@ -1,14 +1,26 @@
 """Save, verify and load checkpoints of the flat training state with DCP.
 
 Layout: ROOT/iter_00000012/ holds DCP's files for the state *before* iteration 12 runs, plus
-`manifest.json` = {"iteration", "files": {name: sha256}}, written by rank 0 after every rank
-has finished saving (a barrier), via a temporary file and rename. Without a manifest, or with a
-file whose hash differs, the checkpoint is invalid.
+`manifest.json` = {"iteration", "files": {name: sha256}, "sizes", "stamps"}, written by rank 0
+after every rank has finished saving, via a temporary file and rename. Without a manifest, or
+with a file whose contents differ from what was saved, the checkpoint is invalid.
+
+[Note: checkpoint seal] The sha256 of every file is computed once, at save. The saver then
+stamps each file's modification time with a value from before the save began and records it
+with the file's size: a quick check (size and stamp, like rsync's) then proves on resume that
+nothing rewrote the file since its digest was taken, without reading it again — any later write
+sets the modification time to the present. A file that fails the quick check (or a manifest
+without stamps) is hashed again and must match its digest.
 
 Saved: the flat parameters and optimizer moments, the next iteration (which is also the data
 position: the sampler is pure) and `rng_seed`, the seed that with the iteration determines
 every random draw of the model (`unbroken.train.rng`); loading into a job with another seed is
 refused, since it would silently continue with other data and other dropout masks.
+
+Two ways to save: `save_checkpoint` blocks until the checkpoint is complete;
+`save_checkpoint_async` blocks only while the state is copied into pinned host memory
+(`CheckpointStager`) and returns a `PendingSave` whose files, digests and manifest are written
+by a background thread — the caller waits on it before the next save and before exiting.
 """
 
 from __future__ import annotations
@@ -17,8 +29,10 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,15 +44,22 @@ from unbroken.train.state import TrainState
 __all__ = [
     "CheckpointInfo",
     "CheckpointMismatch",
+    "CheckpointStager",
+    "PendingSave",
     "checkpoint_path",
     "find_latest_valid",
     "list_checkpoints",
     "load_checkpoint",
     "save_checkpoint",
+    "save_checkpoint_async",
     "verify_checkpoint",
 ]
 
 MANIFEST = "manifest.json"
+_WRITE_THREADS = 8
+"""Files DCP writes per rank in parallel (and the digests computed in parallel)."""
+_STAMP_AGE_NS = 1_000_000_000
+"""The seal's stamp lies this far before the save began (see [Note: checkpoint seal])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +77,14 @@ def checkpoint_path(root: Path, iteration: int) -> Path:
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
+        while chunk := fh.read(1 << 24):
+            h.update(chunk)  # hashlib releases the GIL: files hash in parallel
     return h.hexdigest()
+
+
+def _digests(paths: list[Path]) -> dict[str, str]:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(paths), _WRITE_THREADS))) as pool:
+        return dict(zip((p.name for p in paths), pool.map(_sha256, paths), strict=True))
 
 
 def _state_dict(
@@ -74,6 +100,32 @@ def _state_dict(
 
 class CheckpointMismatch(RuntimeError):
     """The checkpoint belongs to a job with another seed."""
+
+
+def _seal(path: Path, iteration: int, stamp_ns: int) -> None:
+    """Rank 0, after every rank's files are complete: digest, stamp and record every file,
+    then publish the manifest atomically (see [Note: checkpoint seal])."""
+    files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    files = [p for p in files if p.name != MANIFEST]
+    digests = _digests(files)
+    for f in files:
+        os.utime(f, ns=(stamp_ns, stamp_ns))
+    meta = {
+        "iteration": iteration,
+        "files": digests,
+        "sizes": {f.name: f.stat().st_size for f in files},
+        "stamps": {f.name: f.stat().st_mtime_ns for f in files},
+    }
+    tmp = path / f".{MANIFEST}.tmp"
+    with tmp.open("w") as fh:
+        json.dump(meta, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path / MANIFEST)
+
+
+def _writer(path: Path) -> dcp.FileSystemWriter:
+    return dcp.FileSystemWriter(path, thread_count=_WRITE_THREADS)
 
 
 def save_checkpoint(
@@ -92,6 +144,7 @@ def save_checkpoint(
     Every rank calls this; rank 0 writes the manifest and prunes old checkpoints.
     """
     t0 = time.perf_counter()
+    stamp = time.time_ns() - _STAMP_AGE_NS
     root = Path(root)
     path = checkpoint_path(root, iteration)
     if rank == 0 and path.exists():
@@ -102,18 +155,156 @@ def save_checkpoint(
         k: v.detach().cpu() if v.device.type != "cpu" else v
         for k, v in _state_dict(state, iteration, shard, rng_seed).items()
     }
-    dcp.save(sd, checkpoint_id=str(path), process_group=group)
+    dcp.save(sd, storage_writer=_writer(path), process_group=group)
     if group is not None:
         dist.barrier(group=group)
     if rank == 0:
-        files = {p.name: _sha256(p) for p in sorted(path.iterdir()) if p.name != MANIFEST}
-        tmp = path / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps({"iteration": iteration, "files": files}, indent=1))
-        os.replace(tmp, path / MANIFEST)
+        _seal(path, iteration, stamp)
         _prune(root, keep)
     if group is not None:
         dist.barrier(group=group)
     return time.perf_counter() - t0
+
+
+class CheckpointStager:
+    """Host copies of the state for asynchronous saves: pinned buffers (for a GPU state),
+    allocated once and reused, so a save blocks the training loop only for one device-to-host
+    copy at PCIe speed. One save at a time uses them: staging waits for the previous save."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._pending: PendingSave | None = None
+
+    def reserve(self, state: TrainState, shard: str = "") -> None:
+        """Allocate the buffers ahead of the first save (pinning many GiB takes seconds)."""
+        for k, v in _state_dict(state, 0, shard).items():
+            self._buffer(k, v)
+
+    def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            pin = like.device.type == "cuda"
+            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+            self._buffers[key] = buf
+        return buf
+
+    def stage(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy `sd` into the host buffers; returns when the copies are complete."""
+        if self._pending is not None:
+            self._pending.wait()
+        out = {k: self._buffer(k, v) for k, v in sd.items()}
+        cuda = [v.device for v in sd.values() if v.device.type == "cuda"]
+        if not cuda:
+            for k, v in sd.items():
+                out[k].copy_(v)
+            return out
+        side = torch.cuda.Stream(cuda[0])
+        side.wait_stream(torch.cuda.current_stream(cuda[0]))
+        with torch.cuda.stream(side):
+            for k, v in sd.items():
+                out[k].copy_(v, non_blocking=v.device.type == "cuda")
+        side.synchronize()
+        return out
+
+
+@dataclass(slots=True)
+class PendingSave:
+    """A checkpoint being written in the background (`save_checkpoint_async`)."""
+
+    path: Path
+    iteration: int
+    blocking_s: float
+    """Seconds the caller was blocked (waiting for an earlier save, staging)."""
+    _thread: threading.Thread | None = None
+    _error: list[BaseException] = field(default_factory=list)
+    _total_s: list[float] = field(default_factory=list)
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> float:
+        """Block until the checkpoint is complete (rank 0: sealed and published); returns the
+        seconds from the start of the save to its completion.
+
+        Raises:
+            RuntimeError: the background save failed (the checkpoint stays invalid).
+        """
+        if self._thread is not None:
+            self._thread.join()
+        if self._error:
+            raise RuntimeError(f"checkpoint {self.path} failed: {self._error[0]!r}")
+        return self._total_s[0] if self._total_s else self.blocking_s
+
+
+_CKPT_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _checkpoint_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The process group the background thread's DCP collectives use: none for one rank;
+    else a gloo group of the same ranks, made once, so that they never interleave with the
+    training loop's collectives on `group` (every rank makes it at its first async save)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _CKPT_GROUPS:
+        _CKPT_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo")
+    return _CKPT_GROUPS[ranks]
+
+
+def save_checkpoint_async(
+    root: str | Path,
+    state: TrainState,
+    iteration: int,
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    keep: int,
+    shard: str = "",
+    rng_seed: int = 0,
+    stager: CheckpointStager,
+) -> PendingSave:
+    """Start saving the state before `iteration`: blocks while the state is staged into
+    `stager`'s host buffers, then writes, digests, seals and prunes in a background thread.
+
+    Every rank calls this at the same point; the caller must `wait()` on the result before
+    it exits (an earlier save still running is waited for here, before staging). The state
+    may change as soon as this returns.
+    """
+    t0 = time.perf_counter()
+    stamp = time.time_ns() - _STAMP_AGE_NS
+    root = Path(root)
+    path = checkpoint_path(root, iteration)
+    if stager._pending is not None:
+        stager._pending.wait()
+    ckpt_group = _checkpoint_group(group)
+    if rank == 0 and path.exists():
+        shutil.rmtree(path)  # a torn save of the same iteration from an earlier generation
+    if group is not None:
+        dist.barrier(group=group)
+    staged = stager.stage(_state_dict(state, iteration, shard, rng_seed))
+    pending = PendingSave(path, iteration, time.perf_counter() - t0)
+
+    def write() -> None:
+        try:
+            dcp.save(
+                staged,
+                storage_writer=_writer(path),
+                process_group=ckpt_group,
+                no_dist=ckpt_group is None,
+            )
+            # DCP's last step gathers every rank's write results at rank 0 before it writes
+            # the metadata: when it returns there, every rank's files are complete.
+            if rank == 0:
+                _seal(path, iteration, stamp)
+                _prune(root, keep)
+        except BaseException as exc:  # re-raised by wait()
+            pending._error.append(exc)
+        pending._total_s.append(time.perf_counter() - t0)
+
+    pending._thread = threading.Thread(target=write, name=f"checkpoint-{iteration}")
+    pending._thread.start()
+    stager._pending = pending
+    return pending
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -137,23 +328,35 @@ def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
     return sorted(out, key=lambda c: c.iteration)
 
 
-def verify_checkpoint(info: CheckpointInfo) -> str | None:
-    """None when complete and intact, else the reason it is not."""
+def verify_checkpoint(info: CheckpointInfo, *, contents: bool = False) -> str | None:
+    """None when complete and intact, else the reason it is not.
+
+    Args:
+        contents: hash every file even where the quick check (size and stamp, see
+            [Note: checkpoint seal]) passes.
+    """
     manifest = info.path / MANIFEST
     if not manifest.exists():
         return "incomplete (no manifest)"
     try:
         meta = json.loads(manifest.read_text())
         files = meta["files"]
-    except (json.JSONDecodeError, KeyError, TypeError):
+        sizes = meta.get("sizes", {})
+        stamps = meta.get("stamps", {})
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
         return "corrupt manifest"
     if meta.get("iteration") != info.iteration:
         return "manifest names another iteration"
     for name, digest in files.items():
         f = info.path / name
-        if not f.exists():
+        try:
+            st = f.stat()
+        except FileNotFoundError:
             return f"missing file {name}"
-        if _sha256(f) != digest:
+        if name in sizes and st.st_size != sizes[name]:
+            return f"size mismatch in {name}"
+        sealed = name in stamps and st.st_mtime_ns == stamps[name]
+        if (contents or not sealed) and _sha256(f) != digest:
             return f"checksum mismatch in {name}"
     return None
 
@@ -176,15 +379,37 @@ def load_checkpoint(
     group: dist.ProcessGroup | None,
     shard: str = "",
     rng_seed: int | None = None,
+    stager: CheckpointStager | None = None,
 ) -> int:
     """Load into the flat buffers in place; returns the next iteration to run.
+
+    Without a process group (or with one rank) the tensors are read by parallel DCP loads,
+    one per tensor. Device tensors load through host buffers — `stager`'s pinned ones when
+    given (then copied to the device asynchronously), else fresh ones; nothing is copied out
+    of the device first.
 
     Raises:
         CheckpointMismatch: `rng_seed` is given and the checkpoint was saved with another.
     """
     sd = _state_dict(state, 0, shard)
-    host = {k: (v.cpu() if v.device.type != "cpu" else v) for k, v in sd.items()}
-    dcp.load(host, checkpoint_id=str(info.path), process_group=group)
+    if stager is not None and stager._pending is not None:
+        stager._pending.wait()  # its buffers may still be written out
+
+    def host_buffer(k: str, v: torch.Tensor) -> torch.Tensor:
+        if v.device.type == "cpu":
+            return v
+        return stager._buffer(k, v) if stager is not None else torch.empty_like(v, device="cpu")
+
+    host = {k: host_buffer(k, v) for k, v in sd.items()}
+    if group is None or dist.get_world_size(group) == 1:
+        with ThreadPoolExecutor(max_workers=len(host)) as pool:
+            done = pool.map(
+                lambda item: dcp.load(dict([item]), checkpoint_id=str(info.path), no_dist=True),
+                host.items(),
+            )
+            list(done)
+    else:
+        dcp.load(host, checkpoint_id=str(info.path), process_group=group)
     saved = int(host.pop("rng_seed"))
     sd.pop("rng_seed")
     if rng_seed is not None and saved != rng_seed:
@@ -193,5 +418,7 @@ def load_checkpoint(
         )
     for k, v in sd.items():
         if v.data_ptr() != host[k].data_ptr():
-            v.copy_(host[k])
+            v.copy_(host[k], non_blocking=host[k].is_pinned())
+    if any(v.is_cuda for v in sd.values()):
+        torch.cuda.synchronize()
     return int(host["iteration"])

@@ -11,6 +11,7 @@ from unbroken.model.llama import (
     Transformer,
     TransformerArgs,
     build_model,
+    compile_blocks,
     resolve_args,
 )
 from unbroken.model.presets import PRESETS
@@ -23,6 +24,7 @@ __all__ = [
     "Transformer",
     "TransformerArgs",
     "build_model",
+    "compile_blocks",
     "init_parameters",
     "materialize",
     "resolve_args",

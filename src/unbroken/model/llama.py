@@ -4,10 +4,18 @@ Inputs are packed micro-batches: attention is block-diagonal causal over documen
 RoPE positions restart at each document. The attention softmax runs in fp32. Nothing here owns
 storage: `build_model(..., device="meta")` and `unbroken.model.flat.materialize` place the
 parameters in caller-provided memory.
+
+Two attention paths compute the same function (`Transformer.forward` picks one per call):
+- dense (CPU, or a GPU without half-precision autocast): q, k, v upcast to fp32 and masked by
+  the [T, T] block-diagonal causal mask — the reference, whose bits the CPU tests pin;
+- documents (CUDA under bf16/fp16 autocast): variable-length flash attention over the packed
+  documents (`unbroken.model.attention`), no T x T mask; the softmax still runs in fp32 inside
+  the kernel. `compile_blocks` additionally compiles each block around that kernel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -18,9 +26,17 @@ from unbroken.config import ModelConfig
 from unbroken.data.corpus import VOCAB_SIZE
 from unbroken.data.packing import IGNORE_INDEX
 from unbroken.errors import UserError
+from unbroken.model.attention import Documents, document_attention, uses_documents
 from unbroken.model.presets import PRESETS
 
-__all__ = ["TIED_EMBEDDINGS", "Transformer", "TransformerArgs", "build_model", "resolve_args"]
+__all__ = [
+    "TIED_EMBEDDINGS",
+    "Transformer",
+    "TransformerArgs",
+    "build_model",
+    "compile_blocks",
+    "resolve_args",
+]
 
 TIED_EMBEDDINGS = ("embed.weight", "head.weight")
 """The names of the one parameter a model with `tie_embeddings` shares, its owner first (the
@@ -122,11 +138,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(a.dim, a.n_kv_heads * hd, bias=False, device=device)
         self.wo = nn.Linear(a.n_heads * hd, a.dim, bias=False, device=device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | Documents
+    ) -> torch.Tensor:
         a, t = self.a, x.shape[0]
         q = rope(self.wq(x).view(t, a.n_heads, a.head_dim), positions, a.rope_theta)
         k = rope(self.wk(x).view(t, a.n_kv_heads, a.head_dim), positions, a.rope_theta)
         v = self.wv(x).view(t, a.n_kv_heads, a.head_dim)
+        if isinstance(mask, Documents):
+            return self.wo(document_attention(q, k, v, mask).reshape(t, -1))
         rep = a.n_heads // a.n_kv_heads
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
@@ -187,7 +207,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps, device=device)
         self.ffn = MoE(a, device=device) if a.moe_experts else SwiGLU(a.dim, a.ffn_dim, device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | Documents
+    ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), positions, mask)
         return x + self.ffn(self.ffn_norm(x))
 
@@ -207,6 +229,10 @@ class Transformer(nn.Module):
         self.head = nn.Linear(a.dim, a.vocab_size, bias=False, device=device)
         if a.tie_embeddings:
             self.head.weight = self.embed.weight
+        self.dense_attention = False
+        """Force the dense reference path where the documents path would run (tests)."""
+        self.attention_kernel = "varlen"
+        """The documents path's kernel, one of `unbroken.model.attention.KERNELS`."""
 
     def forward(
         self,
@@ -214,10 +240,22 @@ class Transformer(nn.Module):
         targets: torch.Tensor,
         segment_ids: torch.Tensor,
         positions: torch.Tensor,
+        doc_lengths: Sequence[int] | None = None,
     ) -> torch.Tensor:
+        """Mean token loss of one packed micro-batch.
+
+        Args:
+            doc_lengths: the micro-batch's document lengths (`MicroBatch.doc_lengths`), which
+                the documents path uses without reading `segment_ids` back from the device;
+                without them it derives the documents from `segment_ids`.
+        """
         t = tokens.shape[0]
-        causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
-        mask = causal & (segment_ids[:, None] == segment_ids[None, :])
+        mask: torch.Tensor | Documents
+        if not self.dense_attention and uses_documents(tokens.device):
+            mask = Documents.of(doc_lengths, segment_ids, self.attention_kernel)
+        else:
+            causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+            mask = causal & (segment_ids[:, None] == segment_ids[None, :])
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, positions, mask)
@@ -233,3 +271,17 @@ class Transformer(nn.Module):
 def build_model(args: TransformerArgs, device: str | torch.device = "meta") -> Transformer:
     """Build the reference model; on "meta" it holds no storage until materialized."""
     return Transformer(args, device=torch.device(device))
+
+
+def compile_blocks(model: Transformer) -> Transformer:
+    """Compile every block with `torch.compile` (norms, RoPE, SwiGLU and residuals fused around
+    the matrix products), for the "flex" attention kernel, which the block graphs include.
+
+    The blocks share their compiled graphs (their modules are graph inputs); other document
+    counts and lengths reuse them. The "varlen" kernel breaks the graphs around its call and
+    recompiles as document counts change: use "flex" with compiled blocks. Worth it on a GPU
+    only: the CPU reference keeps its eager bits. Returns `model`.
+    """
+    for layer in model.layers:
+        layer.compile(dynamic=False)
+    return model

@@ -3,8 +3,8 @@ recovery (Leto §6: L2 is the device runtime *and its library handles*).
 
 On a GPU the first recovery through an L3 shadow spent ~0.75 s of its 0.93 s finishing the
 interrupted update, and redoing one iteration in the fresh process took 1.0-1.5 s
-(bench/results/recovery-h200.md): the erasure codec's GPU kernels, cuBLAS and
-the model's kernels are loaded per process on first use. `warm_cuda` runs each once on
+(bench/results/recovery-h200.md): the erasure codec's GPU kernels, cuBLAS, the model's
+kernels and the update's Triton kernel are loaded (or compiled) per process on first use. `warm_cuda` runs each once on
 scratch memory of the job's own shapes (a one-layer copy of the model on one micro-batch; the
 codec's groups with the same page size and D / H1 / H2), then returns the memory to the
 device, so what the shadow keeps is the loaded code and the handles, not the scratch pages.
@@ -68,9 +68,30 @@ def _warm_model(cfg: JobConfig, device: torch.device) -> None:
     del model, loss
 
 
+def _warm_update(cfg: JobConfig, geometry: StateGeometry, device: torch.device) -> None:
+    """The update phase's fused AdamW kernel (`unbroken.update.fused_adamw`), which Triton
+    compiles on first use: one chunk-shaped launch, as the resumable updater's `ChunkStep`
+    runs it, and one over a flat range, as the plain updater does."""
+    from unbroken.train.optim import AdamW
+    from unbroken.update.fused_adamw import AdamWCoefficients, fused_adamw_, fused_available
+    from unbroken.update.kernel import ChunkStep
+
+    if not fused_available():
+        return
+    opt = AdamW.from_config(cfg.train)
+    n = geometry.padded_numel
+    bufs = [torch.zeros(n, dtype=torch.float32, device=device) for _ in range(4)]
+    ChunkStep(geometry, opt, [(0, n // 2)])(
+        geometry.chunks()[0], *bufs, step=1, lr=0.0, grad_scale=1.0
+    )
+    coeffs = AdamWCoefficients.of(opt, step=1, lr=0.0, grad_scale=1.0)
+    fused_adamw_(*bufs, coeffs, first_index=0, decay_end=n // 2)
+
+
 def warm_cuda(cfg: JobConfig, device: torch.device) -> float:
-    """Load cuBLAS and the model's kernels (`_warm_model`) and the codec kernels for the
-    job's model and gradient groups on `device`; returns the seconds taken."""
+    """Load cuBLAS and the model's kernels (`_warm_model`), the codec kernels for the job's
+    model and gradient groups and the update's kernel (`_warm_update`) on `device`; returns
+    the seconds taken."""
     t0 = time.perf_counter()
     if not cfg.model.factory:
         _warm_model(cfg, device)
@@ -83,6 +104,7 @@ def warm_cuda(cfg: JobConfig, device: torch.device) -> float:
     for kind in ("model", "grads"):
         _warm_codec(layout.erasure(kind), p.chunk_bytes, device)
     if device.type == "cuda":
+        _warm_update(cfg, geometry, device)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # keep the loaded code and handles, not the scratch pages
     return time.perf_counter() - t0

@@ -15,6 +15,7 @@ import torch
 
 from unbroken.model.flat import FlatLayout
 from unbroken.train.optim import AdamW
+from unbroken.update.fused_adamw import AdamWCoefficients, fused_adamw_, fused_available
 from unbroken.update.geometry import ChunkRef, StateGeometry
 
 __all__ = ["ChunkStep"]
@@ -41,7 +42,9 @@ def _ranges_mask(idx: torch.Tensor, ranges: Ranges) -> Mask:
 
 class ChunkStep:
     """Applies AdamW to one chunk of the striped state: weight decay only on elements in
-    `decay` ranges, no change at all to elements in `frozen` ranges.
+    `decay` ranges, no change at all to elements in `frozen` ranges. On a CUDA device a chunk
+    whose elements all decay or all do not, with nothing frozen, is one fused kernel launch
+    (`unbroken.update.fused_adamw`); otherwise, and on the CPU, the eager reference.
 
     Args:
         geometry: the state's chunks.
@@ -68,6 +71,18 @@ class ChunkStep:
     def for_layout(cls, geometry: StateGeometry, optimizer: AdamW, layout: FlatLayout) -> ChunkStep:
         """The step for `layout`'s decay and frozen ranges."""
         return cls(geometry, optimizer, layout.decay_ranges(), layout.frozen_ranges())
+
+    @property
+    def decay_end(self) -> int | None:
+        """The one boundary below which every element decays, when the decay ranges are one
+        prefix [0, end) (or none) and nothing is frozen; else None (per-element masks)."""
+        if self.frozen:
+            return None
+        if not self.decay:
+            return 0
+        if len(self.decay) == 1 and self.decay[0][0] == 0:
+            return self.decay[0][1]
+        return None
 
     def _chunk_masks(self, ref: ChunkRef) -> tuple[Mask, Mask]:
         key = (ref.group, ref.chunk)
@@ -98,6 +113,15 @@ class ChunkStep:
             return
         p = g.chunk_view(params, ref)
         m, v = g.chunk_view(exp_avg, ref), g.chunk_view(exp_avg_sq, ref)
+        if p.is_cuda and frozen is False and isinstance(decay, bool) and fused_available():
+            # One launch per chunk (see fused_adamw): decay_end below or above every element.
+            coeffs = AdamWCoefficients.of(self.optimizer, step=step, lr=lr, grad_scale=grad_scale)
+            first = ref.group * g.stripe_pages * g.elems_per_page + ref.byte_lo // 4
+            end = g.padded_numel if decay else 0
+            fused_adamw_(
+                p, g.chunk_view(grads, ref), m, v, coeffs, first_index=first, decay_end=end
+            )
+            return
         kept = None
         if isinstance(frozen, torch.Tensor):
             frozen = frozen.to(p.device)

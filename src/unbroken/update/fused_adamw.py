@@ -1,0 +1,185 @@
+"""AdamW over a range of the flat state as one GPU kernel (Triton), at memory bandwidth.
+
+The eager `AdamW.update_range` launches about ten element-wise kernels per range, each a full
+pass over its operands; this kernel reads parameters, gradient and both moments once and writes
+parameters and moments once (28 bytes per fp32 element). It takes a 1-D range or the [rows,
+cols] strided view of a chunk (`StateGeometry.chunk_view`): one launch covers a chunk, or the
+whole state at once (the plain updater), and since the update is element-wise both compute the
+same bits — [Note: chunk-geometry] holds on the GPU with either.
+
+The arithmetic is `AdamW.update_range`'s, term by term (decoupled decay below `decay_end`,
+lerp of the first moment, bias corrections, IEEE square root and divisions); it is not
+bit-identical to the eager kernels (different rounding of fused terms), so a GPU run computes
+with this kernel throughout, plain and protected alike. The CPU never uses it: the CPU
+reference keeps its bits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from unbroken.train.optim import AdamW
+
+__all__ = ["AdamWCoefficients", "fused_adamw_", "fused_available"]
+
+
+@dataclass(frozen=True, slots=True)
+class AdamWCoefficients:
+    """The scalars of one AdamW step, computed on the host in float64 as the eager update
+    computes them (then rounded to fp32 by the kernel launch, as torch's scalar arguments are)."""
+
+    decay_factor: float
+    """1 - lr * weight_decay (applied below `decay_end` only)."""
+    w1: float
+    """1 - beta1: the first moment's lerp weight."""
+    beta2: float
+    w2: float
+    """1 - beta2."""
+    sqrt_bias2: float
+    eps: float
+    step_size: float
+    """-lr / (1 - beta1 ** step)."""
+    grad_scale: float
+
+    @classmethod
+    def of(cls, opt: AdamW, *, step: int, lr: float, grad_scale: float) -> AdamWCoefficients:
+        return cls(
+            decay_factor=1.0 - lr * opt.weight_decay,
+            w1=1.0 - opt.beta1,
+            beta2=opt.beta2,
+            w2=1.0 - opt.beta2,
+            sqrt_bias2=math.sqrt(1.0 - opt.beta2**step),
+            eps=opt.eps,
+            step_size=-lr / (1.0 - opt.beta1**step),
+            grad_scale=grad_scale,
+        )
+
+
+@cache
+def fused_available() -> bool:
+    """Whether the Triton kernel can run here (a CUDA device and Triton installed)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adamw_kernel(
+        p_ptr,
+        g_ptr,
+        m_ptr,
+        v_ptr,
+        n_cols,
+        row_stride,
+        first_index,
+        decay_end,
+        decay_factor,
+        w1,
+        beta2,
+        w2,
+        sqrt_bias2,
+        eps,
+        step_size,
+        grad_scale,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(1).to(tl.int64)
+        col = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = col < n_cols
+        off = row * row_stride + col
+        g = tl.load(g_ptr + off, mask=inside, other=0.0) * grad_scale
+        p = tl.load(p_ptr + off, mask=inside, other=0.0)
+        m = tl.load(m_ptr + off, mask=inside, other=0.0)
+        v = tl.load(v_ptr + off, mask=inside, other=0.0)
+        p = tl.where(first_index + off < decay_end, p * decay_factor, p)
+        m = m + w1 * (g - m)
+        v = v * beta2 + w2 * (g * g)
+        denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bias2) + eps
+        p = p + step_size * tl.div_rn(m, denom)
+        tl.store(p_ptr + off, p, mask=inside)
+        tl.store(m_ptr + off, m, mask=inside)
+        tl.store(v_ptr + off, v, mask=inside)
+
+    return adamw_kernel
+
+
+_BLOCK = 2048
+_WARPS = 8
+
+
+def _shape(t: torch.Tensor) -> tuple[int, int, int]:
+    """(rows, cols, row stride) of a 1-D contiguous or row-strided 2-D fp32 view."""
+    if t.dtype != torch.float32:
+        raise ValueError(f"fused AdamW takes fp32 state, got {t.dtype}")
+    if t.dim() == 1:
+        if t.stride(0) != 1:
+            raise ValueError("fused AdamW needs a contiguous 1-D range")
+        return 1, t.numel(), t.numel()
+    if t.dim() == 2 and t.stride(1) == 1:
+        return t.shape[0], t.shape[1], t.stride(0)
+    raise ValueError(f"fused AdamW takes a 1-D range or a row-strided 2-D view, got {t.shape}")
+
+
+def fused_adamw_(
+    params: torch.Tensor,
+    grads: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    coeffs: AdamWCoefficients,
+    *,
+    first_index: int,
+    decay_end: int,
+) -> None:
+    """Update params and moments in place from grads (unchanged), one kernel launch.
+
+    Args:
+        params, grads, exp_avg, exp_avg_sq: views of the same shape and strides on one CUDA
+            device: a contiguous 1-D range or a [rows, cols] view with unit column stride.
+        first_index: the flat element index of element [0] ([0, 0]) of the views.
+        decay_end: elements whose flat index is below it get weight decay.
+
+    Raises:
+        ValueError: mismatched views, or a layout the kernel does not take.
+    """
+    shape = _shape(params)
+    for t in (grads, exp_avg, exp_avg_sq):
+        if _shape(t) != shape or t.device != params.device:
+            raise ValueError("fused AdamW: every operand must have the params' shape and strides")
+    rows, cols, stride = shape
+    if rows == 0 or cols == 0:
+        return
+    c = coeffs
+    grid = (-(-cols // _BLOCK), rows)
+    _kernel()[grid](
+        params,
+        grads,
+        exp_avg,
+        exp_avg_sq,
+        cols,
+        stride,
+        first_index,
+        decay_end,
+        c.decay_factor,
+        c.w1,
+        c.beta2,
+        c.w2,
+        c.sqrt_bias2,
+        c.eps,
+        c.step_size,
+        c.grad_scale,
+        BLOCK=_BLOCK,
+        num_warps=_WARPS,
+    )
