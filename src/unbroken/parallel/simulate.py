@@ -164,7 +164,7 @@ class _Replay:
                 if a.is_comm:
                     continue
                 if a.is_compute:
-                    base: tuple = ("compute", group, str(a))
+                    base: tuple = ("compute", group, a)
                     assert a.stage is not None and a.microbatch is not None
                     self.work[(rank, i)] = Work(
                         d,
@@ -331,6 +331,7 @@ def simulate(
     *,
     sends: Literal["rendezvous", "eager"] = "eager",
     check_blocking: bool = True,
+    static_checks: bool = True,
 ) -> Timeline:
     """Replay one iteration of `plan` under `costs` (see the module docstring for the model).
 
@@ -342,6 +343,9 @@ def simulate(
         check_blocking: with eager timing, also replay under blocking sends to report orders
             that would hang there (one more replay; callers that time a plan already known
             to be sound, like the fail-slow detector in a loop, may skip it).
+        static_checks: also run `unbroken.parallel.check.check_plan` and report its problems
+            (a caller that times many plans it generated itself, like the scheduler scoring
+            candidates, may skip it; stuck actions are reported either way).
 
     Returns:
         The timeline; check ``timeline.ok`` or ``timeline.deadlocks`` before trusting times.
@@ -363,7 +367,8 @@ def simulate(
         ]
     else:
         stuck_blocking = []
-    problems = tuple(check_plan(plan)) + tuple(stuck) + tuple(stuck_blocking)
+    static = tuple(check_plan(plan)) if static_checks else ()
+    problems = static + tuple(stuck) + tuple(stuck_blocking)
     timed = tuple(
         TimedAction(r, i, replay.acts[r][i], replay.start[(r, i)], replay.end[(r, i)])
         for r, acts in replay.acts.items()

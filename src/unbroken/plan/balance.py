@@ -1,0 +1,113 @@
+"""Integer balancing of micro-batches across data-parallel groups of different speeds.
+
+Owns `balance_counts` (the integer program Greyhound's `solve_dp` and Oobleck's
+`_distribute_batch` solve with cvxpy / pyomo: counts n_i >= 1 summing to the batch that
+minimize the variance of n_i * t_i), `replica_rates` (t_i: a replica's simulated time per
+micro-batch when it runs alone) and `balance_simulated` (the planner's: from that start, move
+single micro-batches from the replica the simulator says finishes last to the one finishing
+first while the slowest finishes earlier — pipeline fill and drain are not proportional to the
+count, which the variance objective ignores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from unbroken.plan.layout import Layout
+from unbroken.plan.score import Scorer
+
+__all__ = ["balance_counts", "balance_simulated", "replica_rates"]
+
+
+def _alone(layout: Layout, d: int, count: int) -> Layout:
+    return Layout(
+        replicas=(layout.replicas[d],), microbatches=(count,), inflight=(layout.inflight[d],)
+    )
+
+
+def balance_simulated(scorer: Scorer, layout: Layout, *, steps: int = 16) -> list[int]:
+    """Micro-batch counts per replica (summing to the layout's batch) that minimize the slowest
+    replica's simulated time alone (module docstring), at most `steps` moves."""
+    total = sum(layout.microbatches)
+    counts = balance_counts(replica_rates(scorer, layout), total)
+    times = [scorer.time(_alone(layout, d, n)) for d, n in enumerate(counts)]
+    for _ in range(steps):
+        hi = max(range(len(times)), key=lambda d: (times[d], -d))
+        lo = min(range(len(times)), key=lambda d: (times[d], d))
+        if hi == lo or counts[hi] <= 1:
+            break
+        t_hi = scorer.time(_alone(layout, hi, counts[hi] - 1))
+        t_lo = scorer.time(_alone(layout, lo, counts[lo] + 1))
+        rest = max((t for d, t in enumerate(times) if d not in (hi, lo)), default=0.0)
+        if max(t_hi, t_lo, rest) >= times[hi]:
+            break
+        counts[hi], counts[lo] = counts[hi] - 1, counts[lo] + 1
+        times[hi], times[lo] = t_hi, t_lo
+    return counts
+
+
+def replica_rates(scorer: Scorer, layout: Layout) -> list[float]:
+    """Per replica, seconds per micro-batch of its pipeline simulated alone with its own
+    micro-batches (no migrations)."""
+    out = []
+    for d in range(layout.dp):
+        count = max(layout.microbatches[d], 1)
+        out.append(scorer.time(_alone(layout, d, count)) / count)
+    return out
+
+
+def balance_counts(rates: Sequence[float], total: int, weights: Sequence[int] = ()) -> list[int]:
+    """Integer micro-batch counts n_i >= 1 with sum(w_i n_i) = total that minimize the variance
+    of n_i * t_i (Greyhound's `solve_dp`; Oobleck's `_distribute_batch` with w_i instances).
+
+    Args:
+        rates: t_i, seconds per micro-batch of each group.
+        total: micro-batches to place.
+        weights: instances of each group (default 1 each).
+
+    Raises:
+        ValueError: fewer micro-batches than groups.
+    """
+    w = list(weights) or [1] * len(rates)
+    if total < sum(w):
+        raise ValueError(f"{total} micro-batches cannot give each of {sum(w)} groups one")
+    inv = [1.0 / t for t in rates]
+    share = [total * x / sum(i * wi for i, wi in zip(inv, w, strict=True)) for x in inv]
+    counts = [max(1, int(s)) for s in share]
+    while sum(c * wi for c, wi in zip(counts, w, strict=True)) > total:
+        i = max(
+            (i for i in range(len(counts)) if counts[i] > 1), key=lambda i: counts[i] * rates[i]
+        )
+        counts[i] -= 1
+    while sum(c * wi for c, wi in zip(counts, w, strict=True)) < total:
+        fits = [
+            i
+            for i in range(len(counts))
+            if w[i] <= total - sum(c * wi for c, wi in zip(counts, w, strict=True))
+        ]
+        i = min(fits, key=lambda i: ((counts[i] + 1) * rates[i], i))
+        counts[i] += 1
+    return _polish(counts, rates, w)
+
+
+def _polish(counts: list[int], rates: Sequence[float], w: Sequence[int]) -> list[int]:
+    """Single moves between equal-weight groups while the variance of n_i t_i drops."""
+
+    def var(c: Sequence[int]) -> float:
+        load = [ci * ti for ci, ti in zip(c, rates, strict=True)]
+        mean = sum(load) / len(load)
+        return sum((x - mean) ** 2 for x in load)
+
+    improved = True
+    while improved:
+        improved = False
+        for i in range(len(counts)):
+            for j in range(len(counts)):
+                if i == j or w[i] != w[j] or counts[i] <= 1:
+                    continue
+                trial = list(counts)
+                trial[i] -= 1
+                trial[j] += 1
+                if var(trial) < var(counts) - 1e-12:
+                    counts, improved = trial, True
+    return counts
