@@ -16,6 +16,7 @@ BENCHMARKS = {
     "recovery": "unbroken.bench.recovery",
     "detect": "unbroken.bench.detect",
     "engine": "unbroken.bench.engine",
+    "plan": "unbroken.bench.plan",
 }
 """Subcommand name -> harness module. A benchmark whose module is absent from this checkout is
 not offered."""

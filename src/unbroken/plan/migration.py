@@ -105,7 +105,9 @@ class _Pass:
         progress = self.progress[i]
         p = {d: progress.at(d, t) for d in range(self.layout.dp)}
         d_min = min(p, key=lambda d: (p[d], d))
-        d_max = max(p, key=lambda d: (p[d], -d))
+        layers = self.layout.group(d_min, i).layers
+        peers = [d for d in p if self.layout.group(d, i).layers == layers]
+        d_max = max(peers, key=lambda d: (p[d], -d))
         if p[d_max] - p[d_min] <= delta:
             return None
         j = self.next_pending(d_min, i, t, d_max)
@@ -155,8 +157,9 @@ FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 
 def whole_batch_seed(scorer: Scorer, layout: Layout) -> list[Migration]:
     """Whole micro-batches (every stage) moved from slow replicas to fast ones so that each
-    replica's share matches its speed ([Note: migration seed])."""
-    if layout.dp < 2 or layout.migrations:
+    replica's share matches its speed ([Note: migration seed]); none unless every replica has
+    the same layer split (a migration needs equal layers at both ends)."""
+    if layout.dp < 2 or layout.migrations or not layout.uniform_split:
         return []
     target = balance_simulated(scorer, layout)
     plan = layout.skeleton
@@ -174,8 +177,31 @@ def whole_batch_seed(scorer: Scorer, layout: Layout) -> list[Migration]:
     ]
 
 
+def _seed(scorer: Scorer, layout: Layout, ownership: bool) -> tuple[Layout | None, int]:
+    """The seed as a layout: re-owned micro-batches when ownership may change, else whole
+    micro-batch migrations (same timing, [Note: migration seed])."""
+    if ownership:
+        if layout.dp < 2 or layout.migrations:
+            return None, 0
+        counts = tuple(balance_simulated(scorer, layout))
+        if counts == layout.microbatches:
+            return None, 0
+        moved = sum(abs(a - b) for a, b in zip(counts, layout.microbatches, strict=True)) // 2
+        return Layout(
+            replicas=layout.replicas, microbatches=counts, inflight=layout.inflight
+        ), moved * layout.pp
+    seed = whole_batch_seed(scorer, layout)
+    return (layout.with_migrations(seed), len(seed)) if seed else (None, 0)
+
+
 def migrate(
-    scorer: Scorer, layout: Layout, time: float, *, delta: int | None = None, rounds: int = 3
+    scorer: Scorer,
+    layout: Layout,
+    time: float,
+    *,
+    delta: int | None = None,
+    rounds: int = 3,
+    ownership: bool = True,
 ) -> Improvement:
     """Algorithm 1 passes while they shorten the predicted iteration (module docstring).
 
@@ -194,13 +220,12 @@ def migrate(
     """
     delta = auto_delta(layout) if delta is None else delta
     best, evaluated, added = layout, 0, 0
-    seed = whole_batch_seed(scorer, layout)
-    if seed:
-        candidate = layout.with_migrations(seed)
+    candidate, seeded = _seed(scorer, layout, ownership)
+    if candidate is not None:
         evaluated += 1
         t = scorer.time(candidate, bound=time)
         if t < time * (1 - 1e-9):
-            best, time, added = candidate, t, len(seed)
+            best, time, added = candidate, t, seeded
     for _ in range(rounds):
         new = progress_pass(scorer, best, delta)
         if not new:

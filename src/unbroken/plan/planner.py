@@ -8,7 +8,11 @@ three steps of ResiHP §6 in order, each to the previous step's layout:
    lost a stage;
 2. `repartition`: move layers off the straggling stage, then deepen the in-flight bounds
    upstream of a slow link — each candidate timed by the simulator;
-3. `migration`: Algorithm 1's progress-aware stage migrations.
+3. `migration`: Algorithm 1's progress-aware stage migrations;
+
+and, as an alternative to step 3, every replica its own layer split with its micro-batches
+re-owned by speed (`repartition.repartition_each`, an extension named there), kept only if it
+beats the three steps.
 
 Every layout is timed by `unbroken.plan.score` (the dry-run simulator, on a reduced plan). A
 step's layout replaces the previous one only if it is predicted faster (or if the previous one
@@ -30,7 +34,7 @@ from unbroken.plan.exclusion import NoPlanError, Selection, exclude
 from unbroken.plan.layout import Layout
 from unbroken.plan.memory import fits, memory_problems
 from unbroken.plan.migration import migrate
-from unbroken.plan.repartition import deepen_inflight, repartition
+from unbroken.plan.repartition import deepen_inflight, repartition, repartition_each
 from unbroken.plan.score import Scorer
 from unbroken.plan.state import ClusterState
 
@@ -53,6 +57,11 @@ class PlannerConfig:
     """Algorithm 1 passes at most."""
     budget: int = 64
     """Most candidates step 2 times."""
+    ownership: bool = True
+    """May change how many micro-batches each replica owns (per-replica repartition, the
+    migration seed). False keeps the current ownership and moves work with migrations only:
+    what today's engine runs (it requires equal micro-batch counts); a replica dissolved by a
+    lost stage still hands its micro-batches to the others."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,12 +196,30 @@ def plan_for_state(
     if config.repartition:
         imp = repartition(scorer, run.best, run.best_s, budget=config.budget)
         run.offer("repartition", imp.layout, imp.time, imp.notes, imp.evaluated)
+
     if config.reorder:
         imp = deepen_inflight(scorer, run.best, run.best_s, budget=config.budget)
         run.offer("reorder", imp.layout, imp.time, imp.notes, imp.evaluated)
+    before_migration, before_s = run.best, run.best_s
     if config.migration:
-        imp = migrate(scorer, run.best, run.best_s, delta=config.delta, rounds=config.rounds)
+        imp = migrate(
+            scorer,
+            run.best,
+            run.best_s,
+            delta=config.delta,
+            rounds=config.rounds,
+            ownership=config.ownership,
+        )
         run.offer("migration", imp.layout, imp.time, imp.notes, imp.evaluated)
+    if config.repartition and config.ownership:
+        imp = repartition_each(scorer, before_migration, before_s, budget=config.budget)
+        run.offer(
+            "per-replica repartition (instead of migration)",
+            imp.layout,
+            imp.time,
+            imp.notes,
+            imp.evaluated,
+        )
     if not math.isfinite(run.best_s):
         raise NoPlanError("no layout of the live devices can run")
     kept_current = run.best is run.current

@@ -12,6 +12,13 @@ layer to the least loaded stage (or the next least loaded) if every group there 
 (`unbroken.plan.memory`), keep the move if the predicted iteration time drops, stop when no
 move helps. This is Figure 5's (4, 4, 4) -> (5, 2, 5) reached one layer at a time.
 
+*Per-replica repartition* [Extension]. The paper notes that one split for every replica "limits
+flexibility". As a second candidate, every replica gets its own split (the same greedy search on
+that replica simulated alone; equal replicas searched once) and the micro-batches are then
+re-owned to match the replicas' new speeds (`balance.balance_simulated`). The simulator keeps
+whichever of the two candidates is faster. Step 3 then migrates only between replicas whose
+layer ranges agree at the migrated stage, as the plan IR requires.
+
 *Reordering* (§6.2: "reorders workload execution to efficiently overlap communication and
 computation"). A message over a slow link stalls the stage that waits for it; letting the
 stages upstream of that link keep more micro-batches in flight (a deeper 1F1B warm-up) gives
@@ -27,11 +34,12 @@ import statistics
 from dataclasses import dataclass
 
 from unbroken.parallel import split_layers
+from unbroken.plan.balance import balance_simulated
 from unbroken.plan.layout import Layout
 from unbroken.plan.memory import fits
 from unbroken.plan.score import Scorer
 
-__all__ = ["Improvement", "deepen_inflight", "repartition", "stage_loads"]
+__all__ = ["Improvement", "deepen_inflight", "repartition", "repartition_each", "stage_loads"]
 
 SLOW_LINK = 1.5
 """A boundary is worth reordering around when its message takes this many times the job's
@@ -121,6 +129,54 @@ def repartition(scorer: Scorer, layout: Layout, time: float, *, budget: int = 64
     if tuple(split) != start_split:
         notes = (f"layers per stage {list(start_split)} -> {split}",)
     return Improvement(best, time, notes, evaluated)
+
+
+def _signature(scorer: Scorer, layout: Layout, d: int) -> tuple:
+    """What the search on replica d alone depends on (equal replicas are searched once)."""
+    stages = layout.replicas[d].stages
+    parts = []
+    for s, g in enumerate(stages):
+        nxt = scorer.message_s(g.ranks, stages[s + 1].ranks) if s + 1 < len(stages) else 0.0
+        back = scorer.message_s(stages[s + 1].ranks, g.ranks) if s + 1 < len(stages) else 0.0
+        parts.append((g.layers, scorer.base_cost(g), scorer.slowness(g.ranks), nxt, back))
+    return (tuple(parts), layout.microbatches[d], layout.inflight[d])
+
+
+def repartition_each(
+    scorer: Scorer, layout: Layout, time: float, *, budget: int = 64
+) -> Improvement:
+    """The per-replica repartition of the module docstring, with re-owned micro-batches."""
+    if layout.dp == 1 or layout.pp == 1:
+        return Improvement(layout, time, (), 0)
+    found: dict[tuple, tuple[int, ...]] = {}
+    evaluated, replicas = 0, []
+    for d in range(layout.dp):
+        alone = Layout(
+            replicas=(layout.replicas[d],),
+            microbatches=(layout.microbatches[d],),
+            inflight=(layout.inflight[d],),
+        )
+        key = _signature(scorer, layout, d)
+        if key not in found:
+            imp = repartition(scorer, alone, scorer.time(alone), budget=budget)
+            evaluated += imp.evaluated + 1
+            found[key] = imp.layout.split(0)
+        replicas.append(alone.with_split(found[key]).replicas[0])
+    split = Layout(
+        replicas=tuple(replicas), microbatches=layout.microbatches, inflight=layout.inflight
+    )
+    counts = tuple(balance_simulated(scorer, split))
+    candidate = Layout(replicas=split.replicas, microbatches=counts, inflight=layout.inflight)
+    evaluated += 1
+    t = scorer.time(candidate, bound=time)
+    if t >= time * (1 - 1e-9) or not fits(scorer.state, candidate):
+        return Improvement(layout, time, (), evaluated)
+    changed = [d for d in range(layout.dp) if candidate.split(d) != layout.split(d)]
+    notes = tuple(
+        f"replica {d}: layers per stage {list(layout.split(d))} -> {list(candidate.split(d))}"
+        for d in changed
+    ) + (f"micro-batches per replica {list(layout.microbatches)} -> {list(counts)}",)
+    return Improvement(candidate, t, notes, evaluated)
 
 
 def _slow_boundary(scorer: Scorer, layout: Layout, d: int, typical: float) -> int | None:
