@@ -73,7 +73,7 @@ def test_the_workload_model_prices_layers_from_flops():
     packed = Workload.from_model(model, hw, sum_sq=4 * 1024**2)  # four 1k documents
     assert packed.layer_s() < wl.layer_s()  # block-diagonal attention is cheaper
     f1, b1 = wl.stage_compute_s((0, 16), 1, load_fabric(hw))
-    f4, b4 = wl.stage_compute_s((0, 16), 4, load_fabric(hw))
+    f4, _ = wl.stage_compute_s((0, 16), 4, load_fabric(hw))
     assert f4 < f1 / 3 and b1 == pytest.approx(2 * (f1 - wl.embed_s))
     assert wl.device_bytes((0, 16), 4, 2) < wl.device_bytes((0, 16), 2, 2)
     assert wl.calibrated(0.01).layer_s() == pytest.approx(0.01)

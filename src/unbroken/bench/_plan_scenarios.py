@@ -187,11 +187,9 @@ def events(
     n = round(spec_hours * 60 / minutes)
     order = list(ranks)
     rng.shuffle(order)
-    out, used = [], 0
-    for i in range(n):
+    out = []
+    for i, target in enumerate(order[:n]):
         at = (i + 0.5) * minutes * 60
-        target = order[used]
-        used += 1
         if mixed and i % 2 == 1:
             out.append(Event(at, slow=target, factor=slow_factor))
         else:

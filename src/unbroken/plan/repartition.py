@@ -172,10 +172,13 @@ def repartition_each(
     if t >= time * (1 - 1e-9) or not fits(scorer.state, candidate):
         return Improvement(layout, time, (), evaluated)
     changed = [d for d in range(layout.dp) if candidate.split(d) != layout.split(d)]
-    notes = tuple(
-        f"replica {d}: layers per stage {list(layout.split(d))} -> {list(candidate.split(d))}"
-        for d in changed
-    ) + (f"micro-batches per replica {list(layout.microbatches)} -> {list(counts)}",)
+    notes = (
+        *(
+            f"replica {d}: layers per stage {list(layout.split(d))} -> {list(candidate.split(d))}"
+            for d in changed
+        ),
+        f"micro-batches per replica {list(layout.microbatches)} -> {list(counts)}",
+    )
     return Improvement(candidate, t, notes, evaluated)
 
 
