@@ -164,7 +164,7 @@ class _Replay:
                 if a.is_comm:
                     continue
                 if a.is_compute:
-                    base: tuple = ("compute", group, a)
+                    base: tuple = ("compute", group, str(a))
                     assert a.stage is not None and a.microbatch is not None
                     self.work[(rank, i)] = Work(
                         d,

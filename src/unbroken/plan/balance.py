@@ -91,23 +91,27 @@ def balance_counts(rates: Sequence[float], total: int, weights: Sequence[int] = 
 
 
 def _polish(counts: list[int], rates: Sequence[float], w: Sequence[int]) -> list[int]:
-    """Single moves between equal-weight groups while the variance of n_i t_i drops."""
-
-    def var(c: Sequence[int]) -> float:
-        load = [ci * ti for ci, ti in zip(c, rates, strict=True)]
-        mean = sum(load) / len(load)
-        return sum((x - mean) ** 2 for x in load)
-
-    improved = True
-    while improved:
-        improved = False
-        for i in range(len(counts)):
-            for j in range(len(counts)):
-                if i == j or w[i] != w[j] or counts[i] <= 1:
-                    continue
-                trial = list(counts)
-                trial[i] -= 1
-                trial[j] += 1
-                if var(trial) < var(counts) - 1e-12:
-                    counts, improved = trial, True
+    """Single moves from the most to the least loaded group of each weight while the variance of
+    n_i t_i drops (a move between i and j changes only their two terms)."""
+    load = [c * t for c, t in zip(counts, rates, strict=True)]
+    for weight in sorted(set(w)):
+        members = [i for i in range(len(counts)) if w[i] == weight]
+        while len(members) > 1:
+            i = max(members, key=lambda k: (load[k], -k))
+            j = min(members, key=lambda k: (load[k] + rates[k], k))
+            if i == j or counts[i] <= 1:
+                break
+            mean = sum(load) / len(load)
+            before = (load[i] - mean) ** 2 + (load[j] - mean) ** 2
+            li, lj = load[i] - rates[i], load[j] + rates[j]
+            shift = (rates[j] - rates[i]) / len(load)
+            after = (li - mean - shift) ** 2 + (lj - mean - shift) ** 2
+            others = sum(
+                (load[k] - mean - shift) ** 2 - (load[k] - mean) ** 2
+                for k in range(len(load))
+                if k not in (i, j)
+            )
+            if after + others >= before - 1e-12:
+                break
+            counts[i], counts[j], load[i], load[j] = counts[i] - 1, counts[j] + 1, li, lj
     return counts

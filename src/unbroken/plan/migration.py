@@ -220,12 +220,20 @@ def migrate(
     """
     delta = auto_delta(layout) if delta is None else delta
     best, evaluated, added = layout, 0, 0
+    notes: list[str] = []
     candidate, seeded = _seed(scorer, layout, ownership)
     if candidate is not None:
         evaluated += 1
         t = scorer.time(candidate, bound=time)
         if t < time * (1 - 1e-9):
-            best, time, added = candidate, t, seeded
+            best, time = candidate, t
+            if candidate.microbatches != layout.microbatches:
+                notes.append(
+                    f"micro-batches re-owned by replica speed: {list(layout.microbatches)} -> "
+                    f"{list(candidate.microbatches)}"
+                )
+            else:
+                added = seeded
     for _ in range(rounds):
         new = progress_pass(scorer, best, delta)
         if not new:
@@ -239,11 +247,10 @@ def migrate(
         if t >= time * (1 - 1e-9):
             break
         best, time, added = candidate, t, added + k
-    notes: tuple[str, ...] = ()
     if added:
         moved: dict[tuple[int, int], int] = defaultdict(int)
         for m in best.migrations:
             moved[(m.stage, m.replica)] += 1
         where = ", ".join(f"stage {s} -> replica {d}: {n}" for (s, d), n in sorted(moved.items()))
-        notes = (f"delta {delta}: {added} micro-batch stages migrated ({where})",)
-    return Improvement(best, time, notes, evaluated)
+        notes.append(f"delta {delta}: {added} micro-batch stages migrated ({where})")
+    return Improvement(best, time, tuple(notes), evaluated)

@@ -10,9 +10,9 @@ three steps of ResiHP §6 in order, each to the previous step's layout:
    upstream of a slow link — each candidate timed by the simulator;
 3. `migration`: Algorithm 1's progress-aware stage migrations;
 
-and, as an alternative to step 3, every replica its own layer split with its micro-batches
-re-owned by speed (`repartition.repartition_each`, an extension named there), kept only if it
-beats the three steps.
+and, as an alternative to steps 2-3, every affected replica its own layer split (from step 1's
+layout) with the micro-batches re-owned by speed (`repartition.repartition_each`, an extension
+named there), kept only if it beats the three steps.
 
 Every layout is timed by `unbroken.plan.score` (the dry-run simulator, on a reduced plan). A
 step's layout replaces the previous one only if it is predicted faster (or if the previous one
@@ -193,6 +193,7 @@ def plan_for_state(
         changed = ex.layout != run.current
         t = scorer.time(ex.layout) if changed else run.current_s
         run.offer("exclusion", ex.layout, t, ex.notes, int(changed))
+    after_exclusion, exclusion_s = run.best, run.best_s
     if config.repartition:
         imp = repartition(scorer, run.best, run.best_s, budget=config.budget)
         run.offer("repartition", imp.layout, imp.time, imp.notes, imp.evaluated)
@@ -200,7 +201,6 @@ def plan_for_state(
     if config.reorder:
         imp = deepen_inflight(scorer, run.best, run.best_s, budget=config.budget)
         run.offer("reorder", imp.layout, imp.time, imp.notes, imp.evaluated)
-    before_migration, before_s = run.best, run.best_s
     if config.migration:
         imp = migrate(
             scorer,
@@ -212,9 +212,9 @@ def plan_for_state(
         )
         run.offer("migration", imp.layout, imp.time, imp.notes, imp.evaluated)
     if config.repartition and config.ownership:
-        imp = repartition_each(scorer, before_migration, before_s, budget=config.budget)
+        imp = repartition_each(scorer, after_exclusion, exclusion_s, budget=config.budget)
         run.offer(
-            "per-replica repartition (instead of migration)",
+            "per-replica repartition (instead of steps 2-3)",
             imp.layout,
             imp.time,
             imp.notes,

@@ -142,10 +142,22 @@ def _signature(scorer: Scorer, layout: Layout, d: int) -> tuple:
     return (tuple(parts), layout.microbatches[d], layout.inflight[d])
 
 
+def _affected(scorer: Scorer, layout: Layout, d: int) -> bool:
+    """A replica with a slowed group, a slow link, or a narrower group than its peers."""
+    for s, g in enumerate(layout.replicas[d].stages):
+        widest = max(rep.stages[s].tp for rep in layout.replicas)
+        slow_link = any(scorer.state.device(r).link_speed < 1 for r in g.ranks)
+        if scorer.slowness(g.ranks) > 1 or slow_link or g.tp < widest:
+            return True
+    return False
+
+
 def repartition_each(
     scorer: Scorer, layout: Layout, time: float, *, budget: int = 64
 ) -> Improvement:
-    """The per-replica repartition of the module docstring, with re-owned micro-batches."""
+    """The per-replica repartition of the module docstring, with re-owned micro-batches: each
+    affected replica (a slowed or narrowed group, a slow link) of `layout` gets its own split,
+    the others keep theirs."""
     if layout.dp == 1 or layout.pp == 1:
         return Improvement(layout, time, (), 0)
     found: dict[tuple, tuple[int, ...]] = {}
@@ -156,6 +168,9 @@ def repartition_each(
             microbatches=(layout.microbatches[d],),
             inflight=(layout.inflight[d],),
         )
+        if not _affected(scorer, layout, d):
+            replicas.append(layout.replicas[d])
+            continue
         key = _signature(scorer, layout, d)
         if key not in found:
             imp = repartition(scorer, alone, scorer.time(alone), budget=budget)

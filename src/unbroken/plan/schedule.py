@@ -17,20 +17,21 @@ at the layout's own costs:
   takes whatever is ready first instead of idling. Should the bounds ever stall every group, the earliest forward is let
   through, which always makes progress.
 
-[Note: receive placement] Sends go right after the compute that produced them; a receive goes
-into the batch before the first step that starts after its message *arrives* in the list
-schedule (which prices each message with its link time, as the simulator does), so a group
-never waits in an early batch for data it needs only later — which matters most on a slow link.
-With blocking sends that placement is not always safe (a receive placed late can close a cycle
-of waits through a faster third group), so each component also gets the placement of
-[Note: migration placement] in `unbroken.parallel.schedules`: its orders replayed with instant
-transfers are a blocking-send execution in which every transfer sits at the same instant on
-both ends, so those lists cannot deadlock. Where the two placements differ, the arrival-time
-one is kept only if the simulator's blocking replay completes (`unbroken.plan.score` decides,
-`to_plan` takes its decision). Messages are chunked for heterogeneous TP degrees as in
-`parallel.schedules` (`parallel.p2p_chunks`). Replicas linked by migrations are scheduled
-together, every other replica on its own, so a replica's lists do not depend on unrelated
-replicas (the scorer relies on it).
+[Note: receive placement] Sends go right after the compute that produced them. A receive goes
+into the batch before the first step that starts after its message is there in the list
+schedule — the schedule itself is the witness of [Note: migration placement] in
+`unbroken.parallel.schedules`: listed with instant transfers, it is a blocking-send execution in
+which every transfer sits at the same instant on both ends, so those lists cannot deadlock (the
+*instant* placement). Over a slow link that placement makes a group wait in an early batch for
+data it needs only later, so a component with a slow link is listed with each message's link
+time instead and a receive goes where the message *arrives* (the *arrival* placement). With
+blocking sends that placement is not always safe (a receive placed late can close a cycle of
+waits through a faster third group); it is kept only if the simulator's blocking replay
+completes, else the instant one is used (`unbroken.plan.score` decides, `to_plan` takes its
+decision). Messages are chunked for heterogeneous TP degrees as in `parallel.schedules`
+(`parallel.p2p_chunks`). Replicas linked by migrations are scheduled together, every other
+replica on its own, so a replica's lists do not depend on unrelated replicas (the scorer relies
+on it).
 
 The timing of a plan is never taken from this schedule: `unbroken.parallel.simulate` times it.
 """
@@ -246,6 +247,9 @@ def _instant(orders: Orders, cost: ComputeCost, pp: int) -> Orders:
 
 def _transfers(kind: ActionKind, k: int, m: int, src, dst, rank: int) -> list[Action]:
     """This rank's chunks of one message (as in `parallel.schedules`)."""
+    if len(src) == 1 and len(dst) == 1:  # one chunk (every reduced plan): no routing to do
+        peer = dst[0] if kind in (ActionKind.SEND_F, ActionKind.SEND_B) else src[0]
+        return [Action(kind, k, m, peer)]
     chunks = p2p_chunks(src, dst)
     n = len(chunks)
     if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
@@ -325,20 +329,29 @@ def component_actions(
         cost: compute seconds per group and kind.
         link: message seconds between groups.
         safe: use the instant-transfer placement (always deadlock-free) instead of the
-            arrival-time one.
+            arrival-time one; its orders are then listed with instant transfers too, so the
+            list schedule is its own witness.
 
     Returns:
-        (rank -> actions, whether the two placements differ for this component).
+        (rank -> actions, whether the arrival-time placement differs from the instant one; False
+        when `safe`).
     """
+    if safe:
+        orders = order_component(layout, replicas, cost)
+        placer = _Placer(layout, orders, _no_link)
+        actions: dict[int, tuple[Action, ...]] = {}
+        for g in orders.order:
+            actions.update(placer.group(g, placer.slots(g)))
+        return actions, False
     orders = order_component(layout, replicas, cost, link)
     instant = _instant(orders, cost, layout.pp)
     timed, witness = _Placer(layout, orders, link), _Placer(layout, instant, _no_link)
-    actions: dict[int, tuple[Action, ...]] = {}
+    actions = {}
     differs = False
     for g in orders.order:
-        late, early = timed.slots(g), witness.slots(g)
-        differs |= late != early
-        actions.update(timed.group(g, early if safe else late))
+        late = timed.slots(g)
+        differs |= late != witness.slots(g)
+        actions.update(timed.group(g, late))
     return actions, differs
 
 

@@ -23,10 +23,10 @@ simulator provably times the same:
   for the scorer's lifetime), and a replica's timeline is read off its representative's.
 
 Receive placement ([Note: receive placement] in `unbroken.plan.schedule`): a component with a
-slow link (a device below full link speed) takes the arrival-time placement when the
-simulator's blocking replay completes, else the instant one; other components take the
-instant placement directly — on healthy links the two differ by less than 0.1 % of the
-iteration on the shapes measured (docs/scheduler.md) and the instant one needs no extra replay.
+slow link (a device below full link speed) takes the arrival placement when the simulator's
+blocking replay completes, else the instant one; other components take the instant placement
+directly — on healthy links the two differ by less than 0.1 % of the iteration on the shapes
+measured (docs/scheduler.md) and the instant one needs no extra replay.
 
 `tests/plan/test_score.py` checks the reduced time against `simulate` on the full plan.
 """
@@ -93,6 +93,8 @@ class Scorer:
     simulations: int = 0
     """Simulator runs so far (cache misses)."""
     _group: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+    _slow: dict[tuple[int, ...], float] = field(default_factory=dict)
+    _message: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = field(default_factory=dict)
 
     # -- prices --------------------------------------------------------------------------------
     def base_cost(self, g: StageGroup) -> tuple[float, float]:
@@ -107,7 +109,10 @@ class Scorer:
 
     def slowness(self, ranks: Sequence[int]) -> float:
         """A group's slowdown: its slowest member's 1 / p."""
-        return max(1.0 / self.state.device(r).speed for r in ranks)
+        key = tuple(ranks)
+        if key not in self._slow:
+            self._slow[key] = max(1.0 / self.state.device(r).speed for r in ranks)
+        return self._slow[key]
 
     def compute_cost(self, layout: Layout) -> ComputeCost:
         """Seconds of group (d, s)'s forward or backward, slowdown included."""
@@ -135,9 +140,12 @@ class Scorer:
 
     def message_s(self, src: Sequence[int], dst: Sequence[int]) -> float:
         """A whole message between two groups: its slowest chunk ([Note: reduced simulation])."""
-        chunks = p2p_chunks(src, dst)
-        nbytes = self.state.workload.message_bytes / len(chunks)
-        return max(self.link_s(a, b, nbytes) for _, a, b in chunks)
+        key = (tuple(src), tuple(dst))
+        if key not in self._message:
+            chunks = p2p_chunks(src, dst)
+            nbytes = self.state.workload.message_bytes / len(chunks)
+            self._message[key] = max(self.link_s(a, b, nbytes) for _, a, b in chunks)
+        return self._message[key]
 
     def reduce_s(self, layout: Layout) -> dict[int, float]:
         """Per stage, the gradient all-reduce across replicas: a ring over the largest shard,
@@ -352,6 +360,13 @@ class Scorer:
 def _message_pairs(small: Layout) -> set[tuple[int, int]]:
     """(sender, receiver) local ranks of every message of a reduced layout (both directions)."""
     pp = small.pp
+    if not small.migrations:  # consecutive stages of each replica
+        return {
+            pair
+            for d in range(small.dp)
+            for s in range(pp - 1)
+            for pair in ((d * pp + s, d * pp + s + 1), (d * pp + s + 1, d * pp + s))
+        }
     pairs = set()
     work = work_lists(small, range(small.dp))
     where = {(m, s): d * pp + s for (d, s), mbs in work.items() for m in mbs}
