@@ -114,3 +114,30 @@ def test_engine_compatible_plans_keep_ownership(case):
         return
     if result.layout.dp == lay.dp:
         assert result.layout.microbatches == lay.microbatches
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_plans_stay_feasible_over_a_sequence_of_failures(data):
+    """Re-planning from the planner's own last layout (per-replica splits, re-owned batches,
+    deeper bounds) after each new failure keeps every plan feasible."""
+    from unbroken.plan.baselines import ResiHP
+
+    dp, pp = data.draw(st.integers(2, 3)), data.draw(st.integers(2, 3))
+    lay = layout(dp, pp, 4, 2 * pp)
+    peak = max(need_of(lay, d, s) for d in range(dp) for s in range(pp))
+    cluster = state(lay, memory=peak * data.draw(st.sampled_from((1.0, 1.5, 3.0))))
+    policy = ResiHP(lay)
+    order = data.draw(st.permutations(list(lay.ranks)))
+    for rank in order[: data.draw(st.integers(1, 6))]:
+        if data.draw(st.booleans()):
+            cluster = cluster.with_lost(rank)
+        else:
+            cluster = cluster.with_slow(rank, speed=data.draw(st.sampled_from((0.2, 0.5))))
+        out = policy.react(cluster)
+        if not out.survived:
+            return
+        (new,) = out.layouts
+        assert not set(new.ranks) & cluster.lost
+        assert memory_problems(cluster, new) == []
+        assert sum(new.microbatches) == sum(lay.microbatches)

@@ -109,7 +109,10 @@ def policies(names: Sequence[str], initial: Layout, state: ClusterState, cache: 
             cache=cache,
         ),
         "resihp-repartition": lambda: ResiHP(
-            initial, PlannerConfig(migration=False), name="resihp-repartition", cache=cache
+            initial,
+            PlannerConfig(migration=False, ownership=False),
+            name="resihp-repartition",
+            cache=cache,
         ),
     }
     return [made[n]() for n in names]

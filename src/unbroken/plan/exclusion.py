@@ -226,10 +226,40 @@ def _reselect(state: ClusterState, layout: Layout, pool: _Pool):
     return groups, selections
 
 
-def _recombine(layout: Layout, groups, broken: list[int], pool: _Pool):
+def _fits(state: ClusterState, ranks, layers: tuple[int, int], inflight: int) -> bool:
+    return need(state, layers, len(ranks), inflight) <= capacity(state, ranks)
+
+
+def _complete(state, spare, pool: _Pool, base: int, layers) -> list[tuple[int, ...]] | None:
+    """One pipeline with the layer split `layers` of broken replica `base`: its own surviving
+    groups, other broken replicas' groups that can hold the missing stages, then groups of
+    standbys; None (everything given back) when a stage cannot be filled."""
+    pp = len(layers)
+    stages, taken, made = [], [], []
+    for s in range(pp):
+        mine = [i for i, (d, _) in enumerate(spare[s]) if d == base]
+        other = [i for i, (_, r) in enumerate(spare[s]) if _fits(state, r, layers[s], pp - s)]
+        pick = (mine or other or [None])[0]
+        group = None
+        if pick is not None:
+            entry = spare[s].pop(pick)
+            taken.append((s, entry))
+            group = entry[1]
+        else:
+            group = pool.group_for(layers[s], pp - s)
+            made += [group] if group is not None else []
+        if group is None:
+            for t, entry in taken:
+                spare[t].append(entry)
+            pool.give([r for g in made for r in g])
+            return None
+        stages.append(group)
+    return stages
+
+
+def _recombine(state: ClusterState, layout: Layout, groups, broken: list[int], pool: _Pool):
     """Complete pipelines out of broken replicas' surviving groups and the pool."""
     pp = layout.pp
-    layers = [layout.group(0, s).layers for s in range(pp)]
     spare: dict[int, list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
     for d in broken:
         for s in range(pp):
@@ -237,23 +267,13 @@ def _recombine(layout: Layout, groups, broken: list[int], pool: _Pool):
                 spare[s].append((d, groups[(d, s)]))
     rebuilt = []
     for base in sorted(broken, key=lambda d: -sum(groups[(d, s)] is not None for s in range(pp))):
-        stages = []
-        for s in range(pp):
-            mine = [i for i, (d, _) in enumerate(spare[s]) if d == base]
-            pick = mine[0] if mine else (0 if spare[s] else None)
-            if pick is not None:
-                stages.append(spare[s].pop(pick)[1])
-            else:
-                made = pool.group_for(layers[s], pp - s)
-                if made is None:
-                    break
-                stages.append(made)
-        if len(stages) == pp:
+        layers = [layout.group(base, s).layers for s in range(pp)]
+        stages = _complete(state, spare, pool, base, layers)
+        if stages is not None:
             rebuilt.append(Replica(tuple(StageGroup(r, layers[s]) for s, r in enumerate(stages))))
-        else:
-            pool.give([r for ranks in stages for r in ranks])
     for leftovers in spare.values():
         pool.give([r for _, ranks in leftovers for r in ranks])
+    layers = [layout.group(0, s).layers for s in range(pp)]
     while (stages := pool.pipeline(layers)) is not None:
         rebuilt.append(Replica(tuple(StageGroup(r, layers[s]) for s, r in enumerate(stages))))
     return rebuilt
@@ -282,14 +302,14 @@ def exclude(state: ClusterState, layout: Layout) -> Exclusion:
         )
         for d in kept
     ]
-    rebuilt = _recombine(layout, groups, broken, pool) if broken else []
+    rebuilt = _recombine(state, layout, groups, broken, pool) if broken else []
     if not replicas and not rebuilt:
         raise NoPlanError(
             f"no complete pipeline: {len(state.lost)} devices lost, "
             f"{len(pool.all())} standbys cannot hold every stage"
         )
     counts = (
-        tuple(layout.microbatches[d] for d in kept) + _spread(0, len(rebuilt))
+        tuple(layout.microbatches[d] for d in kept)
         if not broken
         else _spread(sum(layout.microbatches), len(replicas) + len(rebuilt))
     )

@@ -189,7 +189,7 @@ def plan_for_state(
         selections = ex.selections
         problems = memory_problems(state, ex.layout)
         if problems:  # pragma: no cover - exclusion only forms groups that fit
-            raise NoPlanError(f"no feasible layout: {problems[0]}")
+            raise RuntimeError(f"step 1 formed a group that does not fit: {problems[0]}")
         changed = ex.layout != run.current
         t = scorer.time(ex.layout) if changed else run.current_s
         run.offer("exclusion", ex.layout, t, ex.notes, int(changed))
