@@ -3,14 +3,15 @@
 Owns `balance_counts` (the integer program Greyhound's `solve_dp` and Oobleck's
 `_distribute_batch` solve with cvxpy / pyomo: counts n_i >= 1 summing to the batch that
 minimize the variance of n_i * t_i), `replica_rates` (t_i: a replica's simulated time per
-micro-batch when it runs alone) and `balance_simulated` (the planner's: from that start, move
-single micro-batches from the replica the simulator says finishes last to the one finishing
-first while the slowest finishes earlier — pipeline fill and drain are not proportional to the
-count, which the variance objective ignores).
+micro-batch when it runs alone) and `balance_simulated` (the planner's: counts that minimize the
+slowest replica's *simulated* time, proposed from two simulated points per replica and refined
+by timed single moves — pipeline fill and drain are not proportional to the count, which the
+variance objective ignores).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 from unbroken.plan.layout import Layout
@@ -25,19 +26,52 @@ def _alone(layout: Layout, d: int, count: int) -> Layout:
     )
 
 
-def balance_simulated(scorer: Scorer, layout: Layout, *, steps: int = 16) -> list[int]:
+def _greedy(lines: Sequence[tuple[float, float]], total: int) -> list[int]:
+    """Counts n_d >= 1 summing to `total` that minimize max_d a_d + b_d n_d: each micro-batch
+    goes where it finishes earliest."""
+    counts = [1] * len(lines)
+    heap = [(a + 2 * b, d) for d, (a, b) in enumerate(lines)]
+    heapq.heapify(heap)
+    for _ in range(total - len(lines)):
+        _, d = heapq.heappop(heap)
+        counts[d] += 1
+        a, b = lines[d]
+        heapq.heappush(heap, (a + (counts[d] + 1) * b, d))
+    return counts
+
+
+def balance_simulated(scorer: Scorer, layout: Layout, *, steps: int = 8) -> list[int]:
     """Micro-batch counts per replica (summing to the layout's batch) that minimize the slowest
-    replica's simulated time alone (module docstring), at most `steps` moves."""
+    replica's simulated time alone (module docstring).
+
+    Each replica's time is simulated at its count and one less; the line through the two points
+    proposes the counts (each micro-batch where it would finish earliest), and then at most
+    `steps` single moves, each timed, from the replica the simulator says finishes last to the
+    one finishing first.
+    """
     total = sum(layout.microbatches)
-    counts = balance_counts(replica_rates(scorer, layout), total)
-    times = [scorer.time(_alone(layout, d, n)) for d, n in enumerate(counts)]
+    if layout.dp == 1:
+        return [total]
+    memo: dict[tuple[int, int], float] = {}
+
+    def time(d: int, n: int) -> float:
+        if (d, n) not in memo:
+            memo[(d, n)] = scorer.time(_alone(layout, d, n))
+        return memo[(d, n)]
+
+    lines = []
+    for d, n in enumerate(layout.microbatches):
+        hi, lo = max(n, 2), max(n, 2) - 1
+        slope = max(time(d, hi) - time(d, lo), 1e-12)
+        lines.append((time(d, hi) - slope * hi, slope))
+    counts = _greedy(lines, total)
+    times = [time(d, n) for d, n in enumerate(counts)]
     for _ in range(steps):
         hi = max(range(len(times)), key=lambda d: (times[d], -d))
         lo = min(range(len(times)), key=lambda d: (times[d], d))
         if hi == lo or counts[hi] <= 1:
             break
-        t_hi = scorer.time(_alone(layout, hi, counts[hi] - 1))
-        t_lo = scorer.time(_alone(layout, lo, counts[lo] + 1))
+        t_hi, t_lo = time(hi, counts[hi] - 1), time(lo, counts[lo] + 1)
         rest = max((t for d, t in enumerate(times) if d not in (hi, lo)), default=0.0)
         if max(t_hi, t_lo, rest) >= times[hi]:
             break
