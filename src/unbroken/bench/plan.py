@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated subset of slow, stop, mixed, ablation, scale",
     )
     p.add_argument("--scale-repeats", type=int, default=3, help="planning-time repeats")
+    p.add_argument(
+        "--write-json", metavar="PATH", default=None, help="also write the --json object here"
+    )
 
 
 def _say(text: str) -> None:
@@ -375,22 +378,25 @@ def run(args: argparse.Namespace) -> int:
         bench.scale_time()
     _speedups(bench.rows)
     targets = _targets(bench.rows, bench.scale)
+    document = json.dumps(
+        {
+            "command": "unbroken bench plan " + " ".join(sys.argv[3:]),
+            "hardware": args.hardware,
+            "seed": args.seed,
+            "seeds": args.seeds,
+            "seconds": time.perf_counter() - began,
+            "load_average": os.getloadavg(),
+            "results": [r.to_dict() for r in bench.rows],
+            "planning_time": bench.scale,
+            "targets": targets,
+        },
+        indent=1,
+    )
+    if args.write_json:
+        with open(args.write_json, "w") as f:
+            f.write(document + "\n")
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "command": "unbroken bench plan " + " ".join(sys.argv[3:]),
-                    "hardware": args.hardware,
-                    "seed": args.seed,
-                    "seconds": time.perf_counter() - began,
-                    "load_average": os.getloadavg(),
-                    "results": [r.to_dict() for r in bench.rows],
-                    "planning_time": bench.scale,
-                    "targets": targets,
-                },
-                indent=1,
-            )
-        )
+        print(document)
     else:
         _print(bench.rows, bench.scale, targets, args)
     return 0
