@@ -245,6 +245,20 @@ def _speedups(rows: list[Row]) -> None:
                 r.extra[f"speedup_vs_{other.policy}"] = round(
                     r.samples_per_s / other.samples_per_s, 4
                 )
+        _vs_recycle_effective(members)
+
+
+def _vs_recycle_effective(members: list[Row]) -> None:
+    """Ablation (Figure 11 normalizes to ReCycle): each variant's effective samples/s (samples
+    done over the session, aborted runs included) over ReCycle's."""
+    base = next((r for r in members if r.policy == "recycle"), None)
+    if base is None or not base.scenario.startswith("ablation"):
+        return
+    ref = base.extra.get("effective_samples_per_s") or 0.0
+    for r in members:
+        mine = r.extra.get("effective_samples_per_s")
+        if ref > 0 and mine is not None:
+            r.extra["vs_recycle_effective"] = round(mine / ref, 4)
 
 
 def _ours(rows: list[Row], prefix: str):
@@ -325,6 +339,7 @@ def _print(rows: list[Row], scale: list[dict], targets: list[dict], args) -> Non
         print(
             f"  {'model':<13} {'policy':<19} {'samples/s':>9} {'iter s':>7} {'vs none':>8} "
             f"{'ours vs':>8} {'plan ms':>8}"
+            + ("  effective samples/s (vs ReCycle)" if scenario.startswith("ablation") else "")
         )
         by_model: dict[str, Row] = {r.model: r for r in members if r.policy == "resihp"}
         for r in members:
@@ -338,6 +353,12 @@ def _print(rows: list[Row], scale: list[dict], targets: list[dict], args) -> Non
                 f"  {r.model:<13} {r.policy:<19} {_fmt(r.samples_per_s):>9} "
                 f"{_fmt(r.iteration_s):>7} {_fmt(r.extra.get('speedup_vs_none')):>8} "
                 f"{_fmt(vs_ours):>8} {r.plan_ms:>8.1f}"
+                + (
+                    f"  {r.extra['effective_samples_per_s']:.2f} "
+                    f"({r.extra.get('vs_recycle_effective', 0):.2f}x)"
+                    if scenario.startswith("ablation")
+                    else ""
+                )
                 + (f"  {r.extra['survived_runs']} runs" if "survived_runs" in r.extra else "")
                 + (f"  [{r.reason}]" if r.reason else "")
             )
