@@ -114,3 +114,12 @@ def test_a_slow_link_is_priced_on_its_chunk():
     slow_s = Scorer(slow).message_s(a, b)
     assert slow_s > 50 * healthy_s  # the slowed chunk dominates the message
     assert math.isfinite(slow_s)
+
+
+def test_one_ranks_actions_match_the_full_plan():
+    lay = layout(3, 2, 2, 4).with_migrations([Migration(0, 1, 1), Migration(5, 0, 2)])
+    cluster = state(lay).with_slow(2, speed=0.5).with_slow(9, link_speed=0.01)
+    scorer = Scorer(cluster)
+    plan = scorer.plan(lay)
+    for rank in lay.ranks:
+        assert scorer.actions_of(lay, rank) == plan.actions[rank]

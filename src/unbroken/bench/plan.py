@@ -37,6 +37,7 @@ from unbroken.bench._plan_scenarios import (
     trace,
 )
 from unbroken.errors import UserError
+from unbroken.parallel import check_plan, simulate
 from unbroken.plan import plan_for_state
 from unbroken.plan.score import Scorer
 
@@ -209,10 +210,10 @@ def _planning_time(spec: JobSpec, gpus: int, hw, memory: float, args) -> dict:
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
     assert result is not None
-    materialize = time.perf_counter()
-    plan = result.plan()
-    materialize = time.perf_counter() - materialize
-    return {
+    one = time.perf_counter()
+    actions = result.actions_of(lost - 1 if lost % spec.tp else lost + 1)
+    one = time.perf_counter() - one
+    out = {
         "gpus": gpus,
         "model": spec.model,
         "layout": f"TP {spec.tp} x DP {spec.dp} x PP {spec.pp}, {spec.microbatches} micro-batches",
@@ -221,10 +222,19 @@ def _planning_time(spec: JobSpec, gpus: int, hw, memory: float, args) -> dict:
         "plan_wall_all_s": walls,
         "simulations": result.simulations,
         "predicted_s": result.predicted_s,
-        "materialize_s": materialize,
-        "actions": sum(len(a) for a in plan.actions.values()),
+        "one_rank_actions_s": one,
+        "one_rank_actions": len(actions),
         "load_average": os.getloadavg()[0],
     }
+    if gpus <= 256:  # the whole plan, checked as the engine would get it
+        began = time.perf_counter()
+        plan = result.plan()
+        out["materialize_s"] = time.perf_counter() - began
+        out["actions"] = sum(len(a) for a in plan.actions.values())
+        timeline = simulate(plan, result.scorer.costs(result.layout))
+        out["valid"] = check_plan(plan) == [] and timeline.ok
+        out["full_simulation_s"] = timeline.iteration_time
+    return out
 
 
 # -- reporting ------------------------------------------------------------------------------
@@ -368,8 +378,15 @@ def _print(rows: list[Row], scale: list[dict], targets: list[dict], args) -> Non
             print(
                 f"  {s['gpus']:>5} GPUs ({s['model']}, {s['layout']}): {s['plan_wall_s']:.2f} s "
                 f"wall, {s['plan_cpu_s']:.2f} s CPU (median of {len(s['plan_wall_all_s'])}), "
-                f"{s['simulations']} simulations; materializing the plan's "
-                f"{s['actions']} actions {s['materialize_s']:.2f} s; load {s['load_average']:.1f}"
+                f"{s['simulations']} simulations, load {s['load_average']:.1f}; one rank's "
+                f"{s['one_rank_actions']} actions in {s['one_rank_actions_s']:.2f} s"
+                + (
+                    f"; the whole plan ({s['actions']} actions) in {s['materialize_s']:.2f} s, "
+                    f"valid {s['valid']}, simulated {s['full_simulation_s']:.3f} s vs predicted "
+                    f"{s['predicted_s']:.3f} s"
+                    if "actions" in s
+                    else ""
+                )
             )
     print("\ntargets")
     for t in targets:

@@ -120,6 +120,17 @@ class PlanResult:
             return self.current_plan
         return self.scorer.plan(self.layout)
 
+    def actions_of(self, rank: int) -> tuple:
+        """`plan().actions[rank]` without materializing every rank's list (a 4,096-GPU plan
+        has ~760,000 actions; each rank needs its own).
+
+        Raises:
+            KeyError: the rank holds no stage (a standby or a lost device).
+        """
+        if self.kept_current and self.current_plan is not None and self.current_plan.actions:
+            return self.current_plan.actions[rank]
+        return self.scorer.actions_of(self.layout, rank)
+
     def explain(self) -> str:
         """A human-readable account of every step."""
         lines = [

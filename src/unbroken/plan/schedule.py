@@ -320,6 +320,7 @@ def component_actions(
     link: LinkCost,
     *,
     safe: bool,
+    only: Group | None = None,
 ) -> tuple[dict[int, tuple[Action, ...]], bool]:
     """Action lists of one component's ranks ([Note: receive placement]).
 
@@ -331,6 +332,8 @@ def component_actions(
         safe: use the instant-transfer placement (always deadlock-free) instead of the
             arrival-time one; its orders are then listed with instant transfers too, so the
             list schedule is its own witness.
+        only: place the lists of this group alone (its orders still come from the whole
+            component): one rank's lists without materializing everyone's.
 
     Returns:
         (rank -> actions, whether the arrival-time placement differs from the instant one; False
@@ -341,7 +344,8 @@ def component_actions(
         placer = _Placer(layout, orders, _no_link)
         actions: dict[int, tuple[Action, ...]] = {}
         for g in orders.order:
-            actions.update(placer.group(g, placer.slots(g)))
+            if only is None or g == only:
+                actions.update(placer.group(g, placer.slots(g)))
         return actions, False
     orders = order_component(layout, replicas, cost, link)
     instant = _instant(orders, cost, layout.pp)
@@ -349,6 +353,8 @@ def component_actions(
     actions = {}
     differs = False
     for g in orders.order:
+        if only is not None and g != only:
+            continue
         late = timed.slots(g)
         differs |= late != witness.slots(g)
         actions.update(timed.group(g, late))

@@ -230,6 +230,27 @@ class Scorer:
         safe = {comp[0] for result, (comp, _) in self._components(layout) if result.safe}
         return to_plan(layout, self.compute_cost(layout), self.group_link(layout), safe)
 
+    def actions_of(self, layout: Layout, rank: int) -> tuple:
+        """One rank's action list of `scorer.plan(layout)`, without materializing the others
+        (each rank of a large job needs only its own).
+
+        Raises:
+            KeyError: the rank holds no stage in the layout.
+        """
+        d, s = layout.skeleton.locate(rank)
+        for result, (comp, _) in self._components(layout):
+            if d in comp:
+                acts, _ = component_actions(
+                    layout,
+                    comp,
+                    self.compute_cost(layout),
+                    self.group_link(layout),
+                    safe=result.safe,
+                    only=(d, s),
+                )
+                return acts[rank]
+        raise KeyError(rank)  # pragma: no cover - every replica is in a component
+
     def _components(
         self,
         layout: Layout,
