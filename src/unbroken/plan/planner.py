@@ -36,7 +36,7 @@ from unbroken.plan.memory import fits, memory_problems
 from unbroken.plan.migration import migrate
 from unbroken.plan.repartition import deepen_inflight, repartition, repartition_each
 from unbroken.plan.score import Scorer
-from unbroken.plan.state import ClusterState
+from unbroken.plan.state import ClusterState, Device, DeviceStatus
 
 __all__ = ["NoPlanError", "PlanResult", "PlannerConfig", "StepReport", "plan_for_state"]
 
@@ -208,7 +208,6 @@ def plan_for_state(
     if config.repartition:
         imp = repartition(scorer, run.best, run.best_s, budget=config.budget)
         run.offer("repartition", imp.layout, imp.time, imp.notes, imp.evaluated)
-
     if config.reorder:
         imp = deepen_inflight(scorer, run.best, run.best_s, budget=config.budget)
         run.offer("reorder", imp.layout, imp.time, imp.notes, imp.evaluated)
@@ -254,8 +253,6 @@ def plan_for_state(
 def _lost_only(state: ClusterState) -> ClusterState:
     """The state with every slow device counted healthy for step 1 (so that only lost devices
     trigger a re-selection) — the ablation without exclusion of slow devices."""
-    from unbroken.plan.state import Device, DeviceStatus
-
     devices = tuple(
         d
         if not d.alive or d.status is DeviceStatus.HEALTHY
