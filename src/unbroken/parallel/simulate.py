@@ -358,17 +358,9 @@ def simulate(
     replay = _Replay(plan, costs, eager=sends == "eager")
     replay.run()
     stuck = replay.stuck()
-    if not stuck and replay.eager and check_blocking:
-        blocking = _Replay(plan, costs, eager=False)
-        blocking.run()
-        stuck_blocking = [
-            Problem(p.rank, p.index, p.action, f"deadlock with blocking sends: {p.reason}")
-            for p in blocking.stuck()
-        ]
-    else:
-        stuck_blocking = []
+    blocked = _blocking(plan, costs) if not stuck and replay.eager and check_blocking else []
     static = tuple(check_plan(plan)) if static_checks else ()
-    problems = static + tuple(stuck) + tuple(stuck_blocking)
+    problems = static + tuple(stuck) + tuple(blocked)
     timed = tuple(
         TimedAction(r, i, replay.acts[r][i], replay.start[(r, i)], replay.end[(r, i)])
         for r, acts in replay.acts.items()
@@ -390,6 +382,16 @@ def simulate(
         critical_path=_critical_path(replay, timed),
         deadlocks=problems,
     )
+
+
+def _blocking(plan: ParallelPlan, costs: Costs) -> list[Problem]:
+    """The actions a replay with blocking sends leaves stuck (orders that would hang there)."""
+    blocking = _Replay(plan, costs, eager=False)
+    blocking.run()
+    return [
+        Problem(p.rank, p.index, p.action, f"deadlock with blocking sends: {p.reason}")
+        for p in blocking.stuck()
+    ]
 
 
 def _critical_path(replay: _Replay, timed: tuple[TimedAction, ...]) -> tuple[TimedAction, ...]:

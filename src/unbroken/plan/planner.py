@@ -193,18 +193,50 @@ def plan_for_state(
     config = config or PlannerConfig()
     scorer = scorer or Scorer(state)
     run = _Run(state, scorer, current)
-    selections: tuple[Selection, ...] = ()
-    needs_exclusion = not math.isfinite(run.current_s) or config.exclusion
-    if needs_exclusion:
-        ex = exclude(state if config.exclusion else _lost_only(state), run.current)
-        selections = ex.selections
-        problems = memory_problems(state, ex.layout)
-        if problems:  # pragma: no cover - exclusion only forms groups that fit
-            raise RuntimeError(f"step 1 formed a group that does not fit: {problems[0]}")
-        changed = ex.layout != run.current
-        t = scorer.time(ex.layout) if changed else run.current_s
-        run.offer("exclusion", ex.layout, t, ex.notes, int(changed))
+    selections = _exclusion(run, config)
     after_exclusion, exclusion_s = run.best, run.best_s
+    _pipeline_and_migration(run, config)
+    if config.repartition and config.ownership:
+        imp = repartition_each(scorer, after_exclusion, exclusion_s, budget=config.budget)
+        name = "per-replica repartition (instead of steps 2-3)"
+        run.offer(name, imp.layout, imp.time, imp.notes, imp.evaluated)
+    if not math.isfinite(run.best_s):
+        raise NoPlanError("no layout of the live devices can run")
+    used = set(run.best.ranks)
+    excluded = any(s.step == "exclusion" and s.kept for s in run.steps)
+    return PlanResult(
+        layout=run.best,
+        standbys=tuple(d.rank for d in state.devices if d.alive and d.rank not in used),
+        current_s=run.current_s,
+        predicted_s=run.best_s,
+        steps=tuple(run.steps),
+        selections=selections if excluded else (),
+        kept_current=run.best is run.current,
+        planning_s=time.perf_counter() - began,
+        simulations=scorer.simulations,
+        scorer=scorer,
+        current_plan=state.plan if current is None else None,
+    )
+
+
+def _exclusion(run: _Run, config: PlannerConfig) -> tuple[Selection, ...]:
+    """Step 1 (always when the running plan cannot run: it uses a lost device)."""
+    if math.isfinite(run.current_s) and not config.exclusion:
+        return ()
+    state = run.state
+    ex = exclude(state if config.exclusion else _lost_only(state), run.current)
+    problems = memory_problems(state, ex.layout)
+    if problems:  # pragma: no cover - exclusion only forms groups that fit
+        raise RuntimeError(f"step 1 formed a group that does not fit: {problems[0]}")
+    changed = ex.layout != run.current
+    t = run.scorer.time(ex.layout) if changed else run.current_s
+    run.offer("exclusion", ex.layout, t, ex.notes, int(changed))
+    return ex.selections
+
+
+def _pipeline_and_migration(run: _Run, config: PlannerConfig) -> None:
+    """Steps 2 and 3, each from the best layout so far."""
+    scorer = run.scorer
     if config.repartition:
         imp = repartition(scorer, run.best, run.best_s, budget=config.budget)
         run.offer("repartition", imp.layout, imp.time, imp.notes, imp.evaluated)
@@ -221,33 +253,6 @@ def plan_for_state(
             ownership=config.ownership,
         )
         run.offer("migration", imp.layout, imp.time, imp.notes, imp.evaluated)
-    if config.repartition and config.ownership:
-        imp = repartition_each(scorer, after_exclusion, exclusion_s, budget=config.budget)
-        run.offer(
-            "per-replica repartition (instead of steps 2-3)",
-            imp.layout,
-            imp.time,
-            imp.notes,
-            imp.evaluated,
-        )
-    if not math.isfinite(run.best_s):
-        raise NoPlanError("no layout of the live devices can run")
-    kept_current = run.best is run.current
-    used = set(run.best.ranks)
-    excluded = any(s.step == "exclusion" and s.kept for s in run.steps)
-    return PlanResult(
-        layout=run.best,
-        standbys=tuple(d.rank for d in state.devices if d.alive and d.rank not in used),
-        current_s=run.current_s,
-        predicted_s=run.best_s,
-        steps=tuple(run.steps),
-        selections=selections if excluded else (),
-        kept_current=kept_current,
-        planning_s=time.perf_counter() - began,
-        simulations=scorer.simulations,
-        scorer=scorer,
-        current_plan=state.plan if current is None else None,
-    )
 
 
 def _lost_only(state: ClusterState) -> ClusterState:
