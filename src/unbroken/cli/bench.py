@@ -17,6 +17,7 @@ BENCHMARKS = {
     "detect": "unbroken.bench.detect",
     "engine": "unbroken.bench.engine",
     "gpu": "unbroken.bench.gpu",
+    "plan": "unbroken.bench.plan",
 }
 """Subcommand name -> harness module. A benchmark whose module is absent from this checkout is
 not offered."""

@@ -18,6 +18,7 @@ SUBCOMMANDS = (
     "unbroken.cli.train",
     "unbroken.cli.simulate",
     "unbroken.cli.report",
+    "unbroken.cli.plan",
     "unbroken.cli.bench",
 )
 

@@ -331,6 +331,7 @@ def simulate(
     *,
     sends: Literal["rendezvous", "eager"] = "eager",
     check_blocking: bool = True,
+    static_checks: bool = True,
 ) -> Timeline:
     """Replay one iteration of `plan` under `costs` (see the module docstring for the model).
 
@@ -342,6 +343,9 @@ def simulate(
         check_blocking: with eager timing, also replay under blocking sends to report orders
             that would hang there (one more replay; callers that time a plan already known
             to be sound, like the fail-slow detector in a loop, may skip it).
+        static_checks: also run `unbroken.parallel.check.check_plan` and report its problems
+            (a caller that times many plans it generated itself, like the scheduler scoring
+            candidates, may skip it; stuck actions are reported either way).
 
     Returns:
         The timeline; check ``timeline.ok`` or ``timeline.deadlocks`` before trusting times.
@@ -354,16 +358,9 @@ def simulate(
     replay = _Replay(plan, costs, eager=sends == "eager")
     replay.run()
     stuck = replay.stuck()
-    if not stuck and replay.eager and check_blocking:
-        blocking = _Replay(plan, costs, eager=False)
-        blocking.run()
-        stuck_blocking = [
-            Problem(p.rank, p.index, p.action, f"deadlock with blocking sends: {p.reason}")
-            for p in blocking.stuck()
-        ]
-    else:
-        stuck_blocking = []
-    problems = tuple(check_plan(plan)) + tuple(stuck) + tuple(stuck_blocking)
+    blocked = _blocking(plan, costs) if not stuck and replay.eager and check_blocking else []
+    static = tuple(check_plan(plan)) if static_checks else ()
+    problems = static + tuple(stuck) + tuple(blocked)
     timed = tuple(
         TimedAction(r, i, replay.acts[r][i], replay.start[(r, i)], replay.end[(r, i)])
         for r, acts in replay.acts.items()
@@ -385,6 +382,16 @@ def simulate(
         critical_path=_critical_path(replay, timed),
         deadlocks=problems,
     )
+
+
+def _blocking(plan: ParallelPlan, costs: Costs) -> list[Problem]:
+    """The actions a replay with blocking sends leaves stuck (orders that would hang there)."""
+    blocking = _Replay(plan, costs, eager=False)
+    blocking.run()
+    return [
+        Problem(p.rank, p.index, p.action, f"deadlock with blocking sends: {p.reason}")
+        for p in blocking.stuck()
+    ]
 
 
 def _critical_path(replay: _Replay, timed: tuple[TimedAction, ...]) -> tuple[TimedAction, ...]:

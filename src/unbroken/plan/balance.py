@@ -1,0 +1,151 @@
+"""Integer balancing of micro-batches across data-parallel groups of different speeds.
+
+Owns `balance_counts` (the integer program Greyhound's `solve_dp` and Oobleck's
+`_distribute_batch` solve with cvxpy / pyomo: counts n_i >= 1 summing to the batch that
+minimize the variance of n_i * t_i), `replica_rates` (t_i: a replica's simulated time per
+micro-batch when it runs alone) and `balance_simulated` (the planner's: counts that minimize the
+slowest replica's *simulated* time, proposed from two simulated points per replica and refined
+by timed single moves — pipeline fill and drain are not proportional to the count, which the
+variance objective ignores).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from unbroken.plan.layout import Layout
+from unbroken.plan.score import Scorer
+
+__all__ = ["balance_counts", "balance_simulated", "replica_rates"]
+
+
+def _alone(layout: Layout, d: int, count: int) -> Layout:
+    return Layout(
+        replicas=(layout.replicas[d],), microbatches=(count,), inflight=(layout.inflight[d],)
+    )
+
+
+def _greedy(lines: Sequence[tuple[float, float]], total: int) -> list[int]:
+    """Counts n_d >= 1 summing to `total` that minimize max_d a_d + b_d n_d: each micro-batch
+    goes where it finishes earliest."""
+    counts = [1] * len(lines)
+    heap = [(a + 2 * b, d) for d, (a, b) in enumerate(lines)]
+    heapq.heapify(heap)
+    for _ in range(total - len(lines)):
+        _, d = heapq.heappop(heap)
+        counts[d] += 1
+        a, b = lines[d]
+        heapq.heappush(heap, (a + (counts[d] + 1) * b, d))
+    return counts
+
+
+def balance_simulated(scorer: Scorer, layout: Layout, *, steps: int = 8) -> list[int]:
+    """Micro-batch counts per replica (summing to the layout's batch) that minimize the slowest
+    replica's simulated time alone (module docstring).
+
+    Each replica's time is simulated at its count and one less; the line through the two points
+    proposes the counts (each micro-batch where it would finish earliest), and then at most
+    `steps` single moves, each timed, from the replica the simulator says finishes last to the
+    one finishing first.
+    """
+    total = sum(layout.microbatches)
+    if layout.dp == 1:
+        return [total]
+    memo: dict[tuple[int, int], float] = {}
+
+    def time(d: int, n: int) -> float:
+        if (d, n) not in memo:
+            memo[(d, n)] = scorer.time(_alone(layout, d, n))
+        return memo[(d, n)]
+
+    lines = []
+    for d, n in enumerate(layout.microbatches):
+        hi, lo = max(n, 2), max(n, 2) - 1
+        slope = max(time(d, hi) - time(d, lo), 1e-12)
+        lines.append((time(d, hi) - slope * hi, slope))
+    counts = _greedy(lines, total)
+    times = [time(d, n) for d, n in enumerate(counts)]
+    for _ in range(steps):
+        hi = max(range(len(times)), key=lambda d: (times[d], -d))
+        lo = min(range(len(times)), key=lambda d: (times[d], d))
+        if hi == lo or counts[hi] <= 1:
+            break
+        t_hi, t_lo = time(hi, counts[hi] - 1), time(lo, counts[lo] + 1)
+        rest = max((t for d, t in enumerate(times) if d not in (hi, lo)), default=0.0)
+        if max(t_hi, t_lo, rest) >= times[hi]:
+            break
+        counts[hi], counts[lo] = counts[hi] - 1, counts[lo] + 1
+        times[hi], times[lo] = t_hi, t_lo
+    return counts
+
+
+def replica_rates(scorer: Scorer, layout: Layout) -> list[float]:
+    """Per replica, seconds per micro-batch of its pipeline simulated alone with its own
+    micro-batches (no migrations)."""
+    out = []
+    for d in range(layout.dp):
+        count = max(layout.microbatches[d], 1)
+        out.append(scorer.time(_alone(layout, d, count)) / count)
+    return out
+
+
+def balance_counts(rates: Sequence[float], total: int, weights: Sequence[int] = ()) -> list[int]:
+    """Integer micro-batch counts n_i >= 1 with sum(w_i n_i) = total that minimize the variance
+    of n_i * t_i (Greyhound's `solve_dp`; Oobleck's `_distribute_batch` with w_i instances).
+
+    Args:
+        rates: t_i, seconds per micro-batch of each group.
+        total: micro-batches to place.
+        weights: instances of each group (default 1 each).
+
+    Raises:
+        ValueError: fewer micro-batches than groups.
+    """
+    w = list(weights) or [1] * len(rates)
+    if total < sum(w):
+        raise ValueError(f"{total} micro-batches cannot give each of {sum(w)} groups one")
+    inv = [1.0 / t for t in rates]
+    share = [total * x / sum(i * wi for i, wi in zip(inv, w, strict=True)) for x in inv]
+    counts = [max(1, int(s)) for s in share]
+    while sum(c * wi for c, wi in zip(counts, w, strict=True)) > total:
+        i = max(
+            (i for i in range(len(counts)) if counts[i] > 1), key=lambda i: counts[i] * rates[i]
+        )
+        counts[i] -= 1
+    while sum(c * wi for c, wi in zip(counts, w, strict=True)) < total:
+        fits = [
+            i
+            for i in range(len(counts))
+            if w[i] <= total - sum(c * wi for c, wi in zip(counts, w, strict=True))
+        ]
+        i = min(fits, key=lambda i: ((counts[i] + 1) * rates[i], i))
+        counts[i] += 1
+    return _polish(counts, rates, w)
+
+
+def _polish(counts: list[int], rates: Sequence[float], w: Sequence[int]) -> list[int]:
+    """Single moves from the most to the least loaded group of each weight while the variance of
+    n_i t_i drops (a move between i and j changes only their two terms)."""
+    load = [c * t for c, t in zip(counts, rates, strict=True)]
+    for weight in sorted(set(w)):
+        members = [i for i in range(len(counts)) if w[i] == weight]
+        while len(members) > 1:
+            i = max(members, key=lambda k: (load[k], -k))
+            j = min(members, key=lambda k: (load[k] + rates[k], k))
+            if i == j or counts[i] <= 1:
+                break
+            mean = sum(load) / len(load)
+            before = (load[i] - mean) ** 2 + (load[j] - mean) ** 2
+            li, lj = load[i] - rates[i], load[j] + rates[j]
+            shift = (rates[j] - rates[i]) / len(load)
+            after = (li - mean - shift) ** 2 + (lj - mean - shift) ** 2
+            others = sum(
+                (load[k] - mean - shift) ** 2 - (load[k] - mean) ** 2
+                for k in range(len(load))
+                if k not in (i, j)
+            )
+            if after + others >= before - 1e-12:
+                break
+            counts[i], counts[j], load[i], load[j] = counts[i] - 1, counts[j] + 1, li, lj
+    return counts

@@ -1,0 +1,106 @@
+"""Steps 2 and 3: repartition, reordering and migration are chosen by the simulator and never
+make a layout slower."""
+
+from __future__ import annotations
+
+from tests.plan.helpers import GiB, layout, state
+from unbroken.plan import PlannerConfig, Scorer, plan_for_state
+from unbroken.plan.balance import balance_counts, balance_simulated
+from unbroken.plan.migration import auto_delta, migrate, progress_pass
+from unbroken.plan.repartition import deepen_inflight, repartition, repartition_each
+
+
+def test_a_slow_stage_gives_layers_away():
+    lay = layout(1, 3, 1, 6, layers=12)
+    cluster = state(lay).with_slow(lay.group(0, 1).ranks[0], speed=0.4)
+    scorer = Scorer(cluster)
+    before = scorer.time(lay)
+    imp = repartition(scorer, lay, before)
+    assert imp.time < before
+    split = imp.layout.split(0)
+    assert split[1] < 4 and split[0] + split[2] > 8  # Figure 5: (4, 4, 4) -> fewer in the middle
+    assert imp.notes and "layers per stage" in imp.notes[0]
+
+
+def test_repartition_respects_memory():
+    lay = layout(1, 2, 1, 4)
+    need = max(
+        state(lay).workload.device_bytes(g.layers, 1, lay.inflight[0][s])
+        for s, g in enumerate(lay.replicas[0].stages)
+    )
+    cluster = state(lay, memory=need * 1.01).with_slow(lay.group(0, 1).ranks[0], speed=0.3)
+    scorer = Scorer(cluster)
+    imp = repartition(scorer, lay, scorer.time(lay))
+    assert imp.layout.split(0) == lay.split(0)  # one more layer on stage 0 would not fit
+
+
+def test_reordering_hides_a_slow_link_and_migration_balances_replicas():
+    lay = layout(2, 2, 4, 8)  # one node per stage: the boundary is on the network
+    cluster = state(lay).with_slow(lay.group(0, 0).ranks[0], link_speed=0.003)
+    scorer = Scorer(cluster)
+    base = scorer.time(lay)
+    deeper = deepen_inflight(scorer, lay, base)
+    assert deeper.time < base
+    assert deeper.layout.inflight[0][0] > lay.inflight[0][0]
+    moved = migrate(scorer, deeper.layout, deeper.time, ownership=False)
+    assert moved.time <= deeper.time
+
+
+def test_algorithm1_moves_stages_of_the_lagging_replica_to_the_leading_one():
+    lay = layout(2, 2, 1, 8)
+    cluster = state(lay).with_slow(lay.group(0, 0).ranks[0], speed=0.5)
+    scorer = Scorer(cluster)
+    new = progress_pass(scorer, lay, delta=1)
+    assert new and all(m.replica == 1 for m in new)
+    assert all(lay.skeleton.owner(m.microbatch) == 0 for m in new)
+    assert auto_delta(lay) == 1
+    imp = migrate(scorer, lay, scorer.time(lay), ownership=False)
+    assert imp.time < scorer.time(lay)
+    assert imp.layout.microbatches == lay.microbatches  # ownership kept: work moved by migration
+
+
+def test_balance_counts_minimizes_the_variance_of_load():
+    assert balance_counts([1.0, 1.0], 8) == [4, 4]
+    assert balance_counts([1.0, 3.0], 8) == [6, 2]
+    assert sum(balance_counts([1.0, 2.0, 5.0], 17)) == 17
+    assert balance_counts([1.0, 1.0], 6, weights=[2, 1]) == [2, 2]
+
+
+def test_simulated_balance_never_leaves_the_slowest_replica_slower():
+    lay = layout(2, 2, 2, 8)
+    cluster = state(lay).with_lost(lay.group(0, 0).ranks[0])
+    scorer = Scorer(cluster)
+    from unbroken.plan.exclusion import exclude
+
+    shrunk = exclude(cluster, lay).layout
+    counts = balance_simulated(scorer, shrunk)
+    assert sum(counts) == 16 and counts[0] < counts[1]
+
+
+def test_per_replica_repartition_reowns_micro_batches():
+    lay = layout(2, 2, 1, 8)
+    cluster = state(lay).with_slow(lay.group(0, 0).ranks[0], speed=0.5)
+    scorer = Scorer(cluster)
+    imp = repartition_each(scorer, lay, scorer.time(lay))
+    assert imp.time < scorer.time(lay)
+    assert imp.layout.split(0) != imp.layout.split(1)
+    assert sum(imp.layout.microbatches) == 16
+
+
+def test_the_ablation_switches_steps_off():
+    lay = layout(2, 2, 4, 8)
+    cluster = state(lay, memory=40 * GiB).with_slow(1, speed=0.3)
+    only = plan_for_state(
+        cluster, PlannerConfig(repartition=False, reorder=False, migration=False), current=lay
+    )
+    assert [s.step for s in only.steps] == ["exclusion"]
+    full = plan_for_state(cluster, current=lay)
+    assert full.predicted_s <= only.predicted_s
+    assert "exclusion" in full.explain()
+
+
+def test_a_healthy_cluster_keeps_its_plan():
+    lay = layout(2, 2, 2, 4)
+    result = plan_for_state(state(lay).with_plan(lay.skeleton))
+    assert result.predicted_s <= result.current_s
+    assert result.standbys == ()
