@@ -33,8 +33,8 @@ from unbroken.config import (
     TrainConfig,
 )
 from unbroken.detect.timing import PhaseTimer
+from unbroken.engine.replica import build_training
 from unbroken.train import Trainer
-from unbroken.train.build import build_training
 from unbroken.update import PlainUpdater
 
 

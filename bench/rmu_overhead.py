@@ -22,8 +22,8 @@ import time
 import torch
 
 from unbroken.config.demo import demo_config
+from unbroken.engine.replica import build_training
 from unbroken.train import Trainer
-from unbroken.train.build import build_training
 from unbroken.update import PlainUpdater
 from unbroken.update.layout import RetainedLayout
 from unbroken.update.rmu import ResumableUpdater, state_from_regions

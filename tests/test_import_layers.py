@@ -61,19 +61,11 @@ class KnownViolation:
     why: str
 
 
-# [Note: known import violations] The only imports allowed to break the contract. Each lives
-# in a file that the orchestration redesign (issue 14, items 1-5) rewrites, and is removed by
-# the orchestration redesign; delete its entry in the same change (an entry whose import is
-# gone fails `test_known_violations_still_exist`). Never add an entry for new code.
-KNOWN_VIOLATIONS = (
-    KnownViolation(
-        "unbroken.train.build",
-        "unbroken.update",
-        "src/unbroken/train/build.py:28",
-        "train (below update) builds the updater's chunk geometry: a composition root inside "
-        "a foundation package; removed by the orchestration redesign",
-    ),
-)
+# [Note: known import violations] Imports allowed to break the contract: none. The
+# orchestration redesign (issue 14) removed the three it found (train/build importing update,
+# the run summary importing inject, the launch.restore <-> launch.retained cycle). Never add an
+# entry for new code; an entry whose import is gone fails `test_known_violations_still_exist`.
+KNOWN_VIOLATIONS: tuple[KnownViolation, ...] = ()
 
 
 def _graph(*, known_removed: bool = True) -> grimp.ImportGraph:

@@ -222,7 +222,7 @@ def _check_gpu_retained(cfg: JobConfig) -> bool:
 
 def _check_user_objects(cfg: JobConfig, search: list[str]) -> None:
     """Fail in the CLI process, with one line, if a user factory or dataset can't be imported."""
-    from unbroken.train.build import import_object
+    from unbroken.engine.replica import import_object
 
     if cfg.model.factory:
         import_object(cfg.model.factory, "model.factory", search)

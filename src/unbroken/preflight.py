@@ -102,7 +102,7 @@ def _meta_model(cfg: JobConfig, search: list[str]):
 
     if not cfg.model.factory:
         return build_model(resolve_args(cfg.model), device="meta")
-    from unbroken.train.build import import_object
+    from unbroken.engine.replica import import_object
 
     factory = import_object(cfg.model.factory, "model.factory", search)
     try:
@@ -228,7 +228,7 @@ def _activation_bytes(cfg: JobConfig) -> int:
 
 def estimate_memory(cfg: JobConfig, model, cuda: bool) -> MemoryEstimate | None:
     """What one rank of the job needs, or None when the model is unknown here."""
-    from unbroken.train.build import state_geometry
+    from unbroken.engine.replica import state_geometry
     from unbroken.update.layout import RetainedLayout
 
     if model is None:

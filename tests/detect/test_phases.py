@@ -6,7 +6,7 @@ from unbroken.bench.detect_phases import PhasedSource, split_documents
 from unbroken.bench.detect_varlen import varlen_loss
 from unbroken.config import DataConfig, JobConfig, ModelConfig, TrainConfig
 from unbroken.data.packing import IGNORE_INDEX
-from unbroken.train.build import build_training
+from unbroken.engine.replica import build_training
 from unbroken.train.loop import reference_loss
 
 CFG = JobConfig(

@@ -8,7 +8,7 @@ import torch
 from unbroken.bench.detect_varlen import varlen_loss
 from unbroken.config import DataConfig, JobConfig, ModelConfig, TrainConfig
 from unbroken.detect.timing import PhaseTimer
-from unbroken.train.build import build_training
+from unbroken.engine.replica import build_training
 from unbroken.train.loop import reference_loss
 
 from ..foundation.conftest import local_trainer

@@ -23,8 +23,8 @@ def local_trainer(cfg: JobConfig, *, n_shards: int = 1, hooks=(), **trainer_kw):
     updater, as most single-process tests build it. Returns (built, trainer)."""
     import torch
 
+    from unbroken.engine.replica import build_training
     from unbroken.train import Trainer
-    from unbroken.train.build import build_training
     from unbroken.update import PlainUpdater
 
     built = build_training(cfg, n_shards=n_shards, device=torch.device("cpu"))

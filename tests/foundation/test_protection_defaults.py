@@ -4,8 +4,8 @@ import pytest
 
 from unbroken import api
 from unbroken.config import JobConfig, ProtectionConfig
+from unbroken.engine.replica import state_geometry
 from unbroken.errors import UserError
-from unbroken.train.build import state_geometry
 
 MIB = 1 << 20
 

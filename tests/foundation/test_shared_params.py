@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from unbroken.config import DataConfig, JobConfig, ModelConfig, ProtectionConfig, TrainConfig
+from unbroken.engine.replica import build_training
 from unbroken.model import FlatLayout, build_model, resolve_args
 from unbroken.train import Phase, Trainer
-from unbroken.train.build import build_training
 from unbroken.update import ChunkStep, PlainUpdater
 from unbroken.update.layout import RetainedLayout
 from unbroken.update.marker import Stage

@@ -86,7 +86,7 @@ def test_a_chunk_view_updates_exactly_its_elements_with_their_flat_decay():
 def test_plain_and_chunked_updaters_compute_identical_states_on_the_gpu():
     """[Note: chunk-geometry] on the GPU: the plain updater's one launch over the state and
     the per-chunk launches of `ChunkStep` give the same bits."""
-    from unbroken.train.build import build_training
+    from unbroken.engine.replica import build_training
     from unbroken.update import PlainUpdater
 
     cfg = JobConfig(

@@ -13,12 +13,12 @@ import torch.distributed as dist
 from unbroken.config import DataConfig, JobConfig, ModelConfig, TrainConfig
 from unbroken.detect.levels import LEVEL_LOSS, Level, slow_factor_for, throughput_loss
 from unbroken.detect.timing import PhaseTimer
+from unbroken.engine.replica import build_training
 from unbroken.errors import UserError
 from unbroken.inject import Injector, SlowTarget, parse_fault
 from unbroken.jobstore import JobStore
 from unbroken.train import Trainer
 from unbroken.train import loop as loop_module
-from unbroken.train.build import build_training
 from unbroken.train.phases import Phase
 from unbroken.update import PlainUpdater
 

@@ -50,8 +50,8 @@ def _cfg(tmp: Path) -> JobConfig:
 def _trainer(cfg: JobConfig, regions: dict | None, rank: int, group):
     """A trainer of `rank` on `regions` (None: new ones, zeroed and initialized, as the state
     manager's fresh regions are). Returns (regions, built, updater, trainer)."""
+    from unbroken.engine.replica import build_training
     from unbroken.train import Trainer
-    from unbroken.train.build import build_training
     from unbroken.update.rmu import ResumableUpdater, state_from_regions
 
     fresh = regions is None

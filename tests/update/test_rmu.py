@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from unbroken.config import DataConfig, JobConfig, ModelConfig, ProtectionConfig, TrainConfig
+from unbroken.engine.replica import build_training
 from unbroken.erasure import UnrecoverableError
 from unbroken.train import Phase, Trainer
-from unbroken.train.build import build_training
 from unbroken.update import PlainUpdater
 from unbroken.update.layout import RetainedLayout
 from unbroken.update.marker import Stage

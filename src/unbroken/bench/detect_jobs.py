@@ -221,10 +221,10 @@ def _trainer(rank: int, s: BenchSetup, job: BenchJob, store, device, events):
     from unbroken.bench.detect_phases import PhasedSource
     from unbroken.bench.detect_varlen import varlen_loss
     from unbroken.detect.timing import PhaseTimer
+    from unbroken.engine.replica import build_training
     from unbroken.inject import Injector, parse_fault
     from unbroken.jobstore import JobStore
     from unbroken.train import Trainer
-    from unbroken.train.build import build_training
     from unbroken.update import PlainUpdater
 
     cfg = _job_config(s, job)

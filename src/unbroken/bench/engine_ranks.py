@@ -39,6 +39,7 @@ from torch import nn
 
 from unbroken.config import DataConfig, JobConfig, ModelConfig, ProtectionConfig, TrainConfig
 from unbroken.engine.build import build_worker, full_initial_params
+from unbroken.engine.replica import state_geometry
 from unbroken.engine.sharding import load_from_full
 from unbroken.engine.stage import MicroBatchInputs, StageModel
 from unbroken.engine.tp import TPGroup
@@ -46,7 +47,6 @@ from unbroken.model import FlatLayout, materialize, resolve_args
 from unbroken.model.flat import bind_grads
 from unbroken.parallel import ParallelPlan
 from unbroken.train import AdamW, TrainState, lr_at
-from unbroken.train.build import state_geometry
 from unbroken.update import ChunkStep, PlainUpdater
 
 

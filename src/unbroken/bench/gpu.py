@@ -257,9 +257,9 @@ def _build(cfg, device, *, protected: bool, init_from=None, compiled: bool = Fal
     """A Trainer on `device` with the plain or the resumable updater (local device regions)."""
     import torch
 
+    from unbroken.engine.replica import build_training, state_geometry
     from unbroken.model import compile_blocks
     from unbroken.train import Trainer
-    from unbroken.train.build import build_training, state_geometry
     from unbroken.update import PlainUpdater
     from unbroken.update.layout import RetainedLayout
     from unbroken.update.rmu import ResumableUpdater, state_from_regions

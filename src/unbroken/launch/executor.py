@@ -168,8 +168,8 @@ def build_executor(
 
 def _data_parallel_executor(cfg, rank, group, device, retained, hooks, autocast, search):
     from unbroken.detect.timing import PhaseTimer
+    from unbroken.engine.replica import build_training
     from unbroken.train import Trainer
-    from unbroken.train.build import build_training
 
     # Last among the hooks: a `slow` stall lands in the interval it times. On a GPU it times
     # the work with CUDA events, not the host's enqueueing.

@@ -43,7 +43,7 @@ TRAINER_IMPORTS = [
     "unbroken.recovery",
     "unbroken.state.client",
     "unbroken.train",
-    "unbroken.train.build",
+    "unbroken.engine.replica",
     "unbroken.train.tail",
     "unbroken.update",
     "unbroken.update.rmu",

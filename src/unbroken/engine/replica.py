@@ -1,4 +1,6 @@
-"""Assemble what a trainer runs from a `JobConfig`: model, flat state, data source, loss.
+"""Assemble one data-parallel replica from a `JobConfig`: model, flat state, data source, loss
+and the update's chunk step — the data-parallel counterpart of `unbroken.engine.build` (one
+rank of a plan). It composes model, data, train and update, so it lives here, above them.
 
 The reference model is built on the meta device and initialized into flat storage
 (`init_parameters`). A user model (`model.factory = "module:function"`) is built by the user's
@@ -88,6 +90,33 @@ def user_loss(model: nn.Module, mb: Any, device: torch.device) -> torch.Tensor:
     return model(_to_device(mb, device))
 
 
+def _user_model(cfg: JobConfig, search: list[str], make_state):
+    """The user's model, built by their factory under the job's seed (their init kept), with
+    its layout and state: (model, layout, (state, fresh, geometry))."""
+    factory = import_object(cfg.model.factory, "model.factory", search)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed)
+        model = factory(**cfg.model.factory_args)
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model.factory {cfg.model.factory!r} must return a torch.nn.Module")
+    layout = FlatLayout.of(model, no_decay=cfg.train.no_decay)
+    return model, layout, make_state(layout)
+
+
+def _source(cfg: JobConfig, n_shards: int, search: list[str]) -> BatchSource:
+    """The job's micro-batch source with `n_shards` data shards (the user's dataset, or the
+    packed corpus)."""
+    if cfg.data.dataset:
+        cls = import_object(cfg.data.dataset, "data.dataset", search)
+        return cls(cfg.data, n_shards)
+    corpus = corpus_for(cfg.data)
+    try:
+        stream = PackedStream(corpus, cfg.data.tokens_per_microbatch, cfg.data.seed)
+    except ValueError as exc:
+        raise UserError(f"data: {exc}") from None
+    return Sampler(stream, n_shards, cfg.data.microbatches)
+
+
 def build_training(
     cfg: JobConfig,
     *,
@@ -113,14 +142,7 @@ def build_training(
         return state, fresh, geometry
 
     if cfg.model.factory:
-        factory = import_object(cfg.model.factory, "model.factory", search)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.train.seed)
-            model = factory(**cfg.model.factory_args)
-        if not isinstance(model, nn.Module):
-            raise UserError(f"model.factory {cfg.model.factory!r} must return a torch.nn.Module")
-        layout = FlatLayout.of(model, no_decay=cfg.train.no_decay)
-        state, fresh, geometry = make_state(layout)
+        model, layout, (state, fresh, geometry) = _user_model(cfg, search, make_state)
         if fresh:
             views = layout.views(state.params)
             with torch.no_grad():
@@ -138,16 +160,7 @@ def build_training(
         loss_fn = reference_loss
     materialize(model, layout, state.params)
     bind_grads(model, layout, state.grads)
-    if cfg.data.dataset:
-        cls = import_object(cfg.data.dataset, "data.dataset", search)
-        source = cls(cfg.data, n_shards)
-    else:
-        corpus = corpus_for(cfg.data)
-        try:
-            stream = PackedStream(corpus, cfg.data.tokens_per_microbatch, cfg.data.seed)
-        except ValueError as exc:
-            raise UserError(f"data: {exc}") from None
-        source = Sampler(stream, n_shards, cfg.data.microbatches)
+    source = _source(cfg, n_shards, search)
     step = ChunkStep.for_layout(geometry, AdamW.from_config(cfg.train), layout)
     return Built(
         model=model, state=state, source=source, loss_fn=loss_fn, geometry=geometry, step=step
