@@ -75,9 +75,15 @@ CPU_CASES = [
 GPU_CASES = [BackendCase("triton", _named("triton", "cuda"), "cuda:0")]
 
 _gpu_skip = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device")
-BACKEND_PARAMS = [pytest.param(case, id=case.name) for case in CPU_CASES] + [
-    pytest.param(case, id=case.name, marks=[pytest.mark.gpu, _gpu_skip]) for case in GPU_CASES
-]
+REQUIRED_IN_CI = {"isal"}
+"""Backends whose conformance run CI must not skip: ISA-L (pyeclib, in the `bench` extra) is the
+independent implementation of the field arithmetic ours is checked against."""
+BACKEND_PARAMS = [
+    pytest.param(
+        case, id=case.name, marks=[pytest.mark.ci_required] if case.name in REQUIRED_IN_CI else []
+    )
+    for case in CPU_CASES
+] + [pytest.param(case, id=case.name, marks=[pytest.mark.gpu, _gpu_skip]) for case in GPU_CASES]
 
 
 @pytest.fixture(params=BACKEND_PARAMS)

@@ -60,6 +60,7 @@ def test_default_geometry_rebuilds_16_pages_exactly():
         codec.reconstruct(table, list(range(17)))
 
 
+@pytest.mark.ci_required  # ISA-L is the independent check of our field arithmetic
 def test_native_matches_isal_byte_for_byte():
     native = get_codec(240, 16, backend="native")
     try:

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from unbroken.erasure import PageTable, get_codec
+from unbroken.erasure import PageTable, get_codec, isal_backend
 
-isal_backend = pytest.importorskip("unbroken.erasure.isal_backend")
+pytestmark = pytest.mark.ci_required  # pyeclib (ISA-L) is in the `bench` extra ./dev installs
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -4,8 +4,6 @@ the training state."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,6 +19,8 @@ from unbroken.train import Trainer
 from unbroken.train import loop as loop_module
 from unbroken.train.phases import Phase
 from unbroken.update import PlainUpdater
+
+from ..engine.harness import gloo_rank, spawn_ranks
 
 # -- spec -------------------------------------------------------------------------------------
 
@@ -155,25 +155,15 @@ def test_comm_slow_fired_in_the_first_iteration_waits_for_a_healthy_one():
     assert len(per_iter[1]) == 3 and len(per_iter[2]) == 3
 
 
-# -- the trainer's hook contract and bit-exactness --------------------------------------------
+# -- the trainer's hook contract and bit-exactness, on two real gloo replicas ----------------
+# Two ranks, not one: a one-rank trainer has no gradient all-reduce (no ALLREDUCE hooks, nothing
+# for a comm fault to stretch).
+
+REDUCE_BUCKET = 40_000
+SLOW_FAULTS = ["slow:rank=0,iter=0,factor=1.2", "slow:rank=0,iter=1,factor=1.5,what=comm"]
 
 
-class TwoReplicas:
-    """Stands in for `torch.distributed` in the loop: a world of 2 identical replicas."""
-
-    def __init__(self, log: list) -> None:
-        self.log = log
-
-    def get_world_size(self, group) -> int:
-        return 2
-
-    def all_reduce(self, t: torch.Tensor, group=None) -> None:
-        self.log.append(("all_reduce", t.numel()))
-        t.mul_(2)  # the sum of two identical replicas
-
-
-def _trainer(monkeypatch, hooks, log, bucket):
-    monkeypatch.setattr(loop_module, "dist", TwoReplicas(log))
+def _trainer(rank: int, group, hooks):
     cfg = JobConfig(
         model=ModelConfig(preset="tiny"),
         data=DataConfig(tokens_per_microbatch=64, microbatches=2, max_documents=200),
@@ -184,51 +174,101 @@ def _trainer(monkeypatch, hooks, log, bucket):
         model=b.model,
         state=b.state,
         source=b.source,
-        shard=0,
+        shard=rank,
         cfg=cfg.train,
-        group=types.SimpleNamespace(),
+        group=group,
         device=torch.device("cpu"),
         hooks=hooks,
         updater=PlainUpdater(b.state, b.geometry, b.step),
-        reduce_bucket=bucket,
+        reduce_bucket=REDUCE_BUCKET,
     )
 
 
-def test_allreduce_hook_fires_once_right_before_each_bucket_then_reduced(monkeypatch):
+def _hook_contract(rank: int, group) -> dict:
+    """One iteration with a hook that logs every phase step and a spy on the real all-reduce
+    (it logs the call, then makes it)."""
     log: list = []
-    hooks = [lambda phase, it, step, n: log.append((phase, step, n))]
-    timer = PhaseTimer(rank=0)
-    trainer = _trainer(monkeypatch, [*hooks, timer], log, bucket=40_000)
-    trainer.run_iteration(0)
-    numel = trainer.state.grads.numel()
-    n = -(-numel // 40_000)
-    assert n >= 3
-    i = log.index((Phase.ALLREDUCE, 0, n))
-    expected = []
-    for b in range(n):
-        expected += [(Phase.ALLREDUCE, b, n), ("all_reduce", min(40_000, numel - b * 40_000))]
-    assert log[i : i + 2 * n + 1] == [*expected, (Phase.REDUCED, 0, 1)]
-    assert log[i - 1] == (Phase.BACKWARD, 1, 2) and log[i + 2 * n + 1] == (Phase.PROTECT, 0, 1)
+    timer = PhaseTimer(rank=rank)
+    trainer = _trainer(
+        rank, group, [lambda phase, it, step, n: log.append((phase, step, n)), timer]
+    )
+    real = loop_module.dist.all_reduce
+
+    def spy(t, *args, **kwargs):
+        log.append(("all_reduce", t.numel()))
+        return real(t, *args, **kwargs)
+
+    loop_module.dist.all_reduce = spy
+    try:
+        trainer.run_iteration(0)
+    finally:
+        loop_module.dist.all_reduce = real
     (rec,) = timer.records
-    assert len(rec.mb_s) == 2 and rec.comm_s > 0
+    return {
+        "log": log,
+        "numel": trainer.state.grads.numel(),
+        "mb": len(rec.mb_s),
+        "comm_s": rec.comm_s,
+    }
 
 
-def test_slow_faults_never_change_the_training_state(monkeypatch):
-    def run(faults):
-        log: list = []
-        inj = Injector(
-            [parse_fault(f) for f in faults],
-            0,
-            JobStore(dist.HashStore()),
-            lambda *a, **k: None,
-            0.0,
-        )
-        trainer = _trainer(monkeypatch, [inj], log, bucket=40_000)
-        for it in range(3):
-            trainer.run_iteration(it)
-        return trainer.state.state_hash(), inj
+def _train(rank: int, group, faults: list[str]) -> dict:
+    inj = Injector(
+        [parse_fault(f) for f in faults],
+        rank,
+        JobStore(dist.HashStore()),
+        lambda *a, **k: None,
+        0.0,
+    )
+    trainer = _trainer(rank, group, [inj])
+    for it in range(3):
+        trainer.run_iteration(it)
+    return {
+        "hash": trainer.state.state_hash(),
+        "factor": inj.slow_factor,
+        "comm_stall_s": inj.comm_stall_s,
+    }
 
-    clean, _ = run([])
-    slowed, inj = run(["slow:rank=0,iter=0,factor=1.2", "slow:rank=0,iter=1,factor=1.5,what=comm"])
-    assert inj.slow_factor == 1.2 and inj.comm_stall_s  # both faults really stalled
-    assert slowed == clean
+
+def _replica(rank: int, world_size: int, store_path: str, _payload, out: str) -> None:
+    record: dict = {}
+    with gloo_rank(rank, world_size, store_path, out, record) as group:
+        record["contract"] = _hook_contract(rank, group)
+        record["clean"] = _train(rank, group, [])
+        record["slowed"] = _train(rank, group, SLOW_FAULTS)
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("slow-replicas")
+    preload = ["torch", "torch.distributed", "unbroken.engine.replica", __name__]
+    return spawn_ranks(_replica, None, 2, tmp, preload, "two replicas")
+
+
+def test_allreduce_hook_fires_once_right_before_each_bucket_then_reduced(replicas):
+    for rank, record in enumerate(replicas):
+        c = record["contract"]
+        log, numel = c["log"], c["numel"]
+        n = -(-numel // REDUCE_BUCKET)
+        assert n >= 3
+        i = log.index((Phase.ALLREDUCE, 0, n))
+        expected = []
+        for b in range(n):
+            expected += [
+                (Phase.ALLREDUCE, b, n),
+                ("all_reduce", min(REDUCE_BUCKET, numel - b * REDUCE_BUCKET)),
+            ]
+        assert log[i : i + 2 * n + 1] == [*expected, (Phase.REDUCED, 0, 1)], f"rank {rank}"
+        assert log[i - 1] == (Phase.BACKWARD, 1, 2) and log[i + 2 * n + 1] == (Phase.PROTECT, 0, 1)
+        assert c["mb"] == 2 and c["comm_s"] > 0
+
+
+def test_slow_faults_never_change_the_training_state(replicas):
+    slow, other = replicas
+    buckets = -(-slow["contract"]["numel"] // REDUCE_BUCKET)
+    assert slow["slowed"]["factor"] == 1.2  # both faults really stalled: compute, and ...
+    assert sorted(slow["slowed"]["comm_stall_s"]) == list(range(buckets))  # ... every bucket
+    assert other["slowed"]["factor"] == 1.0 and not other["slowed"]["comm_stall_s"]
+    for rank, record in enumerate(replicas):
+        assert record["slowed"]["hash"] == record["clean"]["hash"], f"rank {rank}"
+    assert slow["clean"]["hash"] == other["clean"]["hash"]  # replicas hold one state

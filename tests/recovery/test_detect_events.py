@@ -100,6 +100,8 @@ class Job:
             monitor=monitor,
             store=None,
         )
+        self.monitor = monitor
+        monitor.slow_watch.detector.sink = self.core  # as the coordinator wires it
         sock = socket.create_connection(("127.0.0.1", self.server.port))
         self.agent = Channel(sock, secret, FROM_COORDINATOR)
 
@@ -202,3 +204,52 @@ def test_a_second_agent_for_the_same_node_is_refused(job, tmp_path):
     (drop,) = got
     assert isinstance(drop, Dropped) and "a second agent for node 0" in drop.reason
     assert job.server.nodes == {0}  # the first agent keeps its node
+
+
+def test_a_forged_failure_report_is_rejected_and_never_acted_on(job):
+    """A frame signed with another key claims a rank died: the channel rejects it before it is
+    parsed, the connection is dropped (the node is lost), and no failure is logged."""
+    forger = Channel(job.agent.sock, b"not the job secret", FROM_COORDINATOR)
+    forger._send_seq = 10  # past the agent's own sequence numbers
+    forger.send(RankExited(rank=1, generation=0, returncode=-9, t=5.0))
+    got: list = []
+    while not got:
+        got = job.server.poll(timeout=5)
+    (drop,) = got
+    assert isinstance(drop, Dropped) and drop.reason == "authentication failed (bad HMAC tag)"
+    assert job.records("failure_detected") == []
+    assert job.core.fsm.state is RecoveryState.RUNNING  # nothing acted on the forged report
+
+
+def test_a_fail_slow_report_reaches_the_sink_and_the_event_log(job, tmp_path):
+    """Timings of a job whose rank 1 computes 2.2x slower from iteration 30 on, written where
+    trainers write them: the monitor's polling feeds its fail-slow watch, whose report reaches
+    the core as a FAIL_SLOW detection and the event log as `fail_slow`. A fail-slow report
+    stops nothing."""
+    from ..detect.synth import series
+
+    seen: list[DetectionEvent] = []
+    emit = job.core.emit
+    job.core.emit = lambda e, **kw: (seen.append(e), emit(e, **kw))  # type: ignore[method-assign]
+    metrics = JsonlLog(tmp_path / "metrics.jsonl", run="train")
+    timings = JsonlLog(tmp_path / "timings.jsonl", run="train")
+    for obs in series(slow_rank=1, slow_iter=30, factor=2.22, seed=1):
+        for r, timing in obs.ranks.items():
+            timings.write({**timing.to_dict(), "doc_lengths": obs.doc_lengths[r]})
+        metrics.write(
+            {"iter": obs.iteration, "iter_s": obs.seconds, "loss": 1.0, "tokens_per_s": 1.0,
+             "state_hash": None, "generation": 0, "t_start": 0.0}
+        )  # fmt: skip
+    metrics.close()
+    timings.close()
+    job.monitor.poll()
+    (event,) = seen
+    assert (event.kind, event.rank, event.cause) == (DetectionKind.FAIL_SLOW, 1, "compute")
+    assert 30 <= event.detected_at <= 33 and event.factor == pytest.approx(2.22, rel=0.1)
+    (rec,) = job.records("fail_slow")
+    assert (rec["rank"], rec["since_iter"], rec["detected_at"]) == (
+        1,
+        event.iteration,
+        event.detected_at,
+    )
+    assert job.core.fsm.state is RecoveryState.RUNNING

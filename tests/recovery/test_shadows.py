@@ -3,6 +3,7 @@ a shadow lost before the takeover is survived by starting fresh processes, still
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -25,12 +26,17 @@ def _wait_for(predicate, timeout=180.0):
     raise TimeoutError("condition not reached")
 
 
-def _dead(pid: int) -> bool:
+def _proc_state(pid: int) -> str:
+    """The process's state letter from /proc (R, S, T for stopped, Z ...); "X" once reaped."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            return fh.read().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return True
+        return "X"
+
+
+def _dead(pid: int) -> bool:
+    return _proc_state(pid) in ("Z", "X")
 
 
 def _pids(pattern: str) -> list[int]:
@@ -104,7 +110,11 @@ def test_a_lost_shadow_is_survived_by_fresh_processes(tmp_path):
 
 def test_a_shadow_killed_mid_takeover_is_survived_exactly(tmp_path):
     """The promoted shadow dies while it attaches, repairs and resumes: that is a failure of the
-    new generation, recovered like any other — in place — and the result is still exact."""
+    new generation, recovered like any other — in place — and the result is still exact.
+
+    The kill is made to land inside the takeover, not after it: rank 1's shadow is held
+    (SIGSTOP) from before the crash, so rank 0's promoted shadow cannot get past the ranks'
+    agreement on where the job stands (a collective) to `trainer_ready`; it is killed there."""
     ref, out, result, job = _reference_then_background_run(tmp_path)
 
     def events(kind: str) -> list[dict]:
@@ -115,21 +125,36 @@ def test_a_shadow_killed_mid_takeover_is_survived_exactly(tmp_path):
     def trained() -> bool:  # generation 0 has retained progress (the shadows can be ready before)
         return any(r["generation"] == 0 for r in read_jsonl(out / "metrics.jsonl"))
 
-    _wait_for(
-        lambda: trained() and len([e for e in events("shadow_ready") if e["generation"] == 1]) == 2
-    )
+    def shadows() -> dict[int, int]:
+        return {e["rank"]: e["pid"] for e in events("shadow_ready") if e["generation"] == 1}
+
+    _wait_for(lambda: trained() and len(shadows()) == 2)
+    shadow = shadows()
     trainers = _pids("--spec " + str(out / "specs" / "train-gen0.json"))
     assert trainers, "the job finished before the test could act"
-    os.kill(trainers[0], signal.SIGKILL)  # a trainer crashes; the shadows take over ...
-    _wait_for(
-        lambda: [e for e in events("shadow_promoted") if e["generation"] == 1 and e["rank"] == 0]
-    )
-    shadow_pid = next(
-        e["pid"] for e in events("shadow_ready") if e["generation"] == 1 and e["rank"] == 0
-    )
-    os.kill(shadow_pid, signal.SIGKILL)  # ... and one of them dies in the middle of it
+    os.kill(shadow[1], signal.SIGSTOP)  # rank 1's shadow will be promoted, but cannot move
+    try:
+        os.kill(trainers[0], signal.SIGKILL)  # a trainer crashes; the shadows take over ...
+        promoted = _wait_for(
+            lambda: [
+                e for e in events("shadow_promoted") if e["generation"] == 1 and e["rank"] == 0
+            ]
+        )
+        assert _proc_state(shadow[1]) == "T", "rank 1's shadow is not held"
+        assert not [e for e in events("trainer_ready") if e["generation"] == 1]
+        t_kill = time.time()
+        with contextlib.suppress(ProcessLookupError):  # (the agent may have stopped it first)
+            os.kill(shadow[0], signal.SIGKILL)  # ... and one of them dies in the middle of it
+    finally:
+        os.kill(shadow[1], signal.SIGCONT)
     job.join(timeout=600)
     assert result["state"] == "done"
+    # The kill landed inside the takeover: after rank 0's shadow was promoted, before its
+    # generation was ready to train (rank 0 reports trainer_ready once restore is done).
+    assert promoted[0]["t_promoted"] < t_kill
+    assert not [e for e in events("trainer_ready") if e["generation"] == 1]
+    held = [e for e in events("shadow_promoted") if e["generation"] == 1 and e["rank"] == 1]
+    assert all(e["t_promoted"] > t_kill for e in held)  # rank 1 took no part before the kill
     detected = events("failure_detected")
     assert len(detected) >= 2 and any(e["generation"] == 1 for e in detected)
     assert not events("inplace_fallback") and not events("checkpoint_loaded")

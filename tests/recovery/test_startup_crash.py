@@ -5,13 +5,17 @@ stands (its initial state) in place — not report the marker as unrecoverable a
 through checkpoint-restart. (Found by the mid-takeover kill test, whose first kill sometimes
 landed in generation 0's start-up.)
 
-Retained regions are local tensors here, left as a dead generation 0 left them; two gloo ranks
-run the next generation's `restore_state` on them.
+Each rank's retained regions are real: its own state manager process holds them (memfds), a
+generation-0 trainer maps them through `RetainedState`, damages them as its death would and lets
+go; the next generation maps them again (localization and remap included) and two gloo ranks run
+its `restore_state` on them.
 """
 
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -29,8 +33,10 @@ from unbroken.config import (
     TrainConfig,
 )
 from unbroken.erasure import UnrecoverableError
-from unbroken.update.layout import MARKER_PAGE, RetainedLayout
+from unbroken.update.layout import MARKER_PAGE
 from unbroken.update.marker import SLOT_BYTES
+
+from ..state.conftest import manager_env
 
 PROT = ProtectionConfig(page_bytes=4096, stripe_pages=2, parity_pages=3, chunk_bytes=1024)
 WORLD = 2
@@ -47,26 +53,47 @@ def _cfg(tmp: Path) -> JobConfig:
     )
 
 
-def _trainer(cfg: JobConfig, regions: dict | None, rank: int, group):
-    """A trainer of `rank` on `regions` (None: new ones, zeroed and initialized, as the state
-    manager's fresh regions are). Returns (regions, built, updater, trainer)."""
+class StateManager:
+    """One rank's state manager process (`python -m unbroken.state.manager`), as the agent runs
+    it: it owns the retained regions across trainer generations."""
+
+    def __init__(self, socket_path: Path, rank: int) -> None:
+        from unbroken.state.client import RetainedClient
+
+        self.socket = socket_path
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "unbroken.state.manager", "--socket", str(socket_path),
+             "--rank", str(rank), "--log-level", "WARNING"],
+            env=manager_env(),
+        )  # fmt: skip
+        RetainedClient(socket_path, timeout_s=60).close()  # serving
+
+    def attach(self, cfg: JobConfig):
+        """What a trainer of a new generation holds: a `RetainedState` on a new connection."""
+        from unbroken.launch.retained import RetainedState
+        from unbroken.state.client import RetainedClient
+
+        return RetainedState(cfg, RetainedClient(self.socket, timeout_s=60))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def _trainer(cfg: JobConfig, retained, rank: int, group):
+    """A trainer of `rank` on `retained`'s regions, mapped (and, if retained from an earlier
+    generation, localized and remapped) by `RetainedState.allocate`. Returns (built, updater,
+    trainer)."""
     from unbroken.engine.replica import build_training
     from unbroken.train import Trainer
-    from unbroken.update.rmu import ResumableUpdater, state_from_regions
+    from unbroken.update.rmu import ResumableUpdater
 
-    fresh = regions is None
-
-    def allocate(layout, geometry, device):
-        nonlocal regions
-        if regions is None:
-            regions = {
-                s.name: torch.zeros(s.nbytes, dtype=torch.uint8)
-                for s in RetainedLayout.of(geometry, PROT).regions()
-            }
-        return state_from_regions(layout, geometry, regions), fresh
-
-    built = build_training(cfg, n_shards=WORLD, device=torch.device("cpu"), allocate=allocate)
-    upd = ResumableUpdater(built.state, built.geometry, built.step, regions, PROT, backend="numpy")
+    built = build_training(
+        cfg, n_shards=WORLD, device=torch.device("cpu"), allocate=retained.allocate
+    )
+    upd = ResumableUpdater(
+        built.state, built.geometry, built.step, retained.tensors(), PROT, backend="numpy"
+    )
     tr = Trainer(
         model=built.model,
         state=built.state,
@@ -77,12 +104,15 @@ def _trainer(cfg: JobConfig, regions: dict | None, rank: int, group):
         device=torch.device("cpu"),
         updater=upd,
     )
-    return regions, built, upd, tr
+    return built, upd, tr
 
 
-def _generation_0(cfg: JobConfig, how: str, rank: int) -> dict:
-    """The regions a generation-0 trainer left when it died `how`."""
-    regions, built, upd, _ = _trainer(cfg, None, rank, None)
+def _generation_0(cfg: JobConfig, how: str, rank: int, manager: StateManager) -> None:
+    """A generation-0 trainer on fresh regions of `manager`, dying `how`."""
+    retained = manager.attach(cfg)
+    built, upd, _ = _trainer(cfg, retained, rank, None)
+    assert retained.fresh
+    regions = retained.tensors()
     if how == "before its first marker write":
         # Died while still initializing its parameters, before `initialize`.
         built.state.params[: built.state.params.numel() // 2].fill_(7.0)
@@ -97,7 +127,7 @@ def _generation_0(cfg: JobConfig, how: str, rank: int) -> dict:
         upd.initialize(done_iter=3)
     else:
         raise ValueError(how)
-    return regions
+    retained.client.close()  # the trainer is gone; its manager keeps the regions
 
 
 class _Events:
@@ -108,21 +138,16 @@ class _Events:
         self.seen.append({"kind": kind, **fields})
 
 
-def _generation_1(cfg: JobConfig, regions: dict, rank: int, group, tmp: Path) -> dict:
-    """The next generation's restore on `regions`; then the iterations, if it resumed."""
+def _generation_1(cfg: JobConfig, manager: StateManager, rank: int, group, tmp: Path) -> dict:
+    """The next generation's restore on the retained regions; then the iterations, if it
+    resumed."""
     from unbroken.checkpoint.policy import CheckpointPolicy
     from unbroken.launch.restore import restore_state
-    from unbroken.launch.retained import RetainedState
     from unbroken.recovery import RestoreMode
 
-    _, built, upd, tr = _trainer(cfg, regions, rank, group)
-    retained = RetainedState(
-        cfg,
-        client=None,
-        regions={n: SimpleNamespace(tensor=t, fresh=False) for n, t in regions.items()},
-        fresh=False,
-        lost={},
-    )
+    retained = manager.attach(cfg)
+    built, upd, tr = _trainer(cfg, retained, rank, group)
+    assert not retained.fresh and retained.lost == {}  # retained, and nothing was lost
     spec = SimpleNamespace(
         restore=RestoreMode.IN_PLACE, resume=True, generation=1, run_dir=str(tmp), run_name="t"
     )
@@ -168,6 +193,7 @@ def _rank(rank: int, tmp: str) -> None:
 
     tmp_path = Path(tmp)
     torch.set_num_threads(1)
+    managers: list[StateManager] = []
     try:
         store = dist.FileStore(str(tmp_path / "store"), WORLD)
         dist.init_process_group(
@@ -175,18 +201,25 @@ def _rank(rank: int, tmp: str) -> None:
         )
         group = dist.group.WORLD
         cfg = _cfg(tmp_path)
-        _, _, upd, tr = _trainer(cfg, None, rank, group)  # an uninterrupted job
+        reference = StateManager(tmp_path / f"ref-{rank}.sock", rank)
+        managers.append(reference)
+        _, upd, tr = _trainer(cfg, reference.attach(cfg), rank, group)  # an uninterrupted job
         upd.initialize(done_iter=-1)
         for it in range(ITERATIONS):
             tr.run_iteration(it)
         out: dict = {"reference": tr.state.state_hash()}
-        for name, how in SCENARIOS.items():
-            regions = _generation_0(cfg, how[rank], rank)
-            out[name] = _generation_1(cfg, regions, rank, group, tmp_path / name)
+        for i, (name, how) in enumerate(SCENARIOS.items()):
+            manager = StateManager(tmp_path / f"s{i}-{rank}.sock", rank)
+            managers.append(manager)
+            _generation_0(cfg, how[rank], rank, manager)
+            out[name] = _generation_1(cfg, manager, rank, group, tmp_path / name)
         (tmp_path / f"rank{rank}.pkl").write_bytes(pickle.dumps(out))
     except BaseException:
         (tmp_path / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
+    finally:
+        for manager in managers:
+            manager.stop()
 
 
 @pytest.fixture(scope="module")
@@ -206,18 +239,34 @@ def test_a_marker_never_written_is_nothing_retained_not_a_loss(tmp_path):
     from unbroken.update.rmu import NothingRetained
 
     cfg = _cfg(tmp_path)
-    for how in ("before its first marker write", "in its first marker write"):
-        regions = _generation_0(cfg, how, 0)
-        before = {n: t.clone() for n, t in regions.items()}
-        _, _, upd, _ = _trainer(cfg, regions, 0, None)
-        with pytest.raises(NothingRetained):
-            upd.repair({})
-        assert all(torch.equal(regions[n], before[n]) for n in regions)  # nothing touched
+    for i, how in enumerate(("before its first marker write", "in its first marker write")):
+        manager = StateManager(tmp_path / f"m{i}.sock", 0)
+        try:
+            _generation_0(cfg, how, 0, manager)
+            retained = manager.attach(cfg)
+            _, upd, _ = _trainer(cfg, retained, 0, None)
+            before = {n: t.clone() for n, t in retained.tensors().items()}
+            with pytest.raises(NothingRetained):
+                upd.repair(retained.lost or {})
+            after = retained.tensors()
+            assert all(torch.equal(after[n], before[n]) for n in before)  # nothing touched
+        finally:
+            manager.stop()
     # A marker that was written and then lost beyond its parity is still a loss.
-    regions = _generation_0(cfg, "after initializing", 0)
-    regions["marker"].zero_()
-    with pytest.raises(UnrecoverableError, match="marker"):
-        _trainer(cfg, regions, 0, None)[2].repair({"marker": [0, 1, 2]})
+    manager = StateManager(tmp_path / "m2.sock", 0)
+    try:
+        _generation_0(cfg, "after initializing", 0, manager)
+        from unbroken.state import punch_pages
+
+        retained = manager.attach(cfg)
+        probe = retained.client.attach("marker")  # the injector's view: punch all three pages
+        punch_pages(probe, [0, 1, 2])
+        _, upd, _ = _trainer(cfg, retained, 0, None)
+        assert retained.lost == {"marker": [0, 1, 2]}  # found by localization
+        with pytest.raises(UnrecoverableError, match="marker"):
+            upd.repair(retained.lost)
+    finally:
+        manager.stop()
 
 
 @pytest.mark.parametrize("scenario", ["start over", "start over, torn first write"])

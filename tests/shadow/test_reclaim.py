@@ -61,6 +61,7 @@ def measured(tmp_path_factory):
 
 
 @needs_budget
+@pytest.mark.ci_required  # CI runs as root with the cgroup-v1 memory controller
 def test_reclamation_absorbs_the_spike_and_training_stays_exact(measured, tmp_path):
     s = run_job(_job(measured["budget_mb"], True, spike=True), tmp_path, quiet=True)
     assert s["state"] == "done"
@@ -76,6 +77,7 @@ def test_reclamation_absorbs_the_spike_and_training_stays_exact(measured, tmp_pa
 
 
 @needs_budget
+@pytest.mark.ci_required  # CI runs as root with the cgroup-v1 memory controller
 def test_without_reclamation_the_same_spike_is_an_oom_kill(measured, tmp_path):
     s = run_job(_job(measured["budget_mb"], False, spike=True), tmp_path, quiet=True)
     assert not _events(tmp_path, "shadows_reclaimed")

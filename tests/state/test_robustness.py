@@ -156,6 +156,7 @@ def _as_nobody(path, uid: int, gid: int) -> str:
     return proc.stdout.strip()
 
 
+@pytest.mark.ci_required  # CI runs as root, so it can run a client as another uid
 def test_foreign_uid_is_rejected_by_peer_credentials(manager):
     uid, gid = _nobody()
     proc, path = manager

@@ -1,11 +1,17 @@
 """The resumable updater in one process: crash at every operation of the update phase (a hook
 that raises leaves memory exactly as a kill would), lose pages, repair, resume — the state must
 be bit-identical to an uninterrupted run. And the ablation of Leto Fig. 12: without chunk
-transactions the same crash leaves a wrong state."""
+transactions the same crash leaves a wrong state.
+
+The retained regions are real: memfds of a `RetainedPool` (what the state manager holds), mapped
+here. Pages are lost by punching holes in them (`punch_pages`, the page-loss injector's
+mechanism) and found again by the pool's localization, never handed to `repair` by the test."""
 
 from __future__ import annotations
 
+import os
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,6 +19,9 @@ import torch
 from unbroken.config import DataConfig, JobConfig, ModelConfig, ProtectionConfig, TrainConfig
 from unbroken.engine.replica import build_training
 from unbroken.erasure import UnrecoverableError
+from unbroken.state import punch_pages
+from unbroken.state.client import RetainedRegion
+from unbroken.state.pool import RetainedPool
 from unbroken.train import Phase, Trainer
 from unbroken.update import PlainUpdater
 from unbroken.update.layout import RetainedLayout
@@ -35,22 +44,70 @@ def _cfg() -> JobConfig:
     )
 
 
-def _rig(regions=None, hooks=()):
+class Retained:
+    """One rank's retained regions: memfds owned by a `RetainedPool`, mapped into this process
+    (as a trainer maps what its state manager holds). They outlive the trainers built on them."""
+
+    def __init__(self) -> None:
+        self.pool = RetainedPool(label="test-rmu")
+        self.mapped: dict[str, RetainedRegion] = {}
+
+    def allocate(self, geometry) -> dict[str, torch.Tensor]:
+        for spec in RetainedLayout.of(geometry, PROT).regions():
+            region, fresh = self.pool.allocate(
+                spec.name, spec.nbytes, spec.page_bytes, spec.protected
+            )
+            info = {**region.describe(), "fresh": fresh}
+            self.mapped[spec.name] = RetainedRegion(info, [os.dup(region.fd)])
+        return self.tensors()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: region.tensor for name, region in self.mapped.items()}
+
+    def lose(self, pages: dict[str, list[int]]) -> None:
+        """Destroy pages for real: holes in the memfds (reads return zeros, contents gone)."""
+        for name, idx in pages.items():
+            punch_pages(self.pool.get(name), idx)
+
+    def localize_and_remap(self) -> dict[str, list[int]]:
+        """What the state manager does after a failure, before anything touches the regions:
+        find the lost pages through the memory, back them with healthy zeroed pages."""
+        lost, _ = self.pool.localize()
+        lost = {name: pages for name, pages in lost.items() if pages}
+        for name, pages in lost.items():
+            self.pool.remap(name, pages)
+        return lost
+
+
+@pytest.fixture
+def retained() -> Iterator[Retained]:
+    r = Retained()
+    yield r
+    r.pool.close()  # the mappings go with their tensors
+
+
+def _rig(retained: Retained | None = None, hooks=()):
+    """A trainer and resumable updater on `retained`'s regions (None: plain local tensors,
+    for the reference run); the regions are allocated, fresh, by the first rig on them."""
     cfg = _cfg()
-    fresh = regions is None
-    holder = {}
+    fresh = retained is None or not retained.mapped
 
     def allocate(layout, geometry, device):
-        nonlocal regions
-        if regions is None:
+        if retained is None:
             regions = {
                 s.name: torch.zeros(s.nbytes, dtype=torch.uint8)
                 for s in RetainedLayout.of(geometry, PROT).regions()
             }
-        holder["geometry"] = geometry
+        elif fresh:
+            regions = retained.allocate(geometry)
+        else:
+            regions = retained.tensors()
+        holder["regions"] = regions
         return state_from_regions(layout, geometry, regions), fresh
 
+    holder: dict = {}
     built = build_training(cfg, n_shards=1, device=torch.device("cpu"), allocate=allocate)
+    regions = holder["regions"]
     upd = ResumableUpdater(built.state, built.geometry, built.step, regions, PROT, backend="numpy")
     tr = Trainer(
         model=built.model,
@@ -93,20 +150,17 @@ def _crash_hook(phase: Phase, it: int, nth: int):
     return hook
 
 
-def _resume(regions, lost: dict[str, list[int]]):
-    """A replacement trainer: reattach, repair, finish the interrupted update, continue."""
-    tr, upd, _ = _rig(regions)
+def _resume(retained: Retained):
+    """A replacement trainer: localize and remap lost pages, reattach, repair, finish the
+    interrupted update. Returns (trainer, updater, repair report, next iteration)."""
+    lost = retained.localize_and_remap()
+    tr, upd, _ = _rig(retained)
     report = upd.repair(lost)
     st = upd.marker.state
     if st.stage is Stage.SYNCED:
         upd.update(st.iteration, lr=st.lr, grad_scale=st.grad_scale, hook=lambda *a: None)
     nxt = upd.marker.state.next_iteration
     return tr, upd, report, nxt
-
-
-def _punch(regions, name, pages, page_bytes):
-    for p in pages:
-        regions[name][p * page_bytes : (p + 1) * page_bytes].zero_()
 
 
 @pytest.mark.parametrize(
@@ -125,8 +179,8 @@ def _punch(regions, name, pages, page_bytes):
         (Phase.BOUNDARY, 0),
     ],
 )
-def test_crash_anywhere_then_repair_is_bit_exact(reference, phase, nth):
-    tr, upd, regions = _rig(hooks=[_crash_hook(phase, 2, nth)])
+def test_crash_anywhere_then_repair_is_bit_exact(reference, retained, phase, nth):
+    tr, upd, _ = _rig(retained, hooks=[_crash_hook(phase, 2, nth)])
     upd.initialize(done_iter=-1)
     with pytest.raises(Crash):
         for it in range(4):
@@ -140,40 +194,39 @@ def test_crash_anywhere_then_repair_is_bit_exact(reference, phase, nth):
     lost_model = rng.sample(data, 2)
     lost_parity = [g * (PROT.parity_pages + 1) + rng.randrange(PROT.parity_pages)]
     lost_grads = [rng.randrange(seg)]
-    for name, pages in [
-        ("model", lost_model),
-        ("model_parity", lost_parity),
-        ("grads", lost_grads),
-    ]:
-        _punch(regions, name, pages, 4096)
-    tr2, _, report, nxt = _resume(
-        regions, {"model": lost_model, "model_parity": lost_parity, "grads": lost_grads}
-    )
+    injected = {"model": sorted(lost_model), "model_parity": lost_parity, "grads": lost_grads}
+    retained.lose(injected)
+    tr2, _, report, nxt = _resume(retained)
+    assert report.lost_pages == injected  # localization found exactly what was destroyed
     assert report.groups_repaired >= 1
     for it in range(nxt, 4):
         tr2.run_iteration(it)
     assert tr2.state.state_hash() == reference[3]
 
 
-def test_loss_beyond_tolerance_raises_and_names_the_group():
-    tr, upd, regions = _rig()
+def test_loss_beyond_tolerance_raises_and_names_the_group(retained):
+    tr, upd, _ = _rig(retained)
     upd.initialize(done_iter=-1)
     tr.run_iteration(0)
     seg = upd.geometry.segment_pages
-    lost = [0, 1, seg, seg + 1]  # 4 data pages of group 0 > H1 = 3
-    _punch(regions, "model", lost, 4096)
+    retained.lose({"model": [0, 1, seg, seg + 1]})  # 4 data pages of group 0 > H1 = 3
+    lost = retained.localize_and_remap()
+    assert lost == {"model": [0, 1, seg, seg + 1]}
     with pytest.raises(UnrecoverableError, match="model/g0"):
-        _rig(regions)[1].repair({"model": lost})
+        _rig(retained)[1].repair(lost)
 
 
-def test_lost_undo_while_a_chunk_is_torn_is_unrecoverable():
-    tr, upd, regions = _rig(hooks=[_crash_hook(Phase.PARITY, 1, 0)])
+def test_lost_undo_while_a_chunk_is_torn_is_unrecoverable(retained):
+    tr, upd, _ = _rig(retained, hooks=[_crash_hook(Phase.PARITY, 1, 0)])
     upd.initialize(done_iter=-1)
     with pytest.raises(Crash):
         for it in range(3):
             tr.run_iteration(it)
+    retained.lose({"undo": [0]})
+    lost = retained.localize_and_remap()
+    assert lost == {"undo": [0]}
     with pytest.raises(UnrecoverableError, match="undo"):
-        _rig(regions)[1].repair({"undo": [0]})
+        _rig(retained)[1].repair(lost)
 
 
 def test_ablation_without_chunk_transactions_diverges(reference):
