@@ -210,3 +210,22 @@ def test_a_port_in_use_is_a_user_error(tmp_path):
             _live_server(cfg, tmp_path, quiet=True)
     finally:
         server.close()
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_exporter_has():
+    import re
+    from pathlib import Path
+
+    from unbroken.metrics.live import LiveRun
+
+    live = LiveRun("faulty")
+    _feed(live)
+    exposed = {
+        s.name
+        for family in text_string_to_metric_families(live.metrics.exposition().decode())
+        for s in family.samples
+    }
+    dashboard = Path(__file__).parents[2] / "examples" / "grafana" / "unbroken-dashboard.json"
+    exprs = [t["expr"] for p in json.loads(dashboard.read_text())["panels"] for t in p["targets"]]
+    used = {name for e in exprs for name in re.findall(r"\bunbroken_\w+", e)}
+    assert used and used <= exposed, used - exposed
