@@ -18,9 +18,9 @@ import json
 import sys
 import time
 
+from unbroken.cli.train import add_metrics_flags, metrics_config
 from unbroken.config import ParallelConfig
 from unbroken.config.demo import demo_config
-from unbroken.cli.train import add_metrics_flags, metrics_config
 from unbroken.metrics.summary import format_table
 
 __all__ = ["add_parser", "demo_config"]
