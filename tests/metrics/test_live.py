@@ -229,3 +229,26 @@ def test_the_grafana_dashboard_queries_only_metrics_the_exporter_has():
     exprs = [t["expr"] for p in json.loads(dashboard.read_text())["panels"] for t in p["targets"]]
     used = {name for e in exprs for name in re.findall(r"\bunbroken_\w+", e)}
     assert used and used <= exposed, used - exposed
+
+
+@pytest.mark.parametrize(
+    ("args", "toml"),
+    [(["--metrics-port", "70000"], ""), ([], "[metrics]\nport = -1\n")],
+)
+def test_a_bad_metrics_port_is_one_line_exit_2(tmp_path, args, toml):
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(toml)
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken", "train", "--config", str(cfg), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert (
+        lines[0].startswith("unbroken: error:") and "metrics.port must be in 0..65535" in lines[0]
+    )
