@@ -19,7 +19,7 @@ injected or real failures with the configured recovery, and writes `events.jsonl
 the same config without faults and without checkpoints, and the summary compares the two
 (`bit_exact`, `ettr`). A user model and dataset are named by import path in the config
 (`model.factory`, `data.dataset`) or given as Python objects, which reach the trainer
-processes by reference ([Note: user objects travel by reference] in `unbroken.userobj`); see
+processes by reference ([Note: user objects travel by reference] in `unbroken.config.objects`); see
 docs/own-model.md. With `metrics.port` set (`metrics_port=`), Prometheus metrics and a live
 status page are served while the job runs (`unbroken.metrics.live`).
 """
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.config import JobConfig, load_config, to_dict
+from unbroken.config.objects import factory_reference, in_job_process, pickle_dataset, reference
 from unbroken.config.optimizer import apply_optimizer
 from unbroken.errors import JobFailed, UserError
 from unbroken.inject import faults_not_fired, parse_fault
@@ -44,7 +45,6 @@ from unbroken.metrics.observer import RunObserver
 from unbroken.metrics.plot import plot_runs
 from unbroken.metrics.run_summary import RunSummary
 from unbroken.metrics.summary import build_summary
-from unbroken.userobj import factory_reference, in_job_process, pickle_dataset, reference
 
 __all__ = ["RunSummary", "run_job"]
 
@@ -110,6 +110,29 @@ def run_job(
             '`if __name__ == "__main__":`'
         )
     search = list(search_path or [])
+    out = Path(out)
+    cfg = _prepare(config, out, search, fresh, model_factory, dataset, optimizer, metrics_port)
+    live = _live_server(cfg, out, quiet)
+    try:
+        return _run(cfg, out, reference, search, quiet, debug, live, list(observers))
+    finally:
+        if live is not None:
+            live.close()
+
+
+def _prepare(
+    config: JobConfig | str | Path | None,
+    out: Path,
+    search: list[str],
+    fresh: bool,
+    model_factory: Any,
+    dataset: Any,
+    optimizer: Any,
+    metrics_port: int | None,
+) -> JobConfig:
+    """The job's config with the caller's objects and settings in it, checked, written to
+    `out/config.json` (`out` emptied first when `fresh`); `search` gains the dirs the
+    trainers import the objects from."""
     cfg = _load(config, search)
     cfg = dataclasses.replace(cfg, train=apply_optimizer(cfg.train, optimizer))
     if metrics_port is not None:
@@ -122,7 +145,6 @@ def run_job(
     checked: set[str] = set()
     if model_factory is not None:
         cfg = _with_model_factory(cfg, model_factory, search, checked)
-    out = Path(out)
     if fresh:
         _clear_outputs(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,12 +154,7 @@ def run_job(
     _check_job(cfg)
     _check_user_objects(cfg, search, checked)
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-    live = _live_server(cfg, out, quiet)
-    try:
-        return _run(cfg, out, reference, search, quiet, debug, live, list(observers))
-    finally:
-        if live is not None:
-            live.close()
+    return cfg
 
 
 def _load(config: JobConfig | str | Path | None, search: list[str]) -> JobConfig:

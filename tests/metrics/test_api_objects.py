@@ -17,10 +17,10 @@ import pytest
 
 import unbroken
 from unbroken.config import TrainConfig
+from unbroken.config.objects import factory_reference, pickle_dataset, pickled_dataset, reference
 from unbroken.config.optimizer import apply_optimizer
 from unbroken.errors import UserError
 from unbroken.metrics.run_summary import RunSummary
-from unbroken.userobj import factory_reference, pickle_dataset, pickled_dataset, reference
 
 from . import _objects
 from ._objects import CountingDataset, build
@@ -89,7 +89,7 @@ def test_the_running_script_is_imported_by_its_file_name(tmp_path):
     script.write_text(
         textwrap.dedent(
             """
-            from unbroken.userobj import reference
+            from unbroken.config.objects import reference
 
             def make_model():
                 return None
@@ -135,7 +135,7 @@ def test_a_script_class_inside_a_pickled_dataset_is_pickled_by_its_import_name(t
         textwrap.dedent(
             """
             import pathlib, pickle, sys
-            from unbroken.userobj import pickle_dataset
+            from unbroken.config.objects import pickle_dataset
 
             class Data:
                 def __init__(self, n):

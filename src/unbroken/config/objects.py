@@ -191,9 +191,9 @@ class _Pickler(pickle.Pickler):
 
 
 _LOADER = '''"""Written by unbroken.run_job: the dataset object it was given, unpickled from {blob}
-(see unbroken.userobj)."""
+(see unbroken.config.objects)."""
 
-from unbroken.userobj import pickled_dataset
+from unbroken.config.objects import pickled_dataset
 
 dataset = pickled_dataset(__file__, "{blob}")
 '''
