@@ -1,14 +1,27 @@
 """The Python entry point: run a job (reference model or your own) under unbroken.
 
-    from unbroken.api import run_job
-    summary = run_job("examples/own_model/config.toml", out="runs/mine", reference=True)
+    import unbroken
+    summary = unbroken.run_job("examples/own_model/config.toml", "runs/mine", reference=True)
+
+    from my_model import build, ArithmeticDataset
+    summary = unbroken.run_job(
+        "examples/own_model/config.toml",
+        model_factory=functools.partial(build, hidden=256),
+        dataset=ArithmeticDataset,
+        optimizer={"name": "adamw", "lr": 3e-3, "betas": (0.9, 0.95)},
+        metrics_port=9400,
+    )
+    print(summary.bit_exact, summary.recoveries[0].total_s)
 
 `run_job` starts a coordinator, one agent and one trainer process per rank, runs the job through
 injected or real failures with the configured recovery, and writes `events.jsonl`,
 `metrics.jsonl`, `summary.json` and `plot.png` under `out`. With `reference=True` it first runs
 the same config without faults and without checkpoints, and the summary compares the two
 (`bit_exact`, `ettr`). A user model and dataset are named by import path in the config
-(`model.factory`, `data.dataset`); see docs/own-model.md.
+(`model.factory`, `data.dataset`) or given as Python objects, which reach the trainer
+processes by reference ([Note: user objects travel by reference] in `unbroken.config.objects`); see
+docs/own-model.md. With `metrics.port` set (`metrics_port=`), Prometheus metrics and a live
+status page are served while the job runs (`unbroken.metrics.live`).
 """
 
 from __future__ import annotations
@@ -17,18 +30,25 @@ import dataclasses
 import json
 import shutil
 import sys
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from unbroken.config import JobConfig, load_config, to_dict
+from unbroken.config.objects import factory_reference, in_job_process, pickle_dataset, reference
+from unbroken.config.optimizer import apply_optimizer
 from unbroken.errors import JobFailed, UserError
 from unbroken.inject import faults_not_fired, parse_fault
 from unbroken.launch.coordinator import Coordinator, RunOutcome
+from unbroken.metrics.observer import RunObserver
 from unbroken.metrics.plot import plot_runs
+from unbroken.metrics.run_summary import RunSummary
 from unbroken.metrics.summary import build_summary
 from unbroken.preflight import check_job
 
-__all__ = ["run_job"]
+__all__ = ["RunSummary", "run_job"]
 
 
 def _outcome_dict(o: RunOutcome) -> dict[str, Any]:
@@ -43,54 +63,227 @@ def _outcome_dict(o: RunOutcome) -> dict[str, Any]:
 
 
 def run_job(
-    config: JobConfig | str | Path,
-    out: str | Path,
+    config: JobConfig | str | Path | None = None,
+    out: str | Path = "runs/job",
     *,
+    model_factory: Callable[..., Any] | str | None = None,
+    dataset: Any = None,
+    optimizer: Any = None,
     reference: bool = False,
     search_path: list[str] | None = None,
     quiet: bool = False,
     fresh: bool = True,
     debug: bool = False,
+    metrics_port: int | None = None,
+    observers: Sequence[RunObserver] = (),
     source: str | None = None,
     strict: bool = False,
-) -> dict[str, Any]:
-    """Run a job (and optionally its fault-free reference); returns the summary dict.
+) -> RunSummary:
+    """Run a job (and optionally its fault-free reference); returns its summary.
 
     Args:
-        config: a `JobConfig` or the path of a TOML config.
+        config: a `JobConfig`, the path of a TOML config, or None for the defaults.
         out: output directory (emptied first when `fresh`).
+        model_factory: the model, overriding `model.factory`: a top-level function or class
+            returning a `torch.nn.Module` (called with `model.factory_args`), or
+            `functools.partial` of one with keyword arguments; or a "module:name" string.
+        dataset: the data, overriding `data.dataset`: a class or top-level function called
+            as `(data_cfg, n_shards)`, an object with `iteration(iteration, shard)` (pickled
+            to every trainer), or a "module:name" string.
+        optimizer: AdamW settings overriding the config's (`unbroken.config.optimizer`):
+            "adamw", a dict, or `torch.optim.AdamW` / a `functools.partial` of it. Other
+            optimizers are refused until the resumable updater runs them.
         reference: also run the fault-free reference and compare.
         search_path: extra dirs for user modules (default: the config file's dir).
         quiet: no terminal progress.
         debug: a failed rank's traceback (always in its log) also on the terminal.
+        metrics_port: serve Prometheus metrics and the live status page on this port (0: any
+            free port), overriding `metrics.port`; the address is in `out/live.json`.
+        observers: your own live observers of each run (`unbroken.metrics.RunObserver`),
+            called in this process as the job's logs grow.
         source: where the config came from, for messages (default: `config` if a path).
         strict: refuse, instead of warning about, a memory estimate over the device.
 
     Raises:
-        UserError: bad config, bad fault spec, missing data.
+        UserError: bad config, bad fault spec, missing data, an object that cannot reach the
+            trainer processes, an optimizer other than AdamW.
         JobFailed: the fault-free reference run failed (its reason says why).
     """
-    cfg, search = _load(config, search_path)
-    src = source or (str(config) if not isinstance(config, JobConfig) else "the job")
-    check_job(cfg, out, search, cuda=_on_cuda(cfg), source=src, strict=strict)
+    if in_job_process():
+        raise UserError(
+            "run_job was called inside a process of a running job: the trainers import the "
+            "script that defines your model or dataset, so put the run_job call under "
+            '`if __name__ == "__main__":`'
+        )
+    search = list(search_path or [])
     out = Path(out)
+    src = source or (str(config) if isinstance(config, str | Path) else "the job")
+    cfg = _prepare(
+        config,
+        out,
+        search,
+        fresh,
+        (model_factory, dataset, optimizer),
+        metrics_port,
+        Preflight(source=src, strict=strict),
+    )
+    live = _live_server(cfg, out, quiet)
+    try:
+        return _run(cfg, out, reference, search, quiet, debug, live, list(observers))
+    finally:
+        if live is not None:
+            live.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Preflight:
+    """How the pre-launch checks report (`unbroken.preflight.check_job`)."""
+
+    source: str
+    """Where the config came from, named in every message."""
+    strict: bool = False
+
+
+def _prepare(
+    config: JobConfig | str | Path | None,
+    out: Path,
+    search: list[str],
+    fresh: bool,
+    objects: tuple[Any, Any, Any],
+    metrics_port: int | None,
+    preflight: Preflight,
+) -> JobConfig:
+    """The job's config with the caller's objects (model factory, dataset, optimizer) and
+    settings in it, checked before anything is written — the output directory included —,
+    then written to `out/config.json` (`out` emptied first when `fresh`); `search` gains the
+    dirs the trainers import the objects from."""
+    model_factory, dataset, optimizer = objects
+    cfg = _load(config, search)
+    cfg = dataclasses.replace(cfg, train=apply_optimizer(cfg.train, optimizer))
+    if metrics_port is not None:
+        try:
+            cfg = dataclasses.replace(
+                cfg, metrics=dataclasses.replace(cfg.metrics, port=metrics_port)
+            )
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    checked: set[str] = set()
+    if model_factory is not None:
+        cfg = _with_model_factory(cfg, model_factory, search, checked)
+    cfg = resolve_device_defaults(cfg)
+    _check_job(cfg)
+    check_job(
+        cfg, out, search, cuda=_on_cuda(cfg), source=preflight.source, strict=preflight.strict
+    )
     if fresh:
         _clear_outputs(out)
     out.mkdir(parents=True, exist_ok=True)
+    if dataset is not None:
+        cfg = _with_dataset(cfg, dataset, out, search, checked)
+    cfg = resolve_device_defaults(cfg)
+    _check_job(cfg)
+    _check_user_objects(cfg, search, checked)
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+    return cfg
 
-    def run(run_cfg: JobConfig, name: str) -> dict[str, Any]:
-        coord = Coordinator(run_cfg, out, name, search_path=search, quiet=quiet, debug=debug)
-        return _outcome_dict(coord.run())
+
+def _load(config: JobConfig | str | Path | None, search: list[str]) -> JobConfig:
+    if config is None:
+        return JobConfig()
+    if isinstance(config, JobConfig):
+        return config
+    path = Path(config)
+    search.append(str(path.resolve().parent))
+    return load_config(JobConfig, path)
+
+
+def _with_model_factory(
+    cfg: JobConfig, factory: Any, search: list[str], checked: set[str]
+) -> JobConfig:
+    if isinstance(factory, str):
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, factory=factory))
+    ref, kwargs = factory_reference(factory)
+    try:
+        json.dumps(kwargs)
+    except TypeError as exc:
+        raise UserError(
+            f"model_factory=partial(...): its keyword arguments must be JSON values ({exc}); "
+            "they are written into config.json as model.factory_args"
+        ) from None
+    if ref.search_dir:
+        search.append(ref.search_dir)
+    checked.add("model.factory")
+    args = {**cfg.model.factory_args, **kwargs}
+    model = dataclasses.replace(cfg.model, factory=ref.path, factory_args=args)
+    return dataclasses.replace(cfg, model=model)
+
+
+def _with_dataset(
+    cfg: JobConfig, dataset: Any, out: Path, search: list[str], checked: set[str]
+) -> JobConfig:
+    if isinstance(dataset, str):
+        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=dataset))
+    if isinstance(dataset, type | types.FunctionType):  # by reference
+        ref = reference(dataset, "dataset")
+        search += [ref.search_dir] if ref.search_dir else []
+    else:
+        if not hasattr(dataset, "iteration") and not callable(dataset):
+            raise UserError(
+                f"dataset={type(dataset).__name__}(...): a dataset object needs a method "
+                "iteration(iteration, shard) -> list of micro-batches (docs/own-model.md)"
+            )
+        ref, folders = pickle_dataset(dataset, out / "objects")
+        search += folders
+    checked.add("data.dataset")
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=ref.path))
+
+
+def _live_server(cfg: JobConfig, out: Path, quiet: bool):
+    """The job's metrics server and status page when `metrics.port` is set (else None)."""
+    if cfg.metrics.port is None:
+        return None
+    from unbroken.metrics.live import LiveServer
+
+    try:
+        live = LiveServer(cfg.metrics.host, cfg.metrics.port)
+    except OSError as exc:
+        raise UserError(
+            f"metrics.port {cfg.metrics.port}: cannot listen on {cfg.metrics.host} ({exc}); "
+            "choose another port, or 0 for any free one"
+        ) from None
+    (out / "live.json").write_text(
+        json.dumps({"url": live.url, "metrics": live.url + "metrics"}) + "\n"
+    )
+    if not quiet:
+        print(f"unbroken: live status {live.url}  metrics {live.url}metrics", file=sys.stderr)
+    return live
+
+
+def _run(
+    cfg: JobConfig,
+    out: Path,
+    reference: bool,
+    search: list[str],
+    quiet: bool,
+    debug: bool,
+    live: Any,
+    observers: list[RunObserver],
+) -> RunSummary:
+    def coordinator(run_cfg: JobConfig, name: str) -> dict[str, Any]:
+        watch = ([live.observe(name)] if live is not None else []) + observers
+        c = Coordinator(
+            run_cfg, out, name, search_path=search, quiet=quiet, debug=debug, observers=watch
+        )
+        return _outcome_dict(c.run())
 
     runs: dict[str, dict[str, Any]] = {}
     ref = None
     if reference:
-        ref = runs["reference"] = run(reference_config(cfg), "reference")
+        ref = runs["reference"] = coordinator(reference_config(cfg), "reference")
         if ref["state"] != "done":
             raise JobFailed(f"the fault-free reference run failed: {ref['reason']}")
     name = "faulty" if reference else "train"
-    main = runs[name] = run(cfg, name)
+    main = runs[name] = coordinator(cfg, name)
     summary = build_summary(
         ref, main, to_dict(cfg), not_fired=faults_not_fired(cfg.inject, main["events"])
     )
@@ -100,23 +293,7 @@ def run_job(
         plot_runs(runs, out / "plot.png")
     except ImportError as exc:  # a machine without matplotlib still gets every other output
         print(f"unbroken: no plot ({exc})", file=sys.stderr)
-    return summary
-
-
-def _load(config: JobConfig | str | Path, search_path: list[str] | None):
-    """The job's config, checked and with its device defaults resolved, and the dirs user
-    modules are searched in (the config file's dir last)."""
-    search = list(search_path or [])
-    if not isinstance(config, JobConfig):
-        path = Path(config)
-        cfg = load_config(JobConfig, path)
-        search.append(str(path.resolve().parent))
-    else:
-        cfg = config
-    cfg = resolve_device_defaults(cfg)
-    _check_job(cfg)
-    _check_user_objects(cfg, search)
-    return cfg, search
+    return RunSummary.from_dict(summary)
 
 
 def reference_config(cfg: JobConfig) -> JobConfig:
@@ -168,9 +345,16 @@ def _clear_outputs(out: Path) -> None:
     """A fresh run's outputs replace the last run's in `out`."""
     if not out.exists():
         return
-    for name in ("events.jsonl", "metrics.jsonl", "timings.jsonl", "summary.json", "plot.png"):
+    for name in (
+        "events.jsonl",
+        "metrics.jsonl",
+        "timings.jsonl",
+        "summary.json",
+        "plot.png",
+        "live.json",
+    ):
         (out / name).unlink(missing_ok=True)
-    for name in ("checkpoints", "specs"):
+    for name in ("checkpoints", "specs", "objects"):
         shutil.rmtree(out / name, ignore_errors=True)
 
 
@@ -220,17 +404,20 @@ def _check_gpu_retained(cfg: JobConfig) -> bool:
     return True
 
 
-def _check_user_objects(cfg: JobConfig, search: list[str]) -> None:
-    """Fail in the CLI process, with one line, if a user factory or dataset can't be imported."""
+def _check_user_objects(cfg: JobConfig, search: list[str], checked: set[str]) -> None:
+    """Fail in the CLI process, with one line, if a user factory or dataset can't be imported
+    (those given as objects were checked already: importing the running script again here
+    would run its top level a second time)."""
     from unbroken.engine.replica import import_object
 
     if cfg.model.factory:
-        import_object(cfg.model.factory, "model.factory", search)
+        if "model.factory" not in checked:
+            import_object(cfg.model.factory, "model.factory", search)
     else:
         from unbroken.model import resolve_args
 
         resolve_args(cfg.model)
-    if cfg.data.dataset:
+    if cfg.data.dataset and "data.dataset" not in checked:
         import_object(cfg.data.dataset, "data.dataset", search)
     if not cfg.data.dataset and cfg.data.tokenizer != "bytes":
         from unbroken.data import corpus_for

@@ -113,8 +113,8 @@ def _rank_faults(repeats: int, out: Path) -> tuple[LatencyResult, LatencyResult]
     )
     _say(f"latency: one job, {len(faults)} rank faults ({repeats} kill, {repeats} hang)...")
     summary = run_job(cfg, out / "ranks", quiet=True)
-    if summary["state"] != "done":
-        raise RuntimeError(f"rank-fault job ended {summary['state']}: {summary.get('reason')}")
+    if summary.state != "done":
+        raise RuntimeError(f"rank-fault job ended {summary.state}: {summary.reason}")
     events = read_jsonl(out / "ranks" / "events.jsonl")
     injected = [e for e in events if e["kind"] == "failure_injected"]
     detected = [e for e in events if e["kind"] == "failure_detected"]

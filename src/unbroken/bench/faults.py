@@ -130,25 +130,25 @@ def run(args: argparse.Namespace) -> int:
         return _external(args, cfg, root)
     t0 = time.time()
     ref = run_job(cfg, root / "reference", quiet=True)
-    reference_hash = ref["final_state_hash"]
+    reference_hash = ref.final_state_hash
     rng = random.Random(args.seed)
     records: list[dict[str, Any]] = []
     for trial in range(args.trials):
         spec, category = draw_fault(rng, cfg)
         trial_cfg = JobConfig(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "inject": [spec]})
         s = run_job(trial_cfg, root / f"trial{trial:03d}", quiet=True)
-        modes = [r["mode"] for r in s["recoveries"]]
+        modes = [r.mode for r in s.recoveries]
         rec = {
             "trial": trial,
             "fault": spec,
             "category": category,
-            "state": s["state"],
-            "recovered": s["failures_recovered"] == s["failures_injected"] == 1,
+            "state": s.state,
+            "recovered": s.failures_recovered == s.failures_injected == 1,
             "modes": modes,
             "fallback": "ckpt_restart" in modes,
-            "exact": s["final_state_hash"] == reference_hash,
-            "total_s": [r["total_s"] for r in s["recoveries"]],
-            "wall_s": s["faulty_wall_s"],
+            "exact": s.final_state_hash == reference_hash,
+            "total_s": [r.total_s for r in s.recoveries],
+            "wall_s": s.faulty_wall_s,
         }
         records.append(rec)
         print(

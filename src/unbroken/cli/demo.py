@@ -18,6 +18,7 @@ import json
 import sys
 import time
 
+from unbroken.cli.train import add_metrics_flags, metrics_config
 from unbroken.config import ParallelConfig
 from unbroken.config.demo import demo_config
 from unbroken.metrics.summary import format_table
@@ -45,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=True,
         help="write report.html in the output dir (default: on)",
     )
+    add_metrics_flags(p)
     p.set_defaults(func=run)
 
 
@@ -76,12 +78,12 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    cfg = dataclasses.replace(cfg, parallel=parallel)
+    cfg = metrics_config(dataclasses.replace(cfg, parallel=parallel), args)
     t0 = time.time()
     summary = run_job(cfg, args.out, reference=True, debug=args.debug, source="unbroken demo")
     report = _report(args.out) if args.report else None
     if args.json:
-        print(json.dumps(summary, indent=1))
+        print(json.dumps(summary.to_dict(), indent=1))
     else:
         print()
         print(format_table(summary))
@@ -91,10 +93,4 @@ def run(args: argparse.Namespace) -> int:
         )
         if report:
             print(f"report: {report} (open it in a browser)")
-    ok = (
-        summary["state"] == "done"
-        and summary["failures_recovered"] == summary["failures_detected"]
-        and not summary["faults_not_fired"]
-        and summary.get("bit_exact") is True
-    )
-    return 0 if ok else 1
+    return 0 if summary.ok and summary.bit_exact is True else 1

@@ -3,13 +3,17 @@
 Each component owns a small `@dataclass(kw_only=True, slots=True) class ...Config` with a
 docstring on every field (see the component's module). `JobConfig` only nests them. Loading
 rejects unknown keys and wrong types with one line that names the key and the file, and every
-config validates its invariants at construction (`__post_init__`).
+config validates its invariants at construction (`__post_init__`). What the Python API accepts
+in place of config keys is turned into them here too: Python objects into `model.factory` /
+`data.dataset` references (`config.objects`), AdamW settings into `train.*`
+(`config.optimizer`).
 """
 
 from unbroken.config.job import (
     CheckpointConfig,
     DataConfig,
     JobConfig,
+    MetricsConfig,
     ModelConfig,
     ParallelConfig,
     ProtectionConfig,
@@ -22,6 +26,7 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "JobConfig",
+    "MetricsConfig",
     "ModelConfig",
     "ParallelConfig",
     "ProtectionConfig",

@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "JobConfig",
+    "MetricsConfig",
     "ModelConfig",
     "ParallelConfig",
     "ProtectionConfig",
@@ -355,6 +356,24 @@ class RecoveryConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    port: int | None = None
+    """Serve Prometheus metrics (`/metrics`) and the live status page (`/`) from the
+    coordinator's process on this TCP port while the job runs; unset = off, 0 = any free port
+    (the address is printed and written to `live.json` in the run directory)."""
+    host: str = "127.0.0.1"
+    """Address the metrics server binds ("0.0.0.0" to let other machines scrape it)."""
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ValueError(
+                f"metrics.port must be in 0..65535 (0 = any free port), got {self.port}"
+            )
+        if not self.host.strip():
+            raise ValueError("metrics.host must name an address, e.g. 127.0.0.1")
+
+
+@dataclass(kw_only=True, slots=True)
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model to train."""
@@ -370,6 +389,8 @@ class JobConfig:
     """How failures are detected and recovered."""
     protection: ProtectionConfig = field(default_factory=ProtectionConfig)
     """Pages, protection groups and update chunks of the retained state."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """The live metrics endpoint and status page (off by default)."""
     inject: list[str] = field(default_factory=list)
     """Faults to inject, e.g. "kill:rank=1,iter=12,phase=update" (see unbroken.inject)."""
 

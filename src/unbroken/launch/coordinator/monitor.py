@@ -1,7 +1,9 @@
 """The coordinator's run monitor: watches a run through what its processes write — the metrics
 rank 0 appends per iteration, every rank's timings, the event log — and turns it into progress
 lines, fail-slow reports (`SlowWatch`) and, once a failure is recovered, its breakdown
-(`recovery_done`).
+(`recovery_done`). It passes what it reads on to the run's live observers
+(`unbroken.metrics.observer.RunObserver`: the Prometheus exporter, the status page, a Python
+caller's own).
 
 An observer only: it reads the logs incrementally (`JsonlTail`) and never takes a control
 decision from them; the core tells it of each failure it detected (`failure_detected`).
@@ -9,21 +11,53 @@ decision from them; the core tells it of each failure it detected (`failure_dete
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from unbroken.config import JobConfig
 from unbroken.launch.progress import Progress
 from unbroken.launch.slowwatch import SlowWatch
 from unbroken.metrics.analysis import analyze_run
 from unbroken.metrics.log import JsonlLog, JsonlTail
+from unbroken.metrics.observer import RunInfo, RunObserver
 from unbroken.parallel import ParallelPlan
 
-__all__ = ["RunMonitor"]
+__all__ = ["RunMonitor", "describe_plan", "run_info"]
+
+
+def describe_plan(plan: ParallelPlan | None, world_size: int) -> str:
+    """The plan a run's observers show: one line per stage group, or data parallelism."""
+    if plan is None:
+        return f"data parallel: {world_size} replicas"
+    lines = [f"{plan.schedule}: dp={plan.dp} pp={plan.pp} v={plan.virtual_stages}"]
+    for d, replica in enumerate(plan.replicas):
+        for s, stage in enumerate(replica.stages):
+            lines.append(
+                f"replica {d} stage {s}: ranks {list(stage.ranks)} "
+                f"layers [{stage.layers[0]}, {stage.layers[1]})"
+            )
+    return "\n".join(lines)
+
+
+def run_info(cfg: JobConfig, run_name: str, plan: ParallelPlan | None) -> RunInfo:
+    """What the run's live observers are told when it starts."""
+    world = cfg.parallel.world_size
+    return RunInfo(
+        run=run_name,
+        world_size=world,
+        iterations=cfg.train.iterations,
+        recovery_mode=cfg.recovery.mode,
+        shadow_level=cfg.recovery.shadow_level if cfg.recovery.mode == "inplace" else 0,
+        plan=describe_plan(plan, world),
+        placement={r: plan.locate(r) for r in plan.ranks} if plan else {},
+    )
 
 
 class RunMonitor:
     """Args: run_dir, run_name, world_size, iterations, events (the run's event log), plan
-    (the plan the job runs, if any), quiet (no terminal output)."""
+    (the plan the job runs, if any), quiet (no terminal output), info and observers (the run
+    as its live observers see it, and those observers)."""
 
     def __init__(
         self,
@@ -35,8 +69,19 @@ class RunMonitor:
         *,
         plan: ParallelPlan | None = None,
         quiet: bool = False,
+        info: RunInfo | None = None,
+        observers: Sequence[RunObserver] = (),
     ) -> None:
         self.run_name = run_name
+        self.observers = list(observers)
+        self.info = info or RunInfo(
+            run=run_name,
+            world_size=world_size,
+            iterations=iterations,
+            recovery_mode="",
+            shadow_level=0,
+            plan=describe_plan(plan, world_size),
+        )
         self.progress = Progress(run_name, iterations, quiet=quiet)
         self.slow_watch = SlowWatch(world_size, events, self.progress.say, plan=plan)
         self.events = events
@@ -53,6 +98,11 @@ class RunMonitor:
     def say(self, text: str) -> None:
         self.progress.say(text)
 
+    def start(self) -> None:
+        """The run starts: tell its observers what it is."""
+        for o in self.observers:
+            o.started(self.info)
+
     def failure_detected(self, t: float) -> None:
         """The core detected a failure at `t`: report its breakdown once it is recovered."""
         self._pending.append(t)
@@ -63,10 +113,14 @@ class RunMonitor:
         for t in self._timings.read_new():
             if t.get("run") == self.run_name:
                 self.slow_watch.add_timing(t)
+                for o in self.observers:
+                    o.timing(t)
         for m in self._metrics.read_new():
             if m.get("run") != self.run_name:
                 continue
             self.rows.append(m)
+            for o in self.observers:
+                o.iteration(m)
             self.progress.iteration(m)
             self.slow_watch.add_metric(m)
             if self._pending and m["t_start"] > self._pending[0]:
@@ -75,7 +129,11 @@ class RunMonitor:
         self.slow_watch.pump()
 
     def _read_events(self) -> None:
-        self.seen_events += [e for e in self._events.read_new() if e.get("run") == self.run_name]
+        new = [e for e in self._events.read_new() if e.get("run") == self.run_name]
+        self.seen_events += new
+        for e in new:
+            for o in self.observers:
+                o.event(e)
 
     def _report_recovered(self) -> None:
         """Log the breakdown of every pending failure the rows show recovered."""
@@ -95,13 +153,21 @@ class RunMonitor:
                 resumed_iter=r.iteration,
                 restored_iter=r.restored_iter,
             )
+            for o in self.observers:
+                o.recovered(r)
             self.say(
                 f"recovered ({r.mode}) at iteration {r.restored_iter}: "
                 f"detect {r.detect_s:.3f}s, init {r.init_s:.2f}s, "
                 f"recompute {r.recompute_s:.2f}s, total {r.total_s:.2f}s"
             )
 
-    def finish(self) -> None:
-        """Read what was appended after the last poll (a failed run's last rows)."""
+    def finish(self, state: str = "", reason: str = "") -> None:
+        """Read what was appended after the last poll (a failed run's last rows); tell the
+        observers the run ended in `state` for `reason`."""
         self._read_events()
-        self.rows += [m for m in self._metrics.read_new() if m.get("run") == self.run_name]
+        rows = [m for m in self._metrics.read_new() if m.get("run") == self.run_name]
+        self.rows += rows
+        for o in self.observers:
+            for m in rows:
+                o.iteration(m)
+            o.finished(state, reason)

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,11 @@ from typing import Any
 from unbroken.config import JobConfig
 from unbroken.jobstore import JobStore
 from unbroken.launch.coordinator.core import CoordinatorCore
-from unbroken.launch.coordinator.monitor import RunMonitor
+from unbroken.launch.coordinator.monitor import RunMonitor, run_info
 from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
 from unbroken.launch.coordinator.server import ControlServer, Dropped, Received
 from unbroken.metrics.log import JsonlLog
+from unbroken.metrics.observer import RunObserver
 
 __all__ = ["Coordinator", "RunOutcome"]
 
@@ -61,6 +63,8 @@ class Coordinator:
         quiet: no terminal progress.
         debug: failed ranks' tracebacks on the terminal.
         endpoints: where the job's services listen (default: loopback).
+        observers: live observers of the run (`unbroken.metrics.observer`), told by its
+            monitor of every iteration, event and recovery.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class Coordinator:
         quiet: bool = False,
         debug: bool = False,
         endpoints: Endpoints | None = None,
+        observers: Sequence[RunObserver] = (),
     ) -> None:
         from unbroken.engine.build import job_plan
 
@@ -86,14 +91,17 @@ class Coordinator:
         self.search_path = search_path or []
         self.debug = debug
         self.secret = os.urandom(32)
+        plan = job_plan(cfg)
         self.monitor = RunMonitor(
             self.run_dir,
             run_name,
             cfg.parallel.world_size,
             cfg.train.iterations,
             self.events,
-            plan=job_plan(cfg),
+            plan=plan,
             quiet=quiet,
+            info=run_info(cfg, run_name, plan),
+            observers=observers,
         )
         self.agent_proc: subprocess.Popen | None = None
 
@@ -148,6 +156,7 @@ class Coordinator:
             f"(recovery: {self.cfg.recovery.mode}, faults: {len(self.cfg.inject)})"
         )
         t_hello = time.time()
+        self.monitor.start()
         try:
             while not core.fsm.over:
                 for item in self.server.poll(timeout=0.05):
@@ -158,7 +167,7 @@ class Coordinator:
             self.monitor.poll()
         finally:
             self._shutdown()
-        self.monitor.finish()
+        self.monitor.finish(core.fsm.state.value, core.done_reason)
         self.events.emit(
             "job_end",
             state=core.fsm.state.value,
