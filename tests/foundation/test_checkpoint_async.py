@@ -19,7 +19,7 @@ from unbroken.train.state import TrainState
 
 
 def _state(seed: float) -> TrainState:
-    layout = FlatLayout(slots=(ParamSlot("w", (64,), 0, 64, True),), numel=64, decay_end=64)
+    layout = FlatLayout(slots=(ParamSlot("w", (64,), 0, 64, True),), numel=64)
     st = TrainState.allocate(layout)
     for i, t in enumerate(st.persistent().values()):
         t.copy_(torch.arange(64, dtype=torch.float32) * seed + i)
