@@ -53,9 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse `argv`; a benchmark's own flags (`unbroken bench NAME ...`) are handed to it
+    whole, since its parser is built only when it runs (`unbroken.cli.bench`)."""
+    from unbroken.cli.bench import BENCHMARKS
+
+    first = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    is_bench = first is not None and argv[first : first + 1] == ["bench"]
+    if is_bench and len(argv) > first + 1 and argv[first + 1] in BENCHMARKS:
+        args = parser.parse_args([*argv[: first + 2]])
+        args.bench_args = argv[first + 2 :]
+        return args
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, sys.argv[1:] if argv is None else list(argv))
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -152,9 +152,19 @@ def _flex_attention(q, k, v, docs: Documents) -> torch.Tensor:
     return out.squeeze(0).transpose(0, 1)
 
 
-@torch.compiler.disable
 def _varlen_attention(q, k, v, docs: Documents) -> torch.Tensor:
-    # Kept out of torch.compile graphs: the number of documents changes between micro-batches.
+    return _varlen_outside_graphs()(q, k, v, docs)
+
+
+@cache
+def _varlen_outside_graphs():
+    """`_varlen` kept out of torch.compile graphs (the number of documents changes between
+    micro-batches). Wrapped on first use: `torch.compiler.disable` imports dynamo (~1.3 s),
+    which a CPU process never needs."""
+    return torch.compiler.disable(_varlen)
+
+
+def _varlen(q, k, v, docs: Documents) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     rep = q.shape[1] // k.shape[1]
