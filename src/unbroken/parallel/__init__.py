@@ -25,6 +25,7 @@ lives elsewhere and consumes this IR. See docs/parallel.md.
 from unbroken.parallel.actions import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, parse_action
 from unbroken.parallel.check import Problem, check_plan, match_transfers, transfer_key
 from unbroken.parallel.costs import Costs, NodeLinks, Work
+from unbroken.parallel.placement import DataPlacement
 from unbroken.parallel.plan import (
     Migration,
     ParallelPlan,
@@ -51,6 +52,7 @@ __all__ = [
     "Action",
     "ActionKind",
     "Costs",
+    "DataPlacement",
     "DeadlockError",
     "Migration",
     "NodeLinks",

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from unbroken.config import TrainConfig
+from unbroken.train.ordered import OrderedGradients, Placement
 from unbroken.train.phases import Phase, PhaseHook
 from unbroken.train.rng import seed_microbatch
 from unbroken.train.state import TrainState
@@ -74,6 +75,15 @@ class IterationResult:
         return self.t_end - self.t_start
 
 
+def _microbatch(source: BatchSource, iteration: int, shard: int, index: int) -> Any:
+    """Micro-batch `index` of `shard` (a source with `get`, as `unbroken.data.Sampler`, gives
+    it alone; any other, from its shard's list)."""
+    get = getattr(source, "get", None)
+    if get is not None:
+        return get(iteration, shard, index)
+    return source.iteration(iteration, shard)[index]
+
+
 class Trainer:
     """Runs iterations of one data-parallel rank over flat state.
 
@@ -93,6 +103,11 @@ class Trainer:
         updater: runs the update phase chunk by chunk (`unbroken.update`); protection, undo and
             the progress marker live there.
         reduce_bucket: elements per gradient all-reduce call (one ALLREDUCE hook each).
+        placement: who computes which logical micro-batch (`unbroken.parallel.DataPlacement`):
+            given, the rank computes its micro-batches of any shard and the gradients are
+            reduced in a fixed order ([Note: ordered reduction] in `unbroken.train.ordered`),
+            so any placement gives the same bits; None, the rank computes shard `shard`'s
+            micro-batches and gradients are all-reduced (the default path).
     """
 
     def __init__(
@@ -110,6 +125,7 @@ class Trainer:
         updater: Updater,
         loss_fn: LossFn = reference_loss,
         reduce_bucket: int = _REDUCE_BUCKET,
+        placement: Placement | None = None,
     ) -> None:
         if reduce_bucket < 1:
             raise ValueError(f"reduce_bucket must be >= 1 element, got {reduce_bucket}")
@@ -126,6 +142,18 @@ class Trainer:
         self.updater = updater
         self.dp = dist.get_world_size(group) if group is not None else 1
         self.reduce_bucket = reduce_bucket
+        self.ordered: OrderedGradients | None = None
+        self._tokens = 0
+        if placement is not None:
+            self.set_placement(placement)
+
+    def set_placement(self, placement: Placement) -> None:
+        """Compute `placement`'s micro-batches of this rank from the next iteration on (every
+        rank switches at the same boundary: the caller agrees on it collectively)."""
+        rank = dist.get_rank(self.group) if self.group is not None else 0
+        if len(placement.items) != self.dp:
+            raise ValueError(f"a placement of {len(placement.items)} ranks in a world of {self.dp}")
+        self.ordered = OrderedGradients(self.state.grads, placement, rank, self.group)
 
     def _hook(self, phase: Phase, iteration: int, step: int = 0, n_steps: int = 1) -> None:
         for hook in self.hooks:
@@ -140,6 +168,8 @@ class Trainer:
         """Forward/backward over this shard's micro-batches, then the data-parallel gradient
         average (DDP-style, still the compute phase: a crash here redoes the iteration). Each
         micro-batch runs with torch's generators seeded from its key (`unbroken.train.rng`)."""
+        if self.ordered is not None:
+            return self._compute_ordered(iteration, self.ordered)
         self.state.grads.zero_()
         batches = self.source.iteration(iteration, self.shard)
         # The loss stays on the device until every micro-batch and the all-reduce are
@@ -169,13 +199,39 @@ class Trainer:
         lengths = tuple(tuple(getattr(mb, "doc_lengths", ())) for mb in batches)
         return float(total), tokens, lengths
 
+    def _compute_ordered(
+        self, iteration: int, ordered: OrderedGradients
+    ) -> tuple[float, int, tuple[tuple[int, ...], ...]]:
+        """The compute phase of the ordered path: each of this rank's micro-batches alone,
+        keyed by its logical (shard, index), then the ordered reduction."""
+        self.state.grads.zero_()
+        items = ordered.items
+        lengths = []
+        for j, k in enumerate(items):
+            shard, m = ordered.placement.key(k)
+            mb = _microbatch(self.source, iteration, shard, m)
+            self._hook(Phase.FORWARD, iteration, j, len(items))
+            seed_microbatch(self.cfg.seed, iteration, shard, m)
+            with self._autocast():
+                loss = self.loss_fn(self.model, mb, self.device) / ordered.placement.microbatches
+            self._hook(Phase.BACKWARD, iteration, j, len(items))
+            loss.backward()
+            ordered.keep(j, loss, int(getattr(mb, "n_tokens", 0)))
+            lengths.append(tuple(getattr(mb, "doc_lengths", ())))
+        ordered.reduce(self._hook, iteration)
+        return 0.0, 0, tuple(lengths)
+
     def sync(self, iteration: int, local_loss: float) -> tuple[float, float, float]:
         """Global synchronization: no rank passes it before every rank has protected its
         gradients; agrees on the loss. Returns (loss, grad_norm, clip factor)."""
         self._hook(Phase.SYNC, iteration)
         grads = self.state.grads
-        loss_t = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
-        if self.group is not None and self.dp > 1:
+        if self.ordered is not None:
+            loss, self._tokens = self.ordered.sync_stats()
+            loss_t = torch.tensor([loss], dtype=torch.float64)
+        else:
+            loss_t = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
+        if self.ordered is None and self.group is not None and self.dp > 1:
             dist.all_reduce(loss_t, group=self.group)
             loss_t.div_(self.dp)
         # float64: the same sum however the gradient is split (TP shards, pipeline stages)
@@ -197,7 +253,7 @@ class Trainer:
             loss=stats.loss,
             grad_norm=stats.grad_norm,
             lr=stats.lr,
-            tokens=tokens * self.dp,
+            tokens=self._tokens if self.ordered is not None else tokens * self.dp,
             doc_lengths=lengths,
             t_start=t0,
             t_end=time.time(),
