@@ -299,11 +299,17 @@ def _run(
 
 def reference_config(cfg: JobConfig) -> JobConfig:
     """The fault-free reference of `cfg`: no fault-tolerance mechanisms (Leto §8.1) — no
-    checkpoints, no retained state or parity, no shadows, no faults. Its update uses the same
-    chunk geometry, so its states are comparable bit for bit ([Note: chunk-geometry])."""
+    checkpoints, no retained state or parity, no shadows, no faults, no re-planning. Its update
+    uses the same chunk geometry, and its gradient reduction the same order (a job that
+    re-plans reduces in micro-batch order, [Note: ordered reduction] in `unbroken.train.ordered`),
+    so its states are comparable bit for bit ([Note: chunk-geometry])."""
     return dataclasses.replace(
         cfg,
         inject=[],
+        adapt=dataclasses.replace(cfg.adapt, enabled=False),
+        parallel=dataclasses.replace(
+            cfg.parallel, reduce="ordered" if cfg.ordered_reduction else "allreduce"
+        ),
         checkpoint=dataclasses.replace(cfg.checkpoint, enabled=False),
         recovery=dataclasses.replace(cfg.recovery, mode="ckpt_restart", shadow_level=0),
     )

@@ -9,9 +9,12 @@ job shares through the store is one of the typed entries below:
     ckpt/cost_s            the measured cost of one checkpoint (Young's interval)
     ckpt/interval          the checkpoint interval, decided once (by rank 0) for the whole job
     inject/<fault key>     wall time a scheduled fault fired (each fires once per job)
+    plan/epoch             the newest placement the coordinator published (0: none)
+    plan/<epoch>           that placement, as JSON (`unbroken.parallel.DataPlacement`)
 
 Reading an entry another process has not written yet returns None, except where a method
-says it waits (`job_t0`, `wait_checkpoint_interval`). The
+says it waits (`job_t0`, `wait_checkpoint_interval`). A placement is written before its epoch,
+so whoever reads an epoch finds its placement. The
 store has no authentication (see docs: who can reach it).
 """
 
@@ -27,6 +30,8 @@ _T0 = "job/t0"
 _CKPT_COST = "ckpt/cost_s"
 _CKPT_INTERVAL = "ckpt/interval"
 _FAULT = "inject/"
+_PLAN_EPOCH = "plan/epoch"
+_PLAN = "plan/"
 
 
 class JobStore:
@@ -113,3 +118,19 @@ class JobStore:
 
     def mark_fault_fired(self, key: str, t: float) -> None:
         self.raw.set(_FAULT + key, repr(t))
+
+    # -- live reconfiguration -----------------------------------------------------------------
+    def placement_epoch(self) -> int:
+        """The newest placement's epoch (0: none published)."""
+        value = self._get(_PLAN_EPOCH)
+        return 0 if value is None else int(value)
+
+    def placement(self, epoch: int) -> str | None:
+        """The JSON of placement `epoch` (None: not published)."""
+        return self._get(f"{_PLAN}{epoch}")
+
+    def publish_placement(self, epoch: int, placement_json: str) -> None:
+        """Publish placement `epoch` (the coordinator does; epochs only grow): the placement
+        first, then the epoch that points to it."""
+        self.raw.set(f"{_PLAN}{epoch}", placement_json)
+        self.raw.set(_PLAN_EPOCH, str(epoch))

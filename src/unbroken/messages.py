@@ -132,6 +132,10 @@ class RankExited(Message):
     """The phase its last heartbeat was in."""
     traceback: str = ""
     """The trainer's traceback from its log, when the job runs with --debug."""
+    device_lost: str = ""
+    """Why the agent's health check found the rank's device lost for good ("" : healthy, the
+    failure is hardware-operable). Also sent, with no process behind it, for a rank the agent
+    refused to start on a lost device."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -199,9 +203,17 @@ class StartGeneration(Message):
     memory_budget_mb: int = 0
     memory_reclaim: bool = True
     state_managers: dict[str, str] = field(default_factory=dict)
-    """rank -> state manager socket (in-place mode)."""
+    """device -> state manager socket (in-place mode): a state manager belongs to a device
+    and outlives the ranks that run there."""
     log_dir: str = ""
     debug: bool = False
+    devices: dict[str, int] = field(default_factory=dict)
+    """rank -> the device it runs on (empty: rank r on device r)."""
+    device_registry: str = ""
+    """Where the agent's health check reads CPU devices' health (`unbroken.inject.devices`)."""
+    world_changed: bool = False
+    """The generation's world differs from the one its shadows were prepared for (a device was
+    lost): start fresh trainers; the shadows are discarded."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

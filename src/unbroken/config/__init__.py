@@ -10,6 +10,7 @@ in place of config keys is turned into them here too: Python objects into `model
 """
 
 from unbroken.config.job import (
+    AdaptConfig,
     CheckpointConfig,
     DataConfig,
     JobConfig,
@@ -23,6 +24,7 @@ from unbroken.config.job import (
 from unbroken.config.loader import config_from_dict, load_config, to_dict
 
 __all__ = [
+    "AdaptConfig",
     "CheckpointConfig",
     "DataConfig",
     "JobConfig",

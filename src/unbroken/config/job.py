@@ -181,6 +181,12 @@ class ParallelConfig:
     """Pipeline schedule when pp > 1 (`unbroken.parallel.schedules`)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B needs >= 2)."""
+    reduce: Literal["auto", "allreduce", "ordered"] = "auto"
+    """Data-parallel gradient reduction: allreduce = one all-reduce per bucket (its summation
+    order follows the world size and the placement); ordered = every micro-batch's gradient
+    alone, summed in micro-batch order (`unbroken.train.ordered`): the same bits for any
+    placement and world size, at the cost of a gradient copy per local micro-batch and an
+    all-to-all. auto = ordered when `adapt.enabled`, else allreduce."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -374,6 +380,28 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class AdaptConfig:
+    """Live reconfiguration (issue 18): the running job follows the scheduler."""
+
+    enabled: bool = False
+    """A lost device (its health check failed) or a validated fail-slow report makes the
+    coordinator re-plan (`unbroken.plan`) and the job continue on the new placement: for a lost
+    device on the remaining ranks without a checkpoint, for a slow one at an iteration boundary.
+    Data-parallel jobs (parallel.tp = pp = 1); implies parallel.reduce = "ordered"."""
+    max_replans: int = 4
+    """Most re-plans a job makes (a cap on a detector that fires on noise)."""
+    min_gain: float = 0.1
+    """A re-plan for a slow device is executed only if the planner predicts an iteration at
+    least this fraction faster than the running placement."""
+
+    def __post_init__(self) -> None:
+        if self.max_replans < 0:
+            raise ValueError("adapt.max_replans must be >= 0")
+        if not 0 <= self.min_gain < 1:
+            raise ValueError("adapt.min_gain must be in [0, 1)")
+
+
+@dataclass(kw_only=True, slots=True)
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model to train."""
@@ -391,6 +419,8 @@ class JobConfig:
     """Pages, protection groups and update chunks of the retained state."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """The live metrics endpoint and status page (off by default)."""
+    adapt: AdaptConfig = field(default_factory=AdaptConfig)
+    """Live reconfiguration around lost and slow devices."""
     inject: list[str] = field(default_factory=list)
     """Faults to inject, e.g. "kill:rank=1,iter=12,phase=update" (see unbroken.inject)."""
 
@@ -398,3 +428,21 @@ class JobConfig:
         # The tokenizer and the model's vocabulary are decided together, once, here; every
         # process then reads the same values from its spec.
         self.model, self.data = resolve_vocabulary(self.model, self.data)
+        parallel = self.parallel
+        if self.adapt.enabled and parallel.planned:
+            raise ValueError(
+                "adapt.enabled re-plans data-parallel jobs only (parallel.tp = pp = 1); "
+                "set parallel.tp = parallel.pp = 1 or adapt.enabled = false"
+            )
+        if self.adapt.enabled and parallel.reduce == "allreduce":
+            raise ValueError(
+                'adapt.enabled needs parallel.reduce = "ordered" (or "auto"): a re-planned run '
+                "is audited bit for bit against the fault-free one"
+            )
+
+    @property
+    def ordered_reduction(self) -> bool:
+        """Whether data-parallel gradients are reduced in micro-batch order (`parallel.reduce`,
+        "auto" deciding by `adapt.enabled`)."""
+        reduce = self.parallel.reduce
+        return reduce == "ordered" or (reduce == "auto" and self.adapt.enabled)

@@ -49,6 +49,9 @@ class FailStopCause(enum.StrEnum):
     """The rank's heartbeats stopped (agent: silent past the timeout, checked in /proc)."""
     NODE_LOST = "node_lost"
     """The node's agent dropped its connection or its beats stopped (coordinator)."""
+    DEVICE_LOST = "device_lost"
+    """The rank's process exited and its device failed the agent's health check: the device is
+    gone for the rest of the job (not hardware-operable)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,14 +11,18 @@ Spec syntax (config `inject = [...]`, CLI `--inject`, tests):
     slow:rank=R,iter=I,level=weak|medium|severe[,what=...]
                                               the factor that costs ~35/55/70% throughput
     memspike:rank=R,iter=I,mb=M               M MiB more memory for iteration I
+    lose:rank=R,iter=I[,phase=P]              the device of rank R (numbered as at launch) is
+                                              gone for the rest of the job
 KIND ∈ kill (SIGKILL), hang (SIGSTOP), exception (raise), oom (a failed device allocation),
-slow, pageloss, ckptcorrupt (damage the newest checkpoint on disk, then SIGKILL), memspike
-(see `FaultKind`);
+slow, pageloss, ckptcorrupt (damage the newest checkpoint on disk, then SIGKILL), memspike,
+lose (a device lost for good, recorded in the job's device registry, `devices`) (see
+`FaultKind`);
 what a slow fault stretches and how: [Note: slow-fault] in `injector`. A fault fires once per job: the
 firing is recorded in the job's store before the fault acts, so a redone iteration after
 recovery runs clean.
 """
 
+from unbroken.inject.devices import DeviceRegistry
 from unbroken.inject.faults import (
     FaultKind,
     FaultSpec,
@@ -30,6 +34,7 @@ from unbroken.inject.faults import (
 from unbroken.inject.injector import Injector
 
 __all__ = [
+    "DeviceRegistry",
     "FaultKind",
     "FaultSpec",
     "InjectedFault",

@@ -43,6 +43,12 @@ class FaultKind(enum.StrEnum):
     """Flip one byte of this rank's parameters in place (silent data corruption): nothing in
     the runtime detects or repairs it, so the run must come out NOT bit-exact, naming the
     rank — the negative control of the audit."""
+    LOSE = "lose"
+    """The rank's device is gone for the rest of the job (hardware that does not come back,
+    Leto §2.2): recorded lost in the job's device registry (`unbroken.inject.devices`; what a
+    GPU probe would report), its state manager shut down so its retained memory is destroyed,
+    then SIGKILL the trainer. The agent's health check finds the device lost and never starts
+    anything on it again."""
     MEMSPIKE = "memspike"
     """Allocate and touch `mb` MiB more for the rest of the iteration (a memory peak such as a
     long-sequence batch or uneven expert routing): no failure unless memory runs out."""

@@ -131,6 +131,11 @@ class Injector:
         """The trainer's device (set by the trainer): a `memspike` allocates there."""
         self.bitflip_target = None
         """`bitflip` target: this rank's flat parameters (set by the trainer)."""
+        self.devices = None
+        """`lose` target: the job's `DeviceRegistry` (set by the trainer); `rank` is the
+        device this trainer runs on."""
+        self.release_retained: Callable[[], None] | None = None
+        """`lose`: destroys this device's retained memory (shuts its state manager down)."""
 
     @property
     def _on_cuda(self) -> bool:
@@ -303,6 +308,15 @@ class Injector:
             spec=fault.text(),
         )
 
+    def _lose(self, fault: FaultSpec) -> None:
+        """The device is gone: recorded lost (what its probe would say), its retained memory
+        destroyed; the trainer is killed next."""
+        if self.devices is None:
+            raise InjectedFault(f"{fault.text()}: no device registry (run under an agent)")
+        self.devices.mark_lost(self.rank, f"injected: {fault.text()}")
+        if self.release_retained is not None:
+            self.release_retained()
+
     def _bitflip(self, fault: FaultSpec, phase: Phase, iteration: int) -> None:
         if self.bitflip_target is None:
             raise InjectedFault(f"{fault.text()}: no parameters to corrupt")
@@ -339,6 +353,8 @@ class Injector:
             destroyed = self.page_loss(fault)
         if fault.kind is FaultKind.CKPTCORRUPT:
             damaged = corrupt_newest_checkpoint(self.checkpoint_root, fault)
+        if fault.kind is FaultKind.LOSE:
+            self._lose(fault)
         self.emit(
             "failure_injected",
             rank=self.rank,
@@ -351,7 +367,12 @@ class Injector:
             pages=destroyed,
             damaged=damaged,
         )
-        if fault.kind in (FaultKind.KILL, FaultKind.PAGELOSS, FaultKind.CKPTCORRUPT):
+        if fault.kind in (
+            FaultKind.KILL,
+            FaultKind.PAGELOSS,
+            FaultKind.CKPTCORRUPT,
+            FaultKind.LOSE,
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind is FaultKind.HANG:
             os.kill(os.getpid(), signal.SIGSTOP)

@@ -99,6 +99,11 @@ class DataParallelExecutor:
     def job_hash(self, rank_hashes: list[str]) -> str:
         return rank_hashes[0]  # every replica holds all of it (`replica_sets` checks that)
 
+    def set_placement(self, placement) -> None:
+        """Compute `placement`'s micro-batches from the next iteration on (the ordered path;
+        every rank calls it at the same boundary, `unbroken.launch.switch`)."""
+        self.trainer.set_placement(placement)
+
 
 @dataclass(slots=True)
 class PlanExecutor:
@@ -156,17 +161,28 @@ def build_executor(
     hooks: Sequence[PhaseHook],
     autocast: torch.dtype | None,
     search: Sequence[str] = (),
+    placement=None,
 ) -> Executor:
-    """This rank's executor on its (retained or fresh) buffers, with `hooks` at every phase."""
+    """This rank's executor on its (retained or fresh) buffers, with `hooks` at every phase.
+
+    `placement` (`unbroken.parallel.DataPlacement`, data-parallel jobs with
+    `parallel.reduce = "ordered"`): who computes which micro-batch; None, rank r computes
+    shard r."""
     from unbroken.engine.build import job_plan
 
     plan = job_plan(cfg)
     if plan is not None:
         return _plan_executor(cfg, plan, group, device, retained, hooks, autocast)
-    return _data_parallel_executor(cfg, rank, group, device, retained, hooks, autocast, search)
+    if cfg.ordered_reduction and placement is None:
+        from unbroken.parallel import DataPlacement
+
+        placement = DataPlacement.identity(cfg.parallel.dp, cfg.data.microbatches)
+    return _data_parallel_executor(
+        cfg, rank, group, device, retained, hooks, autocast, search, placement
+    )
 
 
-def _data_parallel_executor(cfg, rank, group, device, retained, hooks, autocast, search):
+def _data_parallel_executor(cfg, rank, group, device, retained, hooks, autocast, search, placement):
     from unbroken.detect.timing import PhaseTimer
     from unbroken.engine.replica import build_training
     from unbroken.train import Trainer
@@ -194,6 +210,7 @@ def _data_parallel_executor(cfg, rank, group, device, retained, hooks, autocast,
         hooks=[*hooks, timer],
         updater=updater,
         loss_fn=built.loss_fn,
+        placement=placement,
     )
     world = dist.get_world_size(group) if group is not None else 1
     return DataParallelExecutor(

@@ -40,6 +40,11 @@ class TrainingLoop:
     events: Any = None
     """The job's event log (rank 0 reports replica mismatches there)."""
     heartbeat: Any = None
+    switch: Any = None
+    """Agrees on the placement at each boundary (`unbroken.launch.switch`; None: fixed)."""
+    devices: list[int] | None = None
+    """rank -> device, written into every metrics row when the world may change (the audit
+    compares a rank's hash with the reference rank that ran on the same device)."""
 
     def run(self, start: int) -> None:
         state = self.executor.state
@@ -56,6 +61,8 @@ class TrainingLoop:
                 self._write_metrics(result, audit, ckpt_s)
             if self.heartbeat is not None:
                 self.heartbeat.completed(it)
+            if self.switch is not None and it + 1 < self.cfg.train.iterations:
+                self.switch.at_boundary(it)
 
     def _hash(self, it: int) -> Audit | None:
         """The audit at hashed iterations (`train.hash_every`; the last one always): every
@@ -95,6 +102,7 @@ class TrainingLoop:
                 "rank_hashes": audit.rank_hashes if audit else None,
                 "ckpt_s": ckpt_s,
                 "doc_lengths": [list(x) for x in result.doc_lengths],
+                **({"devices": self.devices} if self.devices is not None else {}),
             }
         )
 

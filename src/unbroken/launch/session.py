@@ -228,13 +228,21 @@ class RankSession:
             self.retained = RetainedState(cfg, client)
         job_t0 = self.store.job_t0(time.time() if rank == 0 else None)
         faults = [parse_fault(f) for f in cfg.inject]
-        self.injector = Injector(faults, rank, self.store, self.events.emit, job_t0)
+        # Faults name devices (the ranks at launch): after a device is lost the survivors run
+        # under new ranks, and a fault scheduled for a device still finds it.
+        device_id = spec.device_of(rank)
+        self.injector = Injector(faults, device_id, self.store, self.events.emit, job_t0)
         self.injector.device = self.device
         autocast = None
         if self.device.type == "cuda" and cfg.train.precision in ("auto", "bf16"):
             autocast = torch.bfloat16
         # The heartbeat first: it records the phase a failure (an injected one too) happened in.
         hooks = ([self.hb] if self.hb else []) + [self.injector]
+        placement = None
+        if spec.placement is not None:
+            from unbroken.parallel import DataPlacement
+
+            placement = DataPlacement.from_dict(spec.placement)
         self.executor = build_executor(
             cfg,
             rank=rank,
@@ -244,10 +252,16 @@ class RankSession:
             hooks=hooks,
             autocast=autocast,
             search=spec.search_path,
+            placement=placement,
         )
         self.injector.bitflip_target = self.executor.state.params
         if self.retained is not None:
             self.injector.page_loss = self.retained.page_loss_target(self.executor.geometry)
+            self.injector.release_retained = self.retained.client.shutdown
+        if spec.device_registry:
+            from unbroken.inject import DeviceRegistry
+
+            self.injector.devices = DeviceRegistry(spec.device_registry)
         self._enter(SessionStage.ATTACHED)
 
     def restore(self) -> int | None:
@@ -322,6 +336,10 @@ class RankSession:
             group=self.group,
             events=self.events,
             heartbeat=self.hb,
+            switch=self._switch(start),
+            devices=[spec.device_of(r) for r in range(spec.world_size)]
+            if cfg.adapt.enabled
+            else None,
         )
         loop.run(start)
         dist.barrier(group=self.group)
@@ -333,11 +351,34 @@ class RankSession:
                 final_state_hash=final.job_hash,
                 rank_hashes=final.rank_hashes,
                 replica_mismatch=final.mismatched,
+                devices=[spec.device_of(r) for r in range(spec.world_size)],
             )
         if self.hb:
             self.hb.exiting()  # on purpose: the agent allows the slow teardown of the group
         dist.destroy_process_group()
         self._enter(SessionStage.TRAINED)
+
+    def _switch(self, start: int) -> Any:
+        """The boundary agreement on re-planned placements (`adapt.enabled`, data-parallel)."""
+        if not self.cfg.adapt.enabled or not hasattr(self.executor, "set_placement"):
+            return None
+        from unbroken.launch.switch import PlacementSwitch
+
+        spec = self.spec
+        if self.rank == 0 and spec.placement is not None:
+            self.events.emit(
+                "plan_applied",
+                epoch=spec.plan_epoch,
+                iter=start,
+                placement=spec.placement,
+                counts=[len(ids) for ids in spec.placement["items"]],
+                generation=spec.generation,
+                devices=[spec.device_of(r) for r in range(spec.world_size)],
+                switch_s=0.0,
+            )
+        return PlacementSwitch(
+            self.store, self.group, self.rank, self.executor, self.events, spec.plan_epoch
+        )
 
     # -- shadows --------------------------------------------------------------------------
     def _await_promotion(self, level: int) -> GenerationSpec:

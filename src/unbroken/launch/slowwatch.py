@@ -53,6 +53,16 @@ class SlowWatch:
         self._generation = 0
         self._grace_until = -1
 
+    def reset(self, world_size: int) -> None:
+        """The job continues on a world of `world_size` ranks (a lost device was planned
+        around, issue 18): ranks are renumbered, so a fresh detector learns the new world
+        (it warms up again); reports go to the same sink."""
+        sink = self.detector.sink
+        self.world_size = world_size
+        self.detector = FailSlowDetector(self.detector.cfg, plan=self.plan, sink=sink)
+        self._timings.clear()
+        self._metrics.clear()
+
     def add_timing(self, rec: dict[str, Any]) -> None:
         if rec["iter"] > self._last_fed:
             self._timings.setdefault(rec["iter"], {})[rec["rank"]] = rec

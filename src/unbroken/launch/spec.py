@@ -33,6 +33,20 @@ class GenerationSpec:
     """rank -> state manager socket (when `retains_state`)."""
     debug: bool = False
     """The job runs with --debug (tracebacks on the terminal)."""
+    devices: list[int] = field(default_factory=list)
+    """rank -> the device it runs on, numbered as the job's ranks at launch (empty: rank r on
+    device r). A world that lost a device keeps its survivors' devices (issue 18)."""
+    placement: dict[str, Any] | None = None
+    """Who computes which logical micro-batch (`unbroken.parallel.DataPlacement.to_dict`);
+    None: rank r computes shard r."""
+    plan_epoch: int = 0
+    """The epoch of `placement` in the job store (`JobStore.placement_epoch`)."""
+    device_registry: str = ""
+    """The directory of the devices' health on CPU ranks (`unbroken.inject.devices`)."""
+
+    def device_of(self, rank: int) -> int:
+        """The device `rank` runs on."""
+        return self.devices[rank] if self.devices else rank
 
     @property
     def resume(self) -> bool:

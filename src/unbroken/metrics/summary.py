@@ -103,14 +103,26 @@ def build_summary(
     return summary
 
 
-def _rank_diff(ref: list[str] | None, got: list[str] | None) -> list[int]:
+def _rank_diff(
+    ref: list[str] | None, got: list[str] | None, devices: list[int] | None = None
+) -> list[int]:
     """Ranks whose hash differs between two runs' per-rank hashes (all of them when the
-    runs have different rank counts; none when either run recorded none)."""
+    runs have different rank counts; none when either run recorded none). `devices` (rank ->
+    device of `got`'s run, after a lost device shrank its world): each rank is compared with
+    the reference rank that ran on its device, and the devices that differ are returned."""
     if ref is None or got is None:
         return []
+    if devices is not None and len(devices) == len(got) and max(devices, default=-1) < len(ref):
+        return [d for d, h in zip(devices, got, strict=True) if ref[d] != h]
     if len(ref) != len(got):
         return list(range(max(len(ref), len(got))))
     return [r for r, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b]
+
+
+def _final_devices(events: list[dict[str, Any]]) -> list[int] | None:
+    """rank -> device of a run's last generation (None: never recorded)."""
+    done = [e for e in events if e["kind"] == "trainer_done"]
+    return done[-1].get("devices") if done else None
 
 
 def audit(reference: dict[str, Any], faulty: dict[str, Any]) -> dict[str, Any]:
@@ -122,14 +134,18 @@ def audit(reference: dict[str, Any], faulty: dict[str, Any]) -> dict[str, Any]:
         per_iteration_mismatches (iterations where the job's or some rank's hash differs,
         with the ranks: [{"iter", "ranks"}]).
     """
-    ranks = _rank_diff(reference.get("rank_hashes"), faulty.get("rank_hashes"))
+    ranks = _rank_diff(
+        reference.get("rank_hashes"),
+        faulty.get("rank_hashes"),
+        _final_devices(faulty.get("events", [])),
+    )
     ref_rows = {m["iter"]: m for m in reference["metrics"]}
     per_iter: dict[int, set[int]] = {}
     for m in faulty["metrics"]:
         ref = ref_rows.get(m["iter"])
         if ref is None or m["state_hash"] is None or ref["state_hash"] is None:
             continue  # an iteration one of the runs did not hash
-        diff = set(_rank_diff(ref.get("rank_hashes"), m.get("rank_hashes")))
+        diff = set(_rank_diff(ref.get("rank_hashes"), m.get("rank_hashes"), m.get("devices")))
         if diff or m["state_hash"] != ref["state_hash"]:
             per_iter.setdefault(m["iter"], set()).update(diff)
     final_equal = bool(faulty["final_state_hash"]) and (

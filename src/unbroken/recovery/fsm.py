@@ -6,7 +6,9 @@ and typed actions for the coordinator to execute.
     STARTING/RUNNING/RESTARTING --a live rank failed-->  STOPPING (stop the whole generation)
     STOPPING   --every node stopped its trainers-->      RESTARTING (start generation + 1)
     RESTARTING --every node started its trainers-->      RUNNING
-    any live state --restart budget spent, crash loop, node lost--> FAILED
+    any live state --restart budget spent, crash loop, node lost, no plan--> FAILED
+    STARTING/RUNNING/RESTARTING --a device lost-->       STOPPING when the job re-plans
+                                                         (`replans`), else FAILED
 
 Any other transition raises `IllegalTransition` (`ALLOWED` lists them): the machine cannot
 wander into a state nobody designed. Each transition is recorded with its reason for the event
@@ -24,8 +26,11 @@ fit), no restart can help: the coordinator reports it (`on_startup_failure`) and
 at once.
 
 Detected failures arrive through the detectors' one interface, `unbroken.detect.DetectionEvent`
-(`on_detection`): fail-stop events (a rank's exit, a hung rank, a lost node) drive the
-transitions above; fail-slow reports change no state (the planner consumes them).
+(`on_detection`): fail-stop events (a rank's exit, a hung rank, a lost node, a lost device)
+drive the transitions above; fail-slow reports change no state (the coordinator's re-planning
+consumes them). A lost device is recovered like any failure when the job re-plans (the
+coordinator starts the next generation on the remaining devices, `world_size` shrinks);
+without re-planning nothing can replace it and the job fails with the reason.
 """
 
 from __future__ import annotations
@@ -129,6 +134,8 @@ class RecoveryMachine:
     world_size: int
     max_restarts: int
     retains_state: bool = False
+    replans: bool = False
+    """The job continues on fewer devices after one is lost (`adapt.enabled`)."""
     state: RecoveryState = RecoveryState.STARTING
     generation: int = 0
     restarts: int = 0
@@ -183,9 +190,14 @@ class RecoveryMachine:
         cause = FailStopCause(event.cause)
         if cause is FailStopCause.NODE_LOST:
             return self.on_node_lost(event.reason)
+        if cause is FailStopCause.DEVICE_LOST and not self.replans:
+            if not self._live(event.generation if event.generation is not None else -1):
+                return None
+            self._go(_S.FAILED, f"{event.reason}; the job does not re-plan (adapt.enabled)")
+            return Fail(self.generation, event.reason)
         if event.rank is None or event.generation is None:
             raise ValueError(f"fail-stop {cause.value} needs rank and generation: {event}")
-        if cause is FailStopCause.EXIT:
+        if cause in (FailStopCause.EXIT, FailStopCause.DEVICE_LOST):
             if event.returncode is None:
                 raise ValueError(f"fail-stop exit needs returncode: {event}")
             return self.on_rank_exit(event.rank, event.generation, event.returncode)
@@ -237,6 +249,19 @@ class RecoveryMachine:
             return None
         self._go(_S.FAILED, f"node lost: {reason}")
         return Fail(self.generation, reason)
+
+    def give_up(self, reason: str) -> Fail | None:
+        """Nothing can run the job any more (no device left to re-plan on): FAILED."""
+        if self.over:
+            return None
+        self._go(_S.FAILED, reason)
+        return Fail(self.generation, reason)
+
+    def resize(self, world_size: int) -> None:
+        """The next generation runs `world_size` ranks (a lost device was planned around)."""
+        if world_size < 1:
+            raise ValueError(f"a world of {world_size} ranks")
+        self.world_size = world_size
 
     def snapshot(self) -> dict[str, Any]:
         return {"state": self.state.value, "generation": self.generation, "restarts": self.restarts}

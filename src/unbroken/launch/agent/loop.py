@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from unbroken.launch.agent.hang import CpuSample, HangDetector, Verdict, proc_cpu_sample
+from unbroken.launch.agent.health import DeviceHealth
 from unbroken.launch.agent.procs import RankProc
 from unbroken.launch.agent.reclaim import Reclaimer
 from unbroken.launch.agent.shadows import ShadowPool
@@ -86,6 +87,7 @@ class Agent:
         self.pool = ShadowPool(supervisor)
         self.reclaimer = Reclaimer(self.pool, channel.send)
         self.hangs = HangDetector(probe=probe)
+        self.health = DeviceHealth()
         self.trainers: dict[int, RankProc] = {}
         """The current generation's trainers, by rank."""
         self.node_beat_s = 0.5
@@ -110,12 +112,16 @@ class Agent:
         start, no rendezvous), else spawn trainers; then pre-initialize the next shadows."""
         self.hangs = dataclasses.replace(self.hangs, timeout_s=msg.heartbeat_timeout_s)
         self.node_beat_s = msg.node_heartbeat_s
+        self.health.configure(msg)
+        if self._refuse(msg):
+            return
         if msg.state_managers:
             self.supervisor.ensure_state_managers(msg.state_managers)
         self._setup_memory(msg)
         self._last_start = msg
         gen, ranks = msg.generation, msg.ranks
-        promoted = self.pool.alive_for(gen, ranks)
+        # Shadows prepared for another world (a device was lost since) cannot take over.
+        promoted = not msg.world_changed and self.pool.alive_for(gen, ranks)
         ready = self.pool.ready_count(ranks) if promoted else 0
         if promoted:
             for r in ranks:
@@ -135,6 +141,23 @@ class Agent:
                 shadows=launched,
             )
         )
+
+    def _refuse(self, msg: StartGeneration) -> bool:
+        """Start nothing of a generation that would put a rank on a lost device; each such rank
+        is reported as exited with its device lost (the coordinator re-plans without it)."""
+        refused = self.health.refused(msg.ranks)
+        for rank, reason in refused:
+            self.channel.send(
+                RankExited(
+                    rank=rank,
+                    generation=msg.generation,
+                    returncode=1,
+                    t=time.time(),
+                    said=f"refused to start rank {rank}: {reason}",
+                    device_lost=reason,
+                )
+            )
+        return bool(refused)
 
     def _setup_memory(self, msg: StartGeneration) -> None:
         budget = self.reclaimer.setup(msg)
@@ -203,6 +226,9 @@ class Agent:
 
     def _exited(self, t: RankProc, code: int, now: float) -> RankExited:
         debug = self._last_start is not None and self._last_start.debug
+        lost = self.health.check(t.rank) if code != 0 else ""
+        if lost:  # its memory went with it: nothing may keep serving it
+            self.supervisor.stop_state_manager(self.health.device_of(t.rank))
         return RankExited(
             rank=t.rank,
             generation=t.generation,
@@ -213,6 +239,7 @@ class Agent:
             iteration=t.beat.iteration if t.beat else -1,
             phase=t.beat.phase if t.beat else "",
             traceback=t.traceback() if code > 0 and debug else "",
+            device_lost=lost,
         )
 
     @staticmethod

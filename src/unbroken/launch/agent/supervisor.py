@@ -119,8 +119,9 @@ class ProcessSupervisor:
         for its `attempt`-th set of shadows), its log in `msg.log_dir`."""
         args = ["--spec", spec, "--rank", str(rank)]
         args += ["--heartbeat", self.heartbeat_addr, "--reclaim", self.reclaim_addr]
-        if rank in msg.ranks:  # one GPU per local rank on a multi-GPU node
-            args += ["--local-rank", str(sorted(msg.ranks).index(rank))]
+        if rank in msg.ranks:  # one GPU per local device on a multi-GPU node
+            devices = sorted(msg.devices.get(str(r), r) for r in msg.ranks)
+            args += ["--local-rank", str(devices.index(msg.devices.get(str(rank), rank)))]
         if shadow_level:
             args += ["--shadow", str(shadow_level), "--attempt", str(attempt)]
         # Shadows pre-initialize in the background: at a lower CPU priority they do not slow
@@ -142,17 +143,17 @@ class ProcessSupervisor:
         return RankProc(rank, generation, proc, Liveness(spawned=time.time()), log=log_path)
 
     def ensure_state_managers(self, sockets: dict[str, str]) -> None:
-        """One state manager per rank, started once and kept across trainer generations (they
-        own the retained memory); they exit with the agent."""
-        for rank_s, path in sockets.items():
-            rank = int(rank_s)
-            proc = self.state_managers.get(rank)
+        """One state manager per device, started once and kept across trainer generations
+        (they own the retained memory); they exit with the agent."""
+        for device_s, path in sockets.items():
+            device = int(device_s)
+            proc = self.state_managers.get(device)
             if proc is None or proc.poll() is not None:
                 cmd = [sys.executable, "-m", "unbroken.state.manager", "--socket", path]
-                cmd += ["--rank", str(rank)]
+                cmd += ["--rank", str(device)]
                 preexec = self._preexec(0) if self.cgroup_procs else None
                 # Its log, not the terminal: the terminal is for progress.
-                self.state_managers[rank] = self._popen(
+                self.state_managers[device] = self._popen(
                     cmd, f"{path}.log", subprocess.DEVNULL, preexec
                 )
 
@@ -192,6 +193,12 @@ class ProcessSupervisor:
                 proc.kill()
         for proc in procs:
             proc.wait()
+
+    def stop_state_manager(self, device: int) -> None:
+        """Kill the state manager of a lost device (if it still runs)."""
+        proc = self.state_managers.pop(device, None)
+        if proc is not None:
+            self.kill([proc])
 
     def kill_state_managers(self) -> None:
         self.kill(self.state_managers.values())

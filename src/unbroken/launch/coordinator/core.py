@@ -11,10 +11,20 @@ Every decision is taken from messages and the job store, never from a log the ru
 crash-loop rule reads the failing rank's last completed iteration from its `RankExited` and
 whether a scheduled fault fired from the store (`JobStore.fault_fired_at`). No sockets, no
 processes: `send` is the only way out, so the core is tested by feeding it messages.
+
+With `adapt.enabled` it also follows the scheduler (`launch.coordinator.adapt`, issue 18): a
+rank whose device the agent found lost (`RankExited.device_lost`) is recovered on the remaining
+devices — the next generation runs fewer ranks, each on its old device and state manager
+(`GenerationSpec.devices`), with a placement that gives them the lost replica's micro-batches;
+a validated fail-slow report publishes a faster placement in the job store, which the ranks
+adopt at an iteration boundary. Ranks are numbered 0..n-1 in every generation; devices keep
+the numbers of the ranks at launch.
 """
 
 from __future__ import annotations
 
+import shutil
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +33,7 @@ from unbroken.config import JobConfig, to_dict
 from unbroken.detect.events import DetectionEvent, DetectionKind, FailStopCause
 from unbroken.inject import parse_fault
 from unbroken.jobstore import JobStore
+from unbroken.launch.coordinator.adapt import Adaptation
 from unbroken.launch.coordinator.monitor import RunMonitor
 from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
 from unbroken.launch.spec import GenerationSpec
@@ -41,6 +52,7 @@ from unbroken.messages import (
     Stopped,
 )
 from unbroken.metrics.log import JsonlLog
+from unbroken.plan import NoPlanError
 from unbroken.recovery import (
     Action,
     Fail,
@@ -98,7 +110,15 @@ class CoordinatorCore:
             world_size=layout.world_size,
             max_restarts=cfg.recovery.max_restarts,
             retains_state=self.retains_state,
+            replans=cfg.adapt.enabled,
         )
+        self.adapt = Adaptation(cfg, store, events, monitor.say) if cfg.adapt.enabled else None
+        self.devices: tuple[int, ...] = tuple(range(layout.world_size))
+        """rank -> device of the running world (devices are numbered as the ranks at launch)."""
+        self.registry = run_dir / "devices" / run_name
+        """The CPU devices' health (`unbroken.inject.devices`), fresh for every run."""
+        shutil.rmtree(self.registry, ignore_errors=True)
+        self.registry.mkdir(parents=True)
         self.joined: dict[int, float] = {}
         """node -> when it was last heard from."""
         self.done_reason = ""
@@ -190,6 +210,8 @@ class CoordinatorCore:
         )
 
     def _rank_exited(self, node: int, msg: RankExited) -> None:
+        if msg.device_lost and self.adapt is not None:  # even a stale report: never again
+            self.adapt.note_lost(self.devices[msg.rank], msg.device_lost)
         if msg.returncode == 0 or not self._live(msg.generation):
             self.execute(self.fsm.on_rank_exit(msg.rank, msg.generation, msg.returncode))
             return
@@ -199,7 +221,11 @@ class CoordinatorCore:
             self.events.emit("recovery_fallback", rank=msg.rank, generation=msg.generation)
             self.execute(self.fsm.on_rank_exit(msg.rank, msg.generation, msg.returncode))
             return
-        if msg.iteration < 0 and self._injected_since_last_failure() is None:
+        if (
+            not msg.device_lost
+            and msg.iteration < 0
+            and self._injected_since_last_failure() is None
+        ):
             self._hold(node, msg)  # before its first iteration: wait for its peers
             return
         self._fail_stop_exit(node, msg)
@@ -237,10 +263,11 @@ class CoordinatorCore:
     def _fail_stop_exit(self, node: int, msg: RankExited, startup: str = "") -> None:
         if msg.traceback and self.debug:
             self.monitor.say(f"rank {msg.rank} traceback:\n{msg.traceback.rstrip()}")
+        lost = f"; {msg.device_lost}" if msg.device_lost else ""
         self.emit(
             DetectionEvent(
                 kind=DetectionKind.FAIL_STOP,
-                cause=FailStopCause.EXIT,
+                cause=FailStopCause.DEVICE_LOST if msg.device_lost else FailStopCause.EXIT,
                 rank=msg.rank,
                 generation=msg.generation,
                 node=node,
@@ -248,7 +275,8 @@ class CoordinatorCore:
                 iteration=msg.iteration,
                 t=msg.t,
                 reason=f"exited with status {msg.returncode}"
-                + (f": {msg.said}" if msg.said else ""),
+                + (f": {msg.said}" if msg.said else "")
+                + lost,
             ),
             progressed=msg.completed >= 0,
             phase=msg.phase,
@@ -298,6 +326,8 @@ class CoordinatorCore:
         (`startup`: the reason every rank failed the same way before its first iteration)."""
         if event.kind is DetectionKind.FAIL_STOP:
             self._log_fail_stop(event, progressed, phase)
+        elif self.adapt is not None and self.fsm.state is RecoveryState.RUNNING:
+            self.adapt.on_fail_slow(event, self._healthy_iter_s(event.iteration))
         action = self.fsm.on_startup_failure(startup) if startup else self.fsm.on_detection(event)
         if event.cause == FailStopCause.NODE_LOST:
             self.done_reason = event.reason  # its agent is gone: nothing to tell it
@@ -348,16 +378,24 @@ class CoordinatorCore:
         )
         self.monitor.failure_detected(event.t)
 
+    def _healthy_iter_s(self, before: int | None = None) -> float | None:
+        """The median iteration time of the last rows before iteration `before` (the monitor's
+        record: it scales the planner's predictions in the `replan` event, no decision)."""
+        rows = [m for m in self.monitor.rows if before is None or m["iter"] < before]
+        times = [m["iter_s"] - m.get("ckpt_s", 0.0) for m in rows[-10:]]
+        return statistics.median(times) if times else None
+
     # -- actions --------------------------------------------------------------------------
-    def _state_sockets(self) -> dict[str, str]:
-        if not self.retains_state:
-            return {}
+    def _socket(self, device: int) -> str:
         root = self.run_dir / "rmp"
         root.mkdir(exist_ok=True)
-        return {
-            str(r): str(root / f"{self.run_name}-rank{r}.sock")
-            for r in range(self.layout.world_size)
-        }
+        return str(root / f"{self.run_name}-rank{device}.sock")
+
+    def _state_sockets(self) -> dict[str, str]:
+        """rank -> the state manager socket of its device (in-place mode)."""
+        if not self.retains_state:
+            return {}
+        return {str(r): self._socket(d) for r, d in enumerate(self.devices)}
 
     def write_spec(self, generation: int, restore: RestoreMode) -> Path:
         spec = GenerationSpec(
@@ -373,6 +411,10 @@ class CoordinatorCore:
             search_path=self.search_path,
             state_sockets=self._state_sockets(),
             debug=self.debug,
+            devices=list(self.devices),
+            placement=self.adapt.placement.to_dict() if self.adapt and self.adapt.epoch else None,
+            plan_epoch=self.adapt.epoch if self.adapt else 0,
+            device_registry=str(self.registry),
         )
         path = self.run_dir / "specs" / f"{self.run_name}-gen{generation}.json"
         path.parent.mkdir(exist_ok=True)
@@ -391,7 +433,26 @@ class CoordinatorCore:
                 self.send(node, Shutdown())
         self._log_transitions()
 
+    def _new_world(self) -> bool:
+        """Before a generation starts: plan around lost devices (`adapt`). Returns whether the
+        world changed (its shadows, prepared for the old one, cannot take over)."""
+        if self.adapt is None:
+            return False
+        world = self.adapt.next_world(self._healthy_iter_s())
+        if world is None:
+            return False
+        self.devices = world.devices
+        self.layout = NodeLayout.single(len(world.devices))
+        self.fsm.resize(len(world.devices))
+        self.monitor.slow_watch.reset(len(world.devices))
+        return True
+
     def _start(self, action: Start) -> None:
+        try:
+            changed = self._new_world()
+        except NoPlanError as exc:
+            self.execute(self.fsm.give_up(f"no devices left to re-plan on: {exc}"))
+            return
         spec = self.write_spec(action.generation, action.restore)
         if action.generation > 0:
             self.events.emit(
@@ -409,6 +470,7 @@ class CoordinatorCore:
         rec = self.cfg.recovery
         for node in self.layout.node_ids:
             ranks = self.layout.ranks_of(node)
+            devices = {str(r): self.devices[r] for r in ranks}
             self.send(
                 node,
                 StartGeneration(
@@ -420,9 +482,14 @@ class CoordinatorCore:
                     shadows=shadows,
                     memory_budget_mb=rec.memory_budget_mb,
                     memory_reclaim=rec.memory_reclaim,
-                    state_managers={str(r): sockets[str(r)] for r in ranks if str(r) in sockets},
+                    state_managers={
+                        str(self.devices[r]): sockets[str(r)] for r in ranks if str(r) in sockets
+                    },
                     log_dir=str(self.run_dir / "logs" / self.run_name),
                     debug=self.debug,
+                    devices=devices,
+                    device_registry=str(self.registry),
+                    world_changed=changed,
                 ),
             )
 

@@ -1,0 +1,42 @@
+"""The health of a job's devices where no hardware reports it: CPU ranks (issue 18).
+
+On a GPU a lost device is found by probing it; a CPU rank's "device" is its slot on the node,
+and nothing in the machine can fail it for real. So a `lose` fault writes the loss here — the
+way page loss punches real holes in retained memory — and the agent's health check
+(`unbroken.launch.agent.health`) reads it when a trainer exits, exactly as it would read a
+probe's answer. Recovery never learns what the injector did any other way.
+
+A device is lost when its file `device-<id>.lost` exists under the registry's directory (the
+file holds the reason); written atomically (a rename), never removed during a job.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["DeviceRegistry"]
+
+
+class DeviceRegistry:
+    """Args: root (the job's registry directory, created on first write)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def _path(self, device: int) -> Path:
+        return self.root / f"device-{int(device)}.lost"
+
+    def mark_lost(self, device: int, reason: str) -> None:
+        """Record that `device` is gone for the rest of the job."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self._path(device).with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(reason)
+        os.replace(tmp, self._path(device))
+
+    def lost(self, device: int) -> str | None:
+        """Why `device` is lost, or None while it is healthy."""
+        try:
+            return self._path(device).read_text() or "lost"
+        except FileNotFoundError:
+            return None

@@ -1,0 +1,234 @@
+"""The coordinator's re-planning (issue 18, ResiHP §4/§7, Figure 8): the cluster as the
+scheduler sees it, the placement the job runs, and the decisions to change it.
+
+`Adaptation` keeps a `unbroken.plan.ClusterState` whose devices are the job's devices
+(numbered as its ranks at launch) and whose plan is the data-parallel plan the job runs (one
+single-device replica per rank; micro-batch ownership and migrations say who computes what).
+Two reports change it:
+
+- a lost device (`note_lost`, from the agent's health check): at the next generation start
+  (`next_world`) the planner plans around every lost device of the running world; the
+  survivors get ranks 0..n-1 in device order, the new `DataPlacement` gives them the lost
+  replica's micro-batches, and the generation starts in place on their retained replicas — no
+  checkpoint;
+- a validated fail-slow report with its measured factor (`on_fail_slow`): the planner's plan is
+  published in the job store (`JobStore.publish_placement`) when it is predicted at least
+  `adapt.min_gain` faster and the job has re-planned fewer than `adapt.max_replans` times; the
+  ranks switch to it at an iteration boundary they agree on (`unbroken.launch.switch`).
+
+Each decision is a `replan` event (trigger, placement before and after, the planner's
+prediction before and after, its seconds) or a `replan_skipped` event with the reason. The
+planner prices a data-parallel replica by its micro-batches (`Workload` with one layer, unit
+costs): its decisions depend on relative speeds only; predicted seconds are reported scaled to
+the job's measured healthy iteration time when the caller gives it. Pure decisions and the
+store: no processes, no sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from unbroken.config import JobConfig
+from unbroken.detect.events import DetectionEvent
+from unbroken.jobstore import JobStore
+from unbroken.metrics.log import JsonlLog
+from unbroken.parallel import DataPlacement, ParallelPlan, make_plan
+from unbroken.plan import (
+    ClusterState,
+    Fabric,
+    NoPlanError,
+    PlannerConfig,
+    PlanResult,
+    Workload,
+    plan_for_state,
+)
+
+__all__ = ["Adaptation", "NewWorld", "dp_cluster"]
+
+_UNIT_S = 1e-3
+"""The planner's forward time of one micro-batch (a unit: only ratios are used)."""
+
+
+def dp_cluster(shards: int, microbatches: int) -> ClusterState:
+    """A healthy data-parallel job as the planner sees it: `shards` single-device replicas of
+    `microbatches` micro-batches each, device d = replica d (one layer, unit costs, memory
+    that never binds)."""
+    workload = Workload(
+        num_layers=1,
+        tokens=1,
+        sum_sq=1.0,
+        alpha_s=_UNIT_S,
+        beta_s=0.0,
+        message_bytes=1.0,
+        layer_params=1.0,
+        act_bytes_per_layer=1.0,
+    )
+    fabric = Fabric(gpus_per_node=max(1, shards), intra_bytes_per_s=1e12, inter_bytes_per_s=1e12)
+    plan = make_plan(shards, 1, 1, 1, microbatches)
+    return ClusterState.healthy(plan, workload, fabric, memory_bytes=float(1 << 50))
+
+
+@dataclass(frozen=True, slots=True)
+class NewWorld:
+    """What the next generation runs after a re-plan around lost devices."""
+
+    devices: tuple[int, ...]
+    """rank -> device."""
+    placement: DataPlacement
+    epoch: int
+
+
+def _at_least_one(placement: DataPlacement) -> DataPlacement:
+    """Every rank computes at least one micro-batch (a rank with none would skip the phase
+    hooks its timings and faults key on): an idle rank takes the last id of the busiest."""
+    items = [list(ids) for ids in placement.items]
+    for ids in items:
+        if not ids:
+            busiest = max(items, key=len)
+            ids.append(busiest.pop())
+    return replace(placement, items=tuple(tuple(ids) for ids in items))
+
+
+class Adaptation:
+    """Args: cfg (the job), store (the job store; None in tests that do not publish), events
+    (the run's event log), say (progress lines)."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        store: JobStore | None,
+        events: JsonlLog,
+        say: Callable[[str], None],
+    ) -> None:
+        self.cfg, self.store, self.events, self.say = cfg, store, events, say
+        self.microbatches = cfg.data.microbatches
+        shards = cfg.parallel.dp
+        self.state = dp_cluster(shards, self.microbatches)
+        self.devices: tuple[int, ...] = tuple(range(shards))
+        """rank -> device, of the running world."""
+        self.placement = DataPlacement.identity(shards, self.microbatches)
+        self.epoch = 0
+        self.replans = 0
+        """Re-plans for slow devices so far (capped by `adapt.max_replans`)."""
+        self.lost: dict[int, str] = {}
+        """device -> why it is lost."""
+        self.healthy_s = plan_for_state(self.state, PlannerConfig()).current_s
+
+    # -- reports ----------------------------------------------------------------------------
+    def device_of(self, rank: int) -> int:
+        return self.devices[rank]
+
+    def note_lost(self, device: int, reason: str) -> None:
+        """The agent found `device` lost: no later generation runs on it."""
+        if device not in self.lost:
+            self.lost[device] = reason
+            self.state = self.state.with_lost(device)
+
+    def next_world(self, iter_s: float | None = None) -> NewWorld | None:
+        """At a generation start: the world without the lost devices (None: unchanged).
+
+        Raises:
+            NoPlanError: no device is left.
+        """
+        gone = [d for d in self.devices if d in self.lost]
+        if not gone:
+            return None
+        before = self.placement
+        result = plan_for_state(self.state, PlannerConfig())
+        plan = result.plan()
+        devices = tuple(sorted(plan.ranks))
+        placement = _at_least_one(DataPlacement.from_plan(plan, devices, self.microbatches))
+        trigger = {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
+        self._adopt(result, plan, devices, placement, trigger, before, iter_s)
+        return NewWorld(devices, placement, self.epoch)
+
+    def on_fail_slow(self, event: DetectionEvent, iter_s: float | None = None) -> bool:
+        """A validated fail-slow report (rank in the running world, measured factor): publish
+        a faster placement if there is one and the job may re-plan. Returns whether it did."""
+        trigger = {
+            "kind": "fail_slow",
+            "rank": event.rank,
+            "factor": event.factor,
+            "what": event.cause,
+            "since_iter": event.iteration,
+        }
+        if event.rank is None or event.factor is None or not 0 <= event.rank < len(self.devices):
+            return self._skip(trigger, "the report names no rank of the running world")
+        device = self.devices[event.rank]
+        trigger["device"] = device
+        if self.replans >= self.cfg.adapt.max_replans:
+            return self._skip(trigger, f"adapt.max_replans = {self.cfg.adapt.max_replans} reached")
+        self.state = self.state.apply(replace(event, rank=device))
+        try:
+            result = plan_for_state(self.state, PlannerConfig())
+        except NoPlanError as exc:  # pragma: no cover - a slow device never empties the plan
+            return self._skip(trigger, str(exc))
+        gain = 1.0 - result.predicted_s / result.current_s
+        if result.kept_current or gain < self.cfg.adapt.min_gain:
+            return self._skip(
+                trigger, f"predicted gain {gain:.1%} < adapt.min_gain {self.cfg.adapt.min_gain:.0%}"
+            )
+        plan = result.plan()
+        placement = _at_least_one(DataPlacement.from_plan(plan, self.devices, self.microbatches))
+        self.replans += 1
+        self._adopt(result, plan, self.devices, placement, trigger, self.placement, iter_s)
+        return True
+
+    # -- decisions --------------------------------------------------------------------------
+    def _adopt(
+        self,
+        result: PlanResult,
+        plan: ParallelPlan,
+        devices: tuple[int, ...],
+        placement: DataPlacement,
+        trigger: dict,
+        before: DataPlacement,
+        iter_s: float | None,
+    ) -> None:
+        devices_before = self.devices
+        self.state = self.state.with_plan(plan)
+        self.devices, self.placement = devices, placement
+        self.epoch += 1
+        if self.store is not None:
+            self.store.publish_placement(self.epoch, json.dumps(placement.to_dict()))
+        scale = (iter_s / self.healthy_s) if iter_s else None
+        self.events.emit(
+            "replan",
+            epoch=self.epoch,
+            trigger=trigger,
+            devices_before=list(devices_before),
+            devices_after=list(devices),
+            before=before.to_dict(),
+            after=placement.to_dict(),
+            counts_before=list(before.counts()),
+            counts_after=list(placement.counts()),
+            predicted_before=_finite(result.current_s),
+            predicted_after=result.predicted_s,
+            predicted_before_s=_finite(result.current_s * scale) if scale else None,
+            predicted_after_s=result.predicted_s * scale if scale else None,
+            plan_s=result.planning_s,
+            explain=result.explain(),
+        )
+        was = (
+            f", was {result.current_s / self.healthy_s:.2f}x"
+            if math.isfinite(result.current_s)
+            else ""
+        )
+        self.say(
+            f"re-plan ({trigger['kind']}): devices {list(devices_before)} -> {list(devices)}, "
+            f"micro-batches per rank {list(before.counts())} -> {list(placement.counts())}; "
+            f"predicted iteration {result.predicted_s / self.healthy_s:.2f}x the fault-free "
+            f"one{was} (planned in {result.planning_s * 1e3:.0f} ms)"
+        )
+
+    def _skip(self, trigger: dict, reason: str) -> bool:
+        self.events.emit("replan_skipped", trigger=trigger, reason=reason)
+        self.say(f"no re-plan for {trigger['kind']}: {reason}")
+        return False
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
