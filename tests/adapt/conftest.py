@@ -8,11 +8,14 @@ from tests.foundation.conftest import tiny_job
 from unbroken.config import AdaptConfig, JobConfig
 
 
-def adapt_job(*, world_size: int = 4, iterations: int = 8, inject=(), **adapt) -> JobConfig:
-    """The foundation tests' tiny job on `world_size` ranks, re-planning (no periodic
-    checkpoint after the first: a checkpoint load would show)."""
+def adapt_job(
+    *, world_size: int = 4, iterations: int = 8, inject=(), microbatches: int = 2, **adapt
+) -> JobConfig:
+    """The foundation tests' tiny job on `world_size` ranks with `microbatches` per shard,
+    re-planning (no periodic checkpoint after the first: a checkpoint load would show)."""
     cfg = tiny_job(world_size=world_size, iterations=iterations, inject=list(inject), interval=1000)
-    return dataclasses.replace(cfg, adapt=AdaptConfig(enabled=True, **adapt))
+    data = dataclasses.replace(cfg.data, microbatches=microbatches)
+    return dataclasses.replace(cfg, data=data, adapt=AdaptConfig(enabled=True, **adapt))
 
 
 def events_of(summary_events: list[dict], kind: str) -> list[dict]:

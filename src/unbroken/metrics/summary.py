@@ -6,6 +6,7 @@ import statistics
 from typing import Any
 
 from unbroken.metrics.analysis import analyze_run, ettr, healthy_iter_s, wall_time
+from unbroken.metrics.replans import replan_records
 
 __all__ = ["audit", "build_summary", "format_table"]
 
@@ -86,6 +87,12 @@ def build_summary(
         "recovery_mode": config["recovery"]["mode"],
         **_slowness(f_events),
         "change_points": sum(e["kind"] == "change_point" for e in f_events),
+        "replans": replan_records(f_events, f_metrics),
+        "replans_skipped": [
+            {"trigger": e["trigger"], "reason": e["reason"]}
+            for e in f_events
+            if e["kind"] == "replan_skipped"
+        ],
     }
     summary["replica_mismatches"] = [
         {"iter": e["iter"], "ranks": e["ranks"]}
@@ -200,6 +207,7 @@ def format_table(summary: dict[str, Any]) -> str:
             f"fail-slow detected: {where} ({what}) {fs['factor']:.2f}x slower since iteration "
             f"{fs['since_iter']}, reported after iteration {fs['detected_at']}"
         )
+    lines += _replan_lines(summary)
     if summary["recoveries"]:
         lines += [
             "",
@@ -218,3 +226,30 @@ def format_table(summary: dict[str, Any]) -> str:
                 + (f"{again:>17.2f}" if again is not None else f"{'-':>17}")
             )
     return "\n".join(lines)
+
+
+def _ms(x: float | None) -> str:
+    return f"{x * 1e3:.0f} ms" if x is not None else "-"
+
+
+def _replan_lines(summary: dict[str, Any]) -> list[str]:
+    """The table's re-plans: trigger, placement before/after, iteration time before/after."""
+    lines = []
+    for r in summary.get("replans", []):
+        t = r["trigger"]
+        what = (
+            f"rank {t.get('rank')} {t.get('factor', 0):.2f}x slow"
+            if t["kind"] == "fail_slow"
+            else f"device(s) {t.get('devices')} lost"
+        )
+        before, after = r.get("measured_before") or {}, r.get("measured_after") or {}
+        lines.append(
+            f"re-plan at iteration {r['iter']} ({what}): devices {r['devices_before']} -> "
+            f"{r['devices_after']}, micro-batches {r['counts_before']} -> {r['counts_after']}; "
+            f"iteration {_ms(before.get('iter_s'))} -> {_ms(after.get('iter_s'))} (predicted "
+            f"{_ms(r['predicted_before_s'])} -> {_ms(r['predicted_after_s'])})"
+            + (f"; reconfiguration {r['reconfig_s']:.2f} s" if r.get("reconfig_s") else "")
+        )
+    for r in summary.get("replans_skipped", []):
+        lines.append(f"no re-plan for {r['trigger']['kind']}: {r['reason']}")
+    return lines

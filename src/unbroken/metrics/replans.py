@@ -1,0 +1,115 @@
+"""The record of a run's re-plans (issue 18), from its event and metric logs: one row per
+executed `replan`, with where it took effect and what it did to the iteration time.
+
+A row joins the coordinator's `replan` event (trigger, placement and devices before and after,
+the planner's prediction, its seconds) with the ranks' `plan_applied` of the same epoch (the
+first iteration on the new placement, the boundary switch's seconds) and measures, from the
+metrics, the median iteration time and tokens/s over the `WINDOW` iterations before that
+iteration and over the `WINDOW` after it (the first iteration on the new placement is left
+out: it pays the switch or the restart). For a re-plan around a lost device the
+reconfiguration is split by the run's events: stop (the failed generation torn down), start
+(new trainers up to `trainer_ready`: processes, group, retained state attached and repaired),
+repair (the slowest rank's in-place repair, part of start) — and `reconfig_s`, from the
+detection to the first iteration on the survivors (detection excluded).
+
+The fault-free reference does not replay the plan changes: a job that re-plans reduces its
+gradients in micro-batch order ([Note: ordered reduction] in `unbroken.train.ordered`), so
+its bits do not depend on the placement and it is audited against the original plan.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+__all__ = ["WINDOW", "replan_records"]
+
+WINDOW = 5
+"""Iterations measured on each side of a re-plan."""
+
+
+def _last_rows(metrics: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    rows: dict[int, dict[str, Any]] = {}
+    for m in metrics:
+        rows[m["iter"]] = m
+    return rows
+
+
+def _measure(rows: dict[int, dict[str, Any]], iters: range) -> dict[str, float | None]:
+    got = [rows[i] for i in iters if i in rows]
+    if not got:
+        return {"iter_s": None, "tokens_per_s": None}
+    return {
+        "iter_s": statistics.median(m["iter_s"] - m.get("ckpt_s", 0.0) for m in got),
+        "tokens_per_s": statistics.median(m["tokens_per_s"] for m in got),
+    }
+
+
+def _state_t(events: list[dict[str, Any]], new: str, after: float) -> float | None:
+    return next(
+        (e["t"] for e in events if e["kind"] == "state" and e["new"] == new and e["t"] >= after),
+        None,
+    )
+
+
+def _reconfig(
+    events: list[dict[str, Any]], metrics: list[dict[str, Any]], replan: dict[str, Any]
+) -> dict[str, float | None]:
+    """Seconds of a re-plan around a lost device, by step (see the module docstring)."""
+    detected = [e for e in events if e["kind"] == "failure_detected" and e["t"] <= replan["t"]]
+    if not detected:
+        return {}
+    t_det = detected[-1].get("t_detected", detected[-1]["t"])
+    stopping = _state_t(events, "stopping", t_det - 1.0)
+    restarting = _state_t(events, "restarting", t_det)
+    ready = next(
+        (e for e in events if e["kind"] == "trainer_ready" and e["t"] >= replan["t"]), None
+    )
+    repairs = [
+        e["total_ms"] / 1e3
+        for e in events
+        if e["kind"] == "inplace_repair"
+        and ready is not None
+        and e["t"] <= ready["t"] + 5
+        and e["t"] >= replan["t"]
+    ]
+    first = next((m for m in metrics if m["t_start"] >= replan["t"]), None)
+    return {
+        "stop_s": (restarting - stopping) if stopping and restarting else None,
+        "start_s": (ready["t"] - replan["t"]) if ready else None,
+        "repair_s": max(repairs) if repairs else None,
+        "reconfig_s": (first["t_start"] - t_det) if first else None,
+    }
+
+
+def replan_records(
+    events: list[dict[str, Any]], metrics: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One row per executed re-plan of a run (its own events and metrics), in order."""
+    rows = _last_rows(metrics)
+    out = []
+    for r in (e for e in events if e["kind"] == "replan"):
+        applied = next(
+            (e for e in events if e["kind"] == "plan_applied" and e["epoch"] == r["epoch"]), None
+        )
+        it = applied["iter"] if applied else None
+        row: dict[str, Any] = {
+            "epoch": r["epoch"],
+            "trigger": r["trigger"],
+            "iter": it,
+            "devices_before": r["devices_before"],
+            "devices_after": r["devices_after"],
+            "counts_before": r["counts_before"],
+            "counts_after": r["counts_after"],
+            "predicted_before_s": r.get("predicted_before_s"),
+            "predicted_after_s": r.get("predicted_after_s"),
+            "plan_s": r["plan_s"],
+            "switch_s": applied.get("switch_s") if applied else None,
+        }
+        if it is not None:
+            row["measured_before"] = _measure(rows, range(it - WINDOW, it))
+            row["measured_after"] = _measure(rows, range(it + 1, it + 1 + WINDOW))
+        if r["trigger"]["kind"] == "device_lost":
+            row.update(_reconfig(events, metrics, r))
+        out.append(row)
+    return out

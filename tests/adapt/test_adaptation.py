@@ -1,0 +1,71 @@
+"""The coordinator's re-planning decisions, without processes: what a lost device and a
+fail-slow report do to the placement, what is published in the job store, and when a report
+is not acted on (the cap, the predicted gain)."""
+
+from __future__ import annotations
+
+import json
+
+import torch.distributed as dist
+
+from unbroken.detect.events import DetectionEvent, DetectionKind
+from unbroken.jobstore import JobStore
+from unbroken.launch.coordinator.adapt import Adaptation
+from unbroken.parallel import DataPlacement
+
+from .conftest import adapt_job
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def emit(self, kind: str, **fields) -> None:
+        self.events.append((kind, fields))
+
+
+def _adaptation(**adapt) -> tuple[Adaptation, JobStore, Log]:
+    store, log = JobStore(dist.HashStore()), Log()
+    cfg = adapt_job(microbatches=4, **adapt)
+    return Adaptation(cfg, store, log, lambda _: None), store, log
+
+
+def _slow(rank: int | None, factor: float) -> DetectionEvent:
+    return DetectionEvent(
+        kind=DetectionKind.FAIL_SLOW, rank=rank, factor=factor, cause="compute", iteration=9
+    )
+
+
+def test_a_slow_rank_gets_fewer_micro_batches_published_under_a_new_epoch():
+    a, store, log = _adaptation()
+    assert store.placement_epoch() == 0
+    assert a.on_fail_slow(_slow(3, 3.0), iter_s=0.5)
+    assert store.placement_epoch() == 1
+    published = DataPlacement.from_dict(json.loads(store.placement(1)))
+    assert published == a.placement and published.counts()[3] < 4 and sum(published.counts()) == 16
+    kind, fields = log.events[-1]
+    assert kind == "replan" and fields["trigger"]["device"] == 3
+    assert fields["predicted_after_s"] < fields["predicted_before_s"]
+    assert fields["predicted_before_s"] > 0.5  # scaled to the measured healthy iteration
+
+
+def test_small_gains_and_the_cap_leave_the_placement_alone():
+    a, store, log = _adaptation(min_gain=0.5)
+    assert not a.on_fail_slow(_slow(None, 5.0))  # the sync stage: no rank to plan around
+    assert "no rank" in log.events[-1][1]["reason"]
+    assert not a.on_fail_slow(_slow(3, 1.3))
+    assert log.events[-1][0] == "replan_skipped" and "min_gain" in log.events[-1][1]["reason"]
+    capped, store, log = _adaptation(max_replans=0)
+    assert not capped.on_fail_slow(_slow(3, 5.0))
+    assert "max_replans" in log.events[-1][1]["reason"] and store.placement_epoch() == 0
+
+
+def test_a_lost_device_gives_its_micro_batches_to_the_survivors_in_device_order():
+    a, _, log = _adaptation()
+    assert a.next_world() is None  # nothing lost: the world stays
+    a.note_lost(1, "device 1 lost (test)")
+    world = a.next_world(iter_s=1.0)
+    assert world is not None and world.devices == (0, 2, 3) and world.epoch == 1
+    assert sorted(world.placement.counts()) == [5, 5, 6] and world.placement.total == 16
+    assert a.device_of(1) == 2 and a.next_world() is None
+    assert log.events[-1][1]["trigger"]["devices"] == [1]
