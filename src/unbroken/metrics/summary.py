@@ -44,6 +44,18 @@ def _slowness(events: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _replans(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's re-plans (`unbroken.metrics.replans`) and the reports it did not act on."""
+    return {
+        "replans": replan_records(events, metrics),
+        "replans_skipped": [
+            {"trigger": e["trigger"], "reason": e["reason"]}
+            for e in events
+            if e["kind"] == "replan_skipped"
+        ],
+    }
+
+
 def build_summary(
     reference: dict[str, Any] | None,
     faulty: dict[str, Any],
@@ -87,12 +99,7 @@ def build_summary(
         "recovery_mode": config["recovery"]["mode"],
         **_slowness(f_events),
         "change_points": sum(e["kind"] == "change_point" for e in f_events),
-        "replans": replan_records(f_events, f_metrics),
-        "replans_skipped": [
-            {"trigger": e["trigger"], "reason": e["reason"]}
-            for e in f_events
-            if e["kind"] == "replan_skipped"
-        ],
+        **_replans(f_events, f_metrics),
     }
     summary["replica_mismatches"] = [
         {"iter": e["iter"], "ranks": e["ranks"]}
