@@ -17,7 +17,6 @@ def _faulty_events(tmp_path) -> list[dict]:
     return [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_crash_and_a_second_lost_device_after_a_reconfiguration(tmp_path):
     faults = [
@@ -42,7 +41,6 @@ def test_a_crash_and_a_second_lost_device_after_a_reconfiguration(tmp_path):
     assert crash["mode"] == "inplace" and crash["shadow_level"] == 3
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_shadow_takeover_right_after_a_fail_slow_replan_keeps_the_new_placement(tmp_path):
     faults = ["slow:rank=3,iter=15,factor=6", "kill:rank=0,iter=27,phase=update"]

@@ -46,3 +46,22 @@ def test_a_job_that_does_not_replan_fails_on_a_lost_device_with_the_reason(tmp_p
     s = run_job(cfg, tmp_path, quiet=True)
     assert s["state"] == "failed"
     assert "device 1 lost" in s["reason"]
+
+
+@pytest.mark.timeout(900)
+def test_without_retained_state_the_survivors_restart_from_a_checkpoint_on_fewer_ranks(tmp_path):
+    import dataclasses
+
+    cfg = adapt_job(inject=["lose:rank=2,iter=4,phase=forward"])
+    cfg = dataclasses.replace(
+        cfg,
+        recovery=dataclasses.replace(cfg.recovery, mode="ckpt_restart"),
+        checkpoint=dataclasses.replace(cfg.checkpoint, interval=2),
+    )
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    (loaded,) = events_of(events, "checkpoint_loaded")  # rank 0 reports; three ranks load it
+    assert 0 < loaded["iter"] <= 4
+    assert events_of(events, "trainer_done")[-1]["devices"] == [0, 1, 3]

@@ -4,8 +4,10 @@ The small reference model on 4 local CPU ranks (gloo): first a fault-free refere
 the same job with injected failures — a crash in the middle of the optimizer update, a crash with
 lost retained pages during the parity write-back, an exception in the backward pass and, without
 --quick, a hung rank, a page loss beyond parity tolerance (checkpoint fallback) and a crash
-inside a progress-marker write — recovered in place, and a table comparing the two; the run's
-HTML report (`report.html`, `unbroken.cli.report`) is written next to its logs. Exit status 0
+inside a progress-marker write — recovered in place, and a table comparing the two. A
+data-parallel demo (the default) re-plans around its slow rank (`adapt.enabled`, unless
+--no-adapt): the re-plan is printed when it happens and in the final table. The run's HTML
+report (`report.html`, `unbroken.cli.report`) is written next to its logs. Exit status 0
 only when every injected failure was recovered and the final state is bit-identical to the
 reference.
 """
@@ -39,6 +41,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="1f1b",
         choices=("gpipe", "1f1b", "interleaved", "zb_h1"),
         help="pipeline schedule when --pp > 1 (default: 1f1b)",
+    )
+    p.add_argument(
+        "--adapt",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="re-plan around the slow rank (data-parallel runs; default: on)",
     )
     p.add_argument(
         "--report",
@@ -78,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    cfg = metrics_config(dataclasses.replace(cfg, parallel=parallel), args)
+    adapt = dataclasses.replace(cfg.adapt, enabled=args.adapt and not parallel.planned)
+    cfg = metrics_config(dataclasses.replace(cfg, parallel=parallel, adapt=adapt), args)
     t0 = time.time()
     summary = run_job(cfg, args.out, reference=True, debug=args.debug, source="unbroken demo")
     report = _report(args.out) if args.report else None

@@ -115,6 +115,8 @@ class CoordinatorCore:
         self.adapt = Adaptation(cfg, store, events, monitor.say) if cfg.adapt.enabled else None
         self.devices: tuple[int, ...] = tuple(range(layout.world_size))
         """rank -> device of the running world (devices are numbered as the ranks at launch)."""
+        self._worlds: dict[int, tuple[int, ...]] = {}
+        """generation -> its rank -> device (a late report names a rank of its own world)."""
         self.registry = run_dir / "devices" / run_name
         """The CPU devices' health (`unbroken.inject.devices`), fresh for every run."""
         shutil.rmtree(self.registry, ignore_errors=True)
@@ -210,8 +212,9 @@ class CoordinatorCore:
         )
 
     def _rank_exited(self, node: int, msg: RankExited) -> None:
-        if msg.device_lost and self.adapt is not None:  # even a stale report: never again
-            self.adapt.note_lost(self.devices[msg.rank], msg.device_lost)
+        world = self._worlds.get(msg.generation, self.devices)
+        if msg.device_lost and self.adapt is not None and 0 <= msg.rank < len(world):
+            self.adapt.note_lost(world[msg.rank], msg.device_lost)  # even if stale: never again
         if msg.returncode == 0 or not self._live(msg.generation):
             self.execute(self.fsm.on_rank_exit(msg.rank, msg.generation, msg.returncode))
             return
@@ -453,6 +456,7 @@ class CoordinatorCore:
         except NoPlanError as exc:
             self.execute(self.fsm.give_up(f"no devices left to re-plan on: {exc}"))
             return
+        self._worlds[action.generation] = self.devices
         spec = self.write_spec(action.generation, action.restore)
         if action.generation > 0:
             self.events.emit(
