@@ -4,10 +4,10 @@ The small reference model on 4 local CPU ranks (gloo): first a fault-free refere
 the same job with injected failures — a crash in the middle of the optimizer update, a crash with
 lost retained pages during the parity write-back, an exception in the backward pass and, without
 --quick, a hung rank, a page loss beyond parity tolerance (checkpoint fallback) and a crash
-inside a progress-marker write — recovered in place, and a table comparing the two. A
-data-parallel demo (the default) re-plans around its slow rank (`adapt.enabled`, unless
---no-adapt): the re-plan is printed when it happens and in the final table. The run's HTML
-report (`report.html`, `unbroken.cli.report`) is written next to its logs. Exit status 0
+inside a progress-marker write — recovered in place, and a table comparing the two. With
+--adapt a data-parallel demo re-plans around its slow rank once the detector reports it
+(`adapt.enabled`): the re-plan is printed when it happens and in the final table. The run's
+HTML report (`report.html`, `unbroken.cli.report`) is written next to its logs. Exit status 0
 only when every injected failure was recovered and the final state is bit-identical to the
 reference.
 """
@@ -44,9 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--adapt",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="re-plan around the slow rank (data-parallel runs; default: on)",
+        action="store_true",
+        help="re-plan around lost and slow devices (adapt.enabled; data-parallel runs)",
     )
     p.add_argument(
         "--report",
