@@ -49,6 +49,11 @@ BENCHMARKS = {
         "Scheduler benchmark: ResiHP §8.3-8.4 scenarios, ours against Greyhound, Adaptra, "
         "ReCycle and Oobleck.",
     ),
+    "adapt": (
+        "unbroken.bench.adapt",
+        "Live reconfiguration: tokens/s after a slow or lost device, with and without "
+        "re-planning.",
+    ),
 }
 """Subcommand name -> (harness module, one-line help)."""
 

@@ -1,0 +1,172 @@
+"""Live reconfiguration benchmark (issue 18): tokens/s after a device slows down or is lost,
+with and without re-planning, on identical fault schedules, measured in one run.
+
+On local CPU ranks (data-parallel, 4 by default; the foundation tests' tiny model with 4
+micro-batches per shard): one fault-free reference run (ordered reduction, every run is
+audited against its final state hash and per-iteration hashes), then per scenario one run per
+policy:
+
+- scenarios: `slow` (rank 3 computes `--factor` x slower from iteration I on), `lost` (device 1
+  lost for good at iteration I);
+- policies: `ours` (`adapt.enabled`: the coordinator re-plans), `none` (no mitigation: the slow
+  rank keeps its micro-batches; a lost device fails the job, 0 tokens/s).
+
+Per scenario and policy: median tokens/s over the iterations from `I + --settle` on, its ratio
+to ours, reconfiguration seconds (a lost device: detection to the first iteration on the
+survivors; a slow device: the boundary switch), checkpoint loads, bit-exactness. ResiHP's
+other baselines (evict-and-restart, Greyhound-style rebalancing) are not run here.
+
+Caveat measured on the shared 2-core VM: four ranks oversubscribe two cores, so a rank that
+sleeps (the `slow` fault) frees CPU its peers use; the job is CPU-bound, the slow rank costs
+less than on dedicated devices, and moving work off it gains less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "run"]
+
+POLICIES = ("ours", "none")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--iterations", type=int, default=40, help="iterations per run (default 40)")
+    p.add_argument("--at", type=int, default=14, help="iteration the fault fires (default 14)")
+    p.add_argument("--settle", type=int, default=10, help="iterations after it not measured")
+    p.add_argument("--factor", type=float, default=4.0, help="slow scenario's factor (4)")
+    p.add_argument("--world-size", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--out", default=None, help="keep the run dirs here (default: a temp dir)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+
+def _say(text: str) -> None:
+    print(f"[adapt] {text}", file=sys.stderr, flush=True)
+
+
+def _job(args: argparse.Namespace, inject: list[str], adapt: bool):
+    from unbroken.config import (
+        AdaptConfig,
+        CheckpointConfig,
+        DataConfig,
+        JobConfig,
+        ModelConfig,
+        ParallelConfig,
+        RecoveryConfig,
+        TrainConfig,
+    )
+
+    return JobConfig(
+        model=ModelConfig(preset="tiny"),
+        data=DataConfig(tokens_per_microbatch=64, microbatches=4, max_documents=200),
+        train=TrainConfig(iterations=args.iterations, lr=1e-3),
+        parallel=ParallelConfig(world_size=args.world_size, reduce="ordered"),
+        checkpoint=CheckpointConfig(interval=1000),
+        recovery=RecoveryConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5),
+        adapt=AdaptConfig(enabled=adapt),
+        inject=inject,
+    )
+
+
+def _scenarios(args: argparse.Namespace) -> dict[str, list[str]]:
+    return {
+        "slow": [f"slow:rank=3,iter={args.at},factor={args.factor:g}"],
+        "lost": [f"lose:rank=1,iter={args.at},phase=update"],
+    }
+
+
+def _row(
+    args: argparse.Namespace, scenario: str, policy: str, s: dict[str, Any], ref: dict[str, Any]
+) -> dict[str, Any]:
+    from unbroken.metrics.summary import audit
+
+    start = args.at + args.settle
+    rows = {m["iter"]: m for m in s["metrics"]}
+    after = [rows[i]["tokens_per_s"] for i in sorted(rows) if i >= start]
+    summary = s["summary"]
+    replans = summary.get("replans", [])
+    reconfig = None
+    if replans:
+        reconfig = replans[0].get("reconfig_s") or replans[0].get("switch_s")
+    done = summary["state"] == "done"
+    return {
+        "scenario": scenario,
+        "plan": f"dp{args.world_size}",
+        "policy": policy,
+        "tokens_per_s": statistics.median(after) if after and done else 0.0,
+        "reconfig_s": reconfig,
+        "replans": len(replans),
+        "ckpt_loads": sum(e["kind"] == "checkpoint_loaded" for e in s["events"]),
+        "bit_exact": audit(ref, s)["bit_exact"] if done else False,
+        "state": summary["state"],
+    }
+
+
+def _one(args, root: Path, name: str, inject: list[str], adapt: bool) -> dict[str, Any]:
+    from unbroken.api import run_job
+    from unbroken.metrics.log import read_jsonl
+
+    out = root / name
+    summary = run_job(_job(args, inject, adapt), out, quiet=True)
+    metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["run"] == "train"]
+    events = [e for e in read_jsonl(out / "events.jsonl") if e["run"] == "train"]
+    done = next((e for e in reversed(events) if e["kind"] == "trainer_done"), {})
+    return {
+        "summary": summary,
+        "metrics": metrics,
+        "events": events,
+        "final_state_hash": summary["final_state_hash"],
+        "rank_hashes": done.get("rank_hashes"),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print a table (or the rows as JSON). Returns the exit status."""
+    root = Path(args.out or tempfile.mkdtemp(prefix="unbroken-adapt-"))
+    t0 = time.time()
+    reference = _one(args, root, "reference", [], False)
+    _say(f"reference: {reference['summary']['faulty']['tokens_per_s']:.0f} tokens/s")
+    rows = []
+    for scenario, faults in _scenarios(args).items():
+        for policy in POLICIES:
+            s = _one(args, root, f"{scenario}-{policy}", faults, policy == "ours")
+            rows.append(_row(args, scenario, policy, s, reference))
+            _say(f"{scenario}/{policy}: {rows[-1]}")
+    for row in rows:
+        ours = next(r for r in rows if r["scenario"] == row["scenario"] and r["policy"] == "ours")
+        row["ratio_to_ours"] = (
+            row["tokens_per_s"] / ours["tokens_per_s"] if ours["tokens_per_s"] else None
+        )
+    start = args.at + args.settle
+    ref_tps = statistics.median(
+        m["tokens_per_s"] for m in reference["metrics"] if m["iter"] >= start
+    )
+    if args.json:
+        out = {"rows": rows, "reference_tokens_per_s": ref_tps, "seconds": time.time() - t0}
+        print(json.dumps(out, indent=1))
+        return 0
+    _print_table(rows, ref_tps, start)
+    print(f"\n{time.time() - t0:.0f} s; runs in {root}")
+    return 0
+
+
+def _print_table(rows: list[dict[str, Any]], ref_tps: float, start: int) -> None:
+    print(f"fault-free reference: {ref_tps:.0f} tokens/s (iterations >= {start})")
+    print(
+        f"{'scenario':10}{'policy':8}{'tokens/s':>10}{'vs ours':>9}{'reconfig s':>12}"
+        f"{'ckpt loads':>12}{'bit-exact':>11}"
+    )
+    for r in rows:
+        ratio = f"{r['ratio_to_ours']:.2f}" if r["ratio_to_ours"] is not None else "-"
+        reconfig = f"{r['reconfig_s']:.2f}" if r["reconfig_s"] is not None else "-"
+        print(
+            f"{r['scenario']:10}{r['policy']:8}{r['tokens_per_s']:>10.0f}{ratio:>9}"
+            f"{reconfig:>12}{r['ckpt_loads']:>12}{r['bit_exact']!s:>11}"
+        )
