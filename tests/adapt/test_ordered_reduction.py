@@ -48,8 +48,8 @@ def _rank(rank: int, items: list[list[int]], store_path: str, out) -> None:
 
 
 def _train(rank: int, items: list[list[int]], out) -> None:
+    from unbroken.engine.replica import build_training
     from unbroken.train import Trainer
-    from unbroken.train.build import build_training
     from unbroken.update import PlainUpdater
 
     cfg = _job()

@@ -116,6 +116,10 @@ class RunSummary(Mapping[str, Any]):
     rank_mismatches: tuple[int, ...] | None = None
     per_iteration_mismatches: tuple[int, ...] | None = None
     per_rank_mismatches: tuple[IterationRanks, ...] | None = None
+    replans: tuple[dict[str, Any], ...] = ()
+    """The run's re-plans (`unbroken.metrics.replans`; only when it made some)."""
+    replans_skipped: tuple[dict[str, Any], ...] = ()
+    """Re-plan triggers not acted on, with the reason (only when there were some)."""
     run_dir: str = ""
 
     @property
@@ -161,7 +165,7 @@ class RunSummary(Mapping[str, Any]):
             value = getattr(self, f.name)
             if f.name in _WITH_REFERENCE and self.reference is None:
                 continue
-            if f.name == "run_dir" and not value:
+            if f.name in ("run_dir", "replans", "replans_skipped") and not value:
                 continue
             out[f.name] = _plain(value)
         return out

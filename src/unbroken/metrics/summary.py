@@ -45,7 +45,8 @@ def _slowness(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _replans(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run's re-plans (`unbroken.metrics.replans`) and the reports it did not act on."""
+    """The run's re-plans (`unbroken.metrics.replans`) and the reports it did not act on (the
+    summary has these keys only when there are some)."""
     return {
         "replans": replan_records(events, metrics),
         "replans_skipped": [
@@ -99,7 +100,6 @@ def build_summary(
         "recovery_mode": config["recovery"]["mode"],
         **_slowness(f_events),
         "change_points": sum(e["kind"] == "change_point" for e in f_events),
-        **_replans(f_events, f_metrics),
     }
     summary["replica_mismatches"] = [
         {"iter": e["iter"], "ranks": e["ranks"]}
@@ -114,6 +114,7 @@ def build_summary(
             reference_wall_s=wall_time(reference["metrics"]),
             **audit(reference, faulty),
         )
+    summary.update({k: v for k, v in _replans(f_events, f_metrics).items() if v})
     return summary
 
 
