@@ -51,8 +51,7 @@ BENCHMARKS = {
     ),
     "adapt": (
         "unbroken.bench.adapt",
-        "Live reconfiguration: tokens/s after a slow or lost device, with and without "
-        "re-planning.",
+        "Live reconfiguration: tokens/s after a slow or lost device, with and without re-planning.",
     ),
 }
 """Subcommand name -> (harness module, one-line help)."""
