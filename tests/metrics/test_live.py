@@ -85,6 +85,7 @@ def _feed(live, failure: bool = True) -> None:
     )  # fmt: skip
     live.event({"kind": "fail_slow", "t": T0 + 2, "rank": 0, "what": "compute", "factor": 3.0,
                 "since_iter": 3, "detected_at": 3})  # fmt: skip
+    live.event({"kind": "replan", "t": T0 + 2.1, "trigger": {"kind": "fail_slow", "rank": 0}})
 
 
 def test_status_follows_the_state_machine_ranks_and_shadows():
@@ -173,7 +174,7 @@ def test_the_server_exposes_each_run_in_its_own_registry():
         assert (
             m[("unbroken_fail_slow_reports_total", tuple(sorted([run, ("what", "compute")])))] == 1
         )
-        assert m[("unbroken_replans_total", (run,))] == 0
+        assert m[("unbroken_replans_total", (run,))] == 1  # the faulty run's one re-plan
         assert m[("unbroken_job_state", tuple(sorted([run, ("state", "running")])))] == 1
         assert m[("unbroken_job_state", tuple(sorted([run, ("state", "done")])))] == 0
         assert m[("unbroken_rank_up", tuple(sorted([run, ("rank", "1")])))] == 1

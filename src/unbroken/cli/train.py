@@ -51,8 +51,8 @@ def add_metrics_flags(p: argparse.ArgumentParser) -> None:
         help="serve Prometheus metrics at http://HOST:N/metrics and a live status page at "
         "http://HOST:N/ while the job runs (0: any free port; default: off). Metrics: "
         "iterations, tokens/s, loss, recoveries by mode and fault class with a duration "
-        "histogram, shadow readiness, fail-slow reports, ETTR so far, and unbroken_replans_total, "
-        "which stays 0 until live re-planning exists",
+        "histogram, shadow readiness, fail-slow reports, ETTR so far, and unbroken_replans_total "
+        "(live re-plans, adapt.enabled)",
     )
     p.add_argument(
         "--metrics-host",

@@ -142,7 +142,8 @@ class RunMetrics(RunObserver):
         )
         self.replans = Counter(
             "unbroken_replans",
-            "Live re-plans of the parallel plan: stays 0 until live re-planning exists",
+            "Live re-plans the coordinator executed (a `replan` event: a lost device planned around "
+            "or a slow one given fewer micro-batches; jobs with adapt.enabled)",
             L,
             registry=r,
         )
@@ -177,6 +178,8 @@ class RunMetrics(RunObserver):
             self.fail_slow.labels(run=self.run, what=event.get("what") or "compute").inc()
         elif kind == "checkpoint_saved":
             self.checkpoints.labels(run=self.run).inc()
+        elif kind == "replan":
+            self.replans.labels(run=self.run).inc()
 
     def recovered(self, breakdown: RecoveryBreakdown) -> None:
         b = breakdown
