@@ -194,6 +194,14 @@ def test_pipeline_stages_of_a_hf_model_compute_the_full_model_loss_and_gradients
         torch.testing.assert_close(both, grads[EMBED], rtol=1e-5, atol=1e-7)
 
 
+def test_a_pipeline_job_of_a_hf_model_is_refused_before_launch(tmp_path):
+    cfg = load_config(JobConfig, LLAMA)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=1, pp=2))
+    with pytest.raises(UserError, match="reference model only"):
+        run_job(cfg, tmp_path, quiet=True)
+    assert not (tmp_path / "summary.json").exists()
+
+
 def test_a_model_without_a_pipeline_plan_is_refused():
     gpt2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4}
     torch.manual_seed(0)
