@@ -21,6 +21,9 @@ ROOT = "unbroken"
 
 LAYERS: tuple[str | tuple[str, ...], ...] = (
     "cli",  # the command line: parses arguments, calls api and bench
+    # Adapters of other libraries' models (Hugging Face transformers) to the own-model
+    # contract; named by a job's `model.factory`, imported by nothing of unbroken.
+    "integrations",
     "bench",  # benchmark harnesses: may run whole jobs (api) or drive any library part
     "api",  # run_job: a job config to a finished run directory
     # Checks of a job before launch, in the CLI process: calls the engine's, the model's and

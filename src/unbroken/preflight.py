@@ -102,12 +102,14 @@ def _meta_model(cfg: JobConfig, search: list[str]):
 
     if not cfg.model.factory:
         return build_model(resolve_args(cfg.model), device="meta")
-    from unbroken.engine.replica import import_object
+    from unbroken.engine.replica import factory_kwargs, import_object
 
     factory = import_object(cfg.model.factory, "model.factory", search)
     try:
         with torch.device("meta"):
-            model = factory(**cfg.model.factory_args)
+            model = factory(**factory_kwargs(cfg, factory))
+    except UserError:  # the factory's own one-line refusal (a missing extra, a bad config)
+        raise
     except Exception:  # a factory that needs real tensors: nothing to check here
         return None
     return model if isinstance(model, torch.nn.Module) else None

@@ -11,6 +11,7 @@ keeps their init and the run stays deterministic. See docs/own-model.md.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from unbroken.config import JobConfig
+from unbroken.config.presets import BYTE_VOCAB
 from unbroken.data import PackedStream, Sampler, corpus_for
 from unbroken.errors import UserError
 from unbroken.model import FlatLayout, build_model, init_parameters, materialize, resolve_args
@@ -29,7 +31,14 @@ from unbroken.train.optim import AdamW
 from unbroken.train.state import TrainState
 from unbroken.update import ChunkStep, StateGeometry
 
-__all__ = ["Built", "build_training", "import_object", "state_geometry", "user_loss"]
+__all__ = [
+    "Built",
+    "build_training",
+    "factory_kwargs",
+    "import_object",
+    "state_geometry",
+    "user_loss",
+]
 
 
 @dataclass(slots=True)
@@ -90,13 +99,32 @@ def user_loss(model: nn.Module, mb: Any, device: torch.device) -> torch.Tensor:
     return model(_to_device(mb, device))
 
 
+def _takes(factory: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+    p = params.get(name)
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+
+def factory_kwargs(cfg: JobConfig, factory: Any) -> dict[str, Any]:
+    """The keyword arguments of the user's model factory: `model.factory_args`, plus the job's
+    vocabulary as `vocab_size` when the factory has a parameter of that name and the args do
+    not set it (`model.vocab_size`, else the tokenizer's: `data.vocab_size`, or 256 bytes)."""
+    args = dict(cfg.model.factory_args)
+    if "vocab_size" not in args and _takes(factory, "vocab_size"):
+        args["vocab_size"] = cfg.model.vocab_size or cfg.data.vocab_size or BYTE_VOCAB
+    return args
+
+
 def _user_model(cfg: JobConfig, search: list[str], make_state):
     """The user's model, built by their factory under the job's seed (their init kept), with
     its layout and state: (model, layout, (state, fresh, geometry))."""
     factory = import_object(cfg.model.factory, "model.factory", search)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed)
-        model = factory(**cfg.model.factory_args)
+        model = factory(**factory_kwargs(cfg, factory))
     if not isinstance(model, nn.Module):
         raise UserError(f"model.factory {cfg.model.factory!r} must return a torch.nn.Module")
     layout = FlatLayout.of(model, no_decay=cfg.train.no_decay)
