@@ -25,7 +25,7 @@ import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tests.plan.helpers import GiB, WORKLOAD, layout, state
+from tests.plan.helpers import WORKLOAD, GiB, layout, state
 from unbroken.parallel import simulate, timeline_csv
 from unbroken.plan import NoPlanError, PlannerConfig, plan_for_state
 
