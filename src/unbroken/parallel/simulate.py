@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from unbroken.parallel.actions import Action, ActionKind
-from unbroken.parallel.check import Problem, check_plan, match_transfers
+from unbroken.parallel.actions import COMM_KINDS, Action, ActionKind
+from unbroken.parallel.check import Problem, check_plan, pair_transfers
 from unbroken.parallel.costs import Costs, Work
 from unbroken.parallel.plan import ParallelPlan
 
@@ -112,13 +112,14 @@ class DeadlockError(ValueError):
         self.problems = problems
 
 
-def _items(acts: tuple[Action, ...]) -> list[tuple[int, int]]:
-    """Split a list into items: single non-comm actions and maximal runs of SEND/RECV."""
+def _items(comm: list[bool]) -> list[tuple[int, int]]:
+    """Split a list (`comm[i]`: action i is a SEND/RECV) into items: single non-comm actions
+    and maximal runs of SEND/RECV."""
     items, i = [], 0
-    while i < len(acts):
+    while i < len(comm):
         j = i + 1
-        if acts[i].is_comm:
-            while j < len(acts) and acts[j].is_comm:
+        if comm[i]:
+            while j < len(comm) and comm[j]:
                 j += 1
         items.append((i, j))
         i = j
@@ -131,8 +132,11 @@ class _Replay:
     def __init__(self, plan: ParallelPlan, costs: Costs, eager: bool) -> None:
         self.plan, self.costs, self.eager = plan, costs, eager
         self.acts = dict(plan.actions)
-        self.items = {r: _items(a) for r, a in self.acts.items()}
-        self.partner, _ = match_transfers(self.acts)
+        self.comm = {r: [a.kind in COMM_KINDS for a in acts] for r, acts in self.acts.items()}
+        self.items = {r: _items(c) for r, c in self.comm.items()}
+        self.partner = pair_transfers(self.acts)
+        self.links: dict[tuple[int, int, int], float] = {}
+        self.slow: dict[tuple[int, ...], float] = {}
         self.start: dict[Ref, float] = {}
         self.end: dict[Ref, float] = {}
         self.cause: dict[Ref, Ref | None] = {}
@@ -164,7 +168,7 @@ class _Replay:
                 if a.is_comm:
                     continue
                 if a.is_compute:
-                    base: tuple = ("compute", group, str(a))
+                    base: tuple = ("compute", group, (a.kind, a.stage, a.microbatch))
                     assert a.stage is not None and a.microbatch is not None
                     self.work[(rank, i)] = Work(
                         d,
@@ -206,7 +210,10 @@ class _Replay:
                     work.replica, work.stage, ActionKind.W, work.microbatch, work.layers, work.ranks
                 )
             )
-        return t * self.costs.slowness(work.ranks)
+        slow = self.slow.get(work.ranks)
+        if slow is None:
+            slow = self.slow[work.ranks] = self.costs.slowness(work.ranks)
+        return t * slow
 
     def _push(self, rank: int) -> None:
         if rank in self.acts and rank not in self.queued:
@@ -226,7 +233,7 @@ class _Replay:
             self.post_bind[(rank, i)] = self.bind[rank]
             if (rank, i) in self.partner:
                 self._push(self.partner[(rank, i)][0])
-        if not self.acts[rank][lo].is_comm:
+        if not self.comm[rank][lo]:
             for member in self.expect[self.key[(rank, lo)]]:
                 self._push(member)
 
@@ -255,8 +262,7 @@ class _Replay:
             return False
         rank, i = ref
         send, recv = (ref, other) if self.acts[rank][i].is_send else (other, ref)
-        a = self.acts[send[0]][send[1]]
-        link = self.costs.transfer_time(send[0], recv[0], a.num_chunks)
+        link = self._link(send, recv)
         if self.eager:
             if send in self.post_time and send not in self.end:
                 self._finish(send, self.post_time[send], self.post_time[send], self.post_bind[send])
@@ -272,6 +278,14 @@ class _Replay:
             self._finish(x, start, start + link, self.post_bind[later])
         self._push(other[0])
         return True
+
+    def _link(self, send: Ref, recv: Ref) -> float:
+        """One chunk's transfer time (the costs are pure: each (src, dst, chunks) asked once)."""
+        key = (send[0], recv[0], self.acts[send[0]][send[1]].num_chunks)
+        link = self.links.get(key)
+        if link is None:
+            link = self.links[key] = self.costs.transfer_time(*key)
+        return link
 
     def _complete_batch(self, rank: int, lo: int, hi: int) -> bool:
         done = [self._resolve((rank, i)) for i in range(lo, hi)]
@@ -290,7 +304,7 @@ class _Replay:
                     self.posted_pc[rank] = self.pc[rank]
                     self._post(rank)
                 lo, hi = self.items[rank][self.pc[rank]]
-                if self.acts[rank][lo].is_comm:
+                if self.comm[rank][lo]:
                     progressed = self._complete_batch(rank, lo, hi)
                 else:
                     progressed = self._complete_sync(rank, lo)

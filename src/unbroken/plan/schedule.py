@@ -41,6 +41,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left
 from collections import defaultdict
+from functools import lru_cache
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -69,6 +70,11 @@ LinkCost = Callable[[Group, Group], float]
 
 def _no_link(a: Group, b: Group) -> float:
     return 0.0
+
+
+_action = lru_cache(maxsize=1 << 16)(Action)
+"""`Action(...)`, shared: actions are immutable values, and the scorer builds the same few
+thousand for every candidate it times (validating each anew was a tenth of a simulation)."""
 
 
 @dataclass(slots=True)
@@ -249,12 +255,12 @@ def _transfers(kind: ActionKind, k: int, m: int, src, dst, rank: int) -> list[Ac
     """This rank's chunks of one message (as in `parallel.schedules`)."""
     if len(src) == 1 and len(dst) == 1:  # one chunk (every reduced plan): no routing to do
         peer = dst[0] if kind in (ActionKind.SEND_F, ActionKind.SEND_B) else src[0]
-        return [Action(kind, k, m, peer)]
+        return [_action(kind, k, m, peer)]
     chunks = p2p_chunks(src, dst)
     n = len(chunks)
     if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
-        return [Action(kind, k, m, b, c, n) for c, a, b in chunks if a == rank]
-    return [Action(kind, k, m, a, c, n) for c, a, b in chunks if b == rank]
+        return [_action(kind, k, m, b, c, n) for c, a, b in chunks if a == rank]
+    return [_action(kind, k, m, a, c, n) for c, a, b in chunks if b == rank]
 
 
 class _Placer:
@@ -305,10 +311,10 @@ class _Placer:
                 acts += pending
                 for consumer in slots[j]:
                     acts += self.comm(consumer, here, rank, send=False)
-                acts.append(Action(step[0], step[1], step[2]))
+                acts.append(_action(*step))
                 pending = self.comm(step, here, rank, send=True)
             acts += pending
-            acts += [Action(ActionKind.REDUCE_GRAD), Action(ActionKind.OPT_STEP)]
+            acts += [_action(ActionKind.REDUCE_GRAD), _action(ActionKind.OPT_STEP)]
             out[rank] = tuple(acts)
         return out
 
