@@ -104,9 +104,7 @@ def pair_transfers(actions) -> dict[Ref, Ref]:
     for rank, acts in actions.items():
         for i, a in enumerate(acts):
             if a.kind in COMM_KINDS:
-                (sends if a.kind in _SENDS else recvs).setdefault(
-                    transfer_key(rank, a), (rank, i)
-                )
+                (sends if a.kind in _SENDS else recvs).setdefault(transfer_key(rank, a), (rank, i))
     partner: dict[Ref, Ref] = {}
     for key, s in sends.items():
         r = recvs.get(key)

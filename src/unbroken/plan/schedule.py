@@ -41,9 +41,9 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left
 from collections import defaultdict
-from functools import lru_cache
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from unbroken.parallel import Action, ActionKind, ParallelPlan, p2p_chunks
 from unbroken.plan.layout import Group, Layout
