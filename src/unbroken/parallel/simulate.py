@@ -50,6 +50,7 @@ __all__ = [
 
 Ref = tuple[int, int]
 """(rank, index) of one action."""
+_SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,13 +227,16 @@ class _Replay:
         self.bind[rank] = bind
         self._push(rank)
 
-    def _post(self, rank: int) -> None:
-        lo, hi = self.items[rank][self.pc[rank]]
+    def _post(self, rank: int, lo: int, hi: int) -> None:
+        t, bind = self.ready[rank], self.bind[rank]
+        post_time, post_bind, partner = self.post_time, self.post_bind, self.partner
         for i in range(lo, hi):
-            self.post_time[(rank, i)] = self.ready[rank]
-            self.post_bind[(rank, i)] = self.bind[rank]
-            if (rank, i) in self.partner:
-                self._push(self.partner[(rank, i)][0])
+            ref = (rank, i)
+            post_time[ref] = t
+            post_bind[ref] = bind
+            other = partner.get(ref)
+            if other is not None:
+                self._push(other[0])
         if not self.comm[rank][lo]:
             for member in self.expect[self.key[(rank, lo)]]:
                 self._push(member)
@@ -243,37 +247,50 @@ class _Replay:
     def _complete_sync(self, rank: int, lo: int) -> bool:
         key = self.key[(rank, lo)]
         expect, members = self.expect[key], self.members[key]
-        refs = [(m, members[m]) for m in expect if m in members]
-        if len(refs) < len(expect) or any(ref not in self.post_time for ref in refs):
-            return False
-        start, last = max((self.post_time[ref], ref) for ref in refs)
+        post_time = self.post_time
+        if len(expect) == 1:  # a group of one (rank, lo) is the only member
+            last = (rank, lo)
+            refs = [last]
+            start = post_time[last]  # posted: `run` posts an item before completing it
+        else:
+            refs = [(m, members[m]) for m in expect if m in members]
+            if len(refs) < len(expect) or any(ref not in post_time for ref in refs):
+                return False
+            start, last = max((post_time[ref], ref) for ref in refs)
         end = start + self._cost(key, (rank, lo))
+        cause = self.post_bind[last]
         for ref in refs:
-            self._finish(ref, start, end, self.post_bind[last])
+            self._finish(ref, start, end, cause)
             self._advance(ref[0], end, ref)
         return True
 
     def _resolve(self, ref: Ref) -> bool:
         """Time the transfer of comm action `ref` if its partner allows; True when timed."""
-        if ref in self.end:
+        ends = self.end
+        if ref in ends:
             return True
         other = self.partner.get(ref)
         if other is None:
             return False
         rank, i = ref
-        send, recv = (ref, other) if self.acts[rank][i].is_send else (other, ref)
-        link = self._link(send, recv)
+        send, recv = (ref, other) if self.acts[rank][i].kind in _SENDS else (other, ref)
+        post_time = self.post_time
         if self.eager:
-            if send in self.post_time and send not in self.end:
-                self._finish(send, self.post_time[send], self.post_time[send], self.post_bind[send])
-            if recv == ref and send in self.post_time:
-                ps, pr = self.post_time[send], self.post_time[recv]
+            if send not in post_time:
+                return False
+            ps = post_time[send]
+            if send not in ends:
+                self._finish(send, ps, ps, self.post_bind[send])
+            if recv == ref:
+                link = self._link(send, recv)
+                pr = post_time[recv]
                 cause = self.post_bind[recv] if pr >= ps + link else send
                 self._finish(recv, max(pr, ps), max(pr, ps + link), cause)
-            return ref in self.end
-        if send not in self.post_time or recv not in self.post_time:
+            return ref in ends
+        link = self._link(send, recv)
+        if send not in post_time or recv not in post_time:
             return False
-        start, later = max((self.post_time[send], send), (self.post_time[recv], recv))
+        start, later = max((post_time[send], send), (post_time[recv], recv))
         for x in (send, recv):
             self._finish(x, start, start + link, self.post_bind[later])
         self._push(other[0])
@@ -288,23 +305,32 @@ class _Replay:
         return link
 
     def _complete_batch(self, rank: int, lo: int, hi: int) -> bool:
-        done = [self._resolve((rank, i)) for i in range(lo, hi)]
-        if not all(done):
+        done = True
+        for i in range(lo, hi):  # every one, even after a miss: sends finish as they post
+            done = self._resolve((rank, i)) and done
+        if not done:
             return False
-        end, last = max((self.end[(rank, i)], (rank, i)) for i in range(lo, hi))
+        ends = self.end
+        end, last = ends[(rank, lo)], (rank, lo)
+        for i in range(lo + 1, hi):  # the latest end; among equal ends the last index
+            if ends[(rank, i)] >= end:
+                end, last = ends[(rank, i)], (rank, i)
         self._advance(rank, end, last)
         return True
 
     def run(self) -> None:
-        while self.queue:
-            rank = self.queue.popleft()
+        queue, items, comm, pc, posted = self.queue, self.items, self.comm, self.pc, self.posted_pc
+        while queue:
+            rank = queue.popleft()
             self.queued.discard(rank)
-            while self.pc[rank] < len(self.items[rank]):
-                if self.posted_pc[rank] != self.pc[rank]:
-                    self.posted_pc[rank] = self.pc[rank]
-                    self._post(rank)
-                lo, hi = self.items[rank][self.pc[rank]]
-                if self.comm[rank][lo]:
+            mine, flags = items[rank], comm[rank]
+            while pc[rank] < len(mine):
+                k = pc[rank]
+                lo, hi = mine[k]
+                if posted[rank] != k:
+                    posted[rank] = k
+                    self._post(rank, lo, hi)
+                if flags[lo]:
                     progressed = self._complete_batch(rank, lo, hi)
                 else:
                     progressed = self._complete_sync(rank, lo)
