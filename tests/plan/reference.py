@@ -29,7 +29,7 @@ from tests.plan.helpers import WORKLOAD, GiB, layout, state
 from unbroken.parallel import simulate, timeline_csv
 from unbroken.plan import NoPlanError, PlannerConfig, plan_for_state
 
-__all__ = ["FIXTURE", "Case", "cases", "fingerprint"]
+__all__ = ["FIXTURE", "Case", "bench_state", "cases", "fingerprint", "random_state"]
 
 FIXTURE = Path(__file__).parent / "fixtures" / "planner_reference.json"
 Case = tuple[str, Callable[[], dict]]
@@ -84,7 +84,7 @@ def _planned(cluster, lay, config: PlannerConfig, *, full: bool = True) -> dict:
         return {"no_plan": str(e)}
 
 
-def _random_state(seed: int):
+def random_state(seed: int):
     """A cluster state drawn as `test_properties.cluster_states` draws one, from a seed."""
     rng = random.Random(seed)
     dp, pp, tp = rng.randint(1, 3), rng.randint(1, 3), rng.choice((1, 2, 4))
@@ -119,10 +119,10 @@ def _scale(gpus: int) -> dict:
     return _planned(failed, lay, PlannerConfig(), full=gpus <= 256)
 
 
-def _bench_policies(model: str, change: str) -> dict:
-    """Every bench policy's answer to one changed state of a bench job."""
+def bench_state(model: str, change: str):
+    """(healthy state, its layout, the state after `change`) of a bench job: one GPU of
+    replica 1's middle stage slowed in compute or link, or lost (mixed: and one slowed)."""
     from unbroken.bench._plan_jobs import JOBS, initial_layout, initial_state
-    from unbroken.bench._plan_scenarios import policies
     from unbroken.bench.plan import MEMORY
     from unbroken.sim.presets import load_hardware
 
@@ -136,6 +136,14 @@ def _bench_policies(model: str, change: str) -> dict:
         "lost": lambda: cluster.with_lost(rank),
         "mixed": lambda: cluster.with_lost(rank).with_slow(lay.group(0, 0).ranks[0], speed=0.5),
     }[change]()
+    return cluster, lay, changed
+
+
+def _bench_policies(model: str, change: str) -> dict:
+    """Every bench policy's answer to one changed state of a bench job."""
+    from unbroken.bench._plan_scenarios import policies
+
+    cluster, lay, changed = bench_state(model, change)
     out = {}
     for policy in policies(BENCH_POLICIES, lay, cluster, {}):
         o = policy.react(changed)
@@ -162,7 +170,7 @@ def cases(*, scale: bool = True) -> Iterator[Case]:
             if seed % 4 == 0 or name == "default":
                 yield (
                     f"random/{seed}/{name}",
-                    lambda s=seed, c=config: _planned(*_random_state(s), c),
+                    lambda s=seed, c=config: _planned(*random_state(s), c),
                 )
 
 
