@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sections",
         default="slow,stop,mixed,ablation,scale",
-        help="comma-separated subset of slow, stop, mixed, ablation, scale",
+        help="comma-separated subset of slow, stop, mixed, ablation, scale (scale alone: only "
+        "the planning time, no fault-free rows)",
     )
     p.add_argument("--scale-repeats", type=int, default=3, help="planning-time repeats")
     p.add_argument(
@@ -402,7 +403,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--models: unknown {unknown}; choose from {', '.join(JOBS)}")
     sections = set(args.sections.split(","))
     began = time.perf_counter()
-    for name in bench.models:
+    per_model = sections & {"slow", "stop", "mixed", "ablation"}  # "scale" alone: no model rows
+    for name in bench.models if per_model else ():
         bench.fault_free(name)
         if "slow" in sections:
             bench.slow(name)
