@@ -54,6 +54,9 @@ def test_bench_plan_scale_section_alone(capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["results"] == []
+    assert [t["target"] for t in out["targets"]] == [  # only what this run decides
+        "planning <= 1 s at 256 GPUs, <= 5 s at 4,096 (wall)"
+    ]
     rows = {r["gpus"]: r for r in out["planning_time"]}
     assert set(rows) == {256, 4096}
     assert rows[256]["valid"]
