@@ -5,13 +5,15 @@ planning-time states (256 and 4,096 GPUs), fail-slow and fail-stop states of a b
 every bench policy, and seeded random states drawn like `test_properties.cluster_states` under
 the planner's configurations. A fingerprint holds the chosen layout, every predicted time (exact
 floats), the explanation, and for the small states a digest of the emitted action lists and of
-the simulator's full timeline of them, so a change that alters any decision, any predicted
-time or any simulated instant shows.
+the simulator's full timeline of them (eager and blocking sends: every instant, the critical
+path, the busy times, the deadlocks), so a change that alters any decision, any predicted time
+or any simulated instant shows.
 
 `fixtures/planner_reference.json` was written by the code *before* the planning-speed work
-(orch 4a49af7) with::
+(the `src/` of orch 4a49af7, whose plan/parallel/sim/bench code c5c25f6 leaves unchanged, put
+first on the path) with::
 
-    python -m tests.plan.reference --write tests/plan/fixtures/planner_reference.json
+    PYTHONPATH=<orch 4a49af7>/src python -m tests.plan.reference
 
 Re-run it only for a change that is meant to alter decisions, and say so in its commit.
 """
@@ -71,9 +73,14 @@ def fingerprint(result, *, full: bool) -> dict:
     if full:
         plan = result.plan()
         out["actions"] = _digest(repr(sorted(plan.actions.items())))
-        timeline = simulate(plan, result.scorer.costs(result.layout))
-        out["timeline"] = _digest(timeline_csv(timeline) + repr(timeline.deadlocks))
-        out["iteration_s"] = repr(timeline.iteration_time)
+        for sends in ("eager", "rendezvous"):
+            timeline = simulate(plan, result.scorer.costs(result.layout), sends=sends)
+            out[f"timeline/{sends}"] = _digest(
+                timeline_csv(timeline)
+                + repr((timeline.critical_path, sorted(timeline.busy.items())))
+                + repr(timeline.deadlocks)
+            )
+            out[f"iteration_s/{sends}"] = repr(timeline.iteration_time)
     return out
 
 

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from unbroken.parallel.actions import COMM_KINDS, Action, ActionKind
+from unbroken.parallel.actions import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind
 from unbroken.parallel.check import Problem, check_plan, pair_transfers
 from unbroken.parallel.costs import Costs, Work
 from unbroken.parallel.plan import ParallelPlan
@@ -411,8 +411,8 @@ def simulate(
     total = math.inf if stuck else finished
     busy = {r: 0.0 for r in replay.acts}
     for t in timed:
-        if t.action.is_compute:
-            busy[t.rank] += t.duration
+        if t.action.kind in COMPUTE_KINDS:
+            busy[t.rank] += t.end - t.start
     bubble = {r: total - b for r, b in busy.items()}
     return Timeline(
         actions=timed,
@@ -437,12 +437,15 @@ def _blocking(plan: ParallelPlan, costs: Costs) -> list[Problem]:
 def _critical_path(replay: _Replay, timed: tuple[TimedAction, ...]) -> tuple[TimedAction, ...]:
     if not timed:
         return ()
-    by_ref = {(t.rank, t.index): t for t in timed}
-    last = max(timed, key=lambda t: (t.end, -t.rank, -t.index))
+    last = timed[0]
+    for t in timed:  # the latest end; among equal ends the lowest (rank, index)
+        if t.end > last.end or (t.end == last.end and (t.rank, t.index) < (last.rank, last.index)):
+            last = t
     path: list[TimedAction] = []
     ref: Ref | None = (last.rank, last.index)
-    while ref is not None and ref in by_ref:
-        path.append(by_ref[ref])
+    while ref is not None and ref in replay.end:
+        r, i = ref
+        path.append(TimedAction(r, i, replay.acts[r][i], replay.start[ref], replay.end[ref]))
         ref = replay.cause.get(ref)
     return tuple(reversed(path))
 
