@@ -45,3 +45,20 @@ def test_plan_cli_names_a_bad_state(tmp_path, capsys):
     bad.write_text("{}")
     assert main(["plan", str(bad)]) == 2
     assert "not a cluster state" in capsys.readouterr().err
+
+
+def test_bench_plan_scale_section_alone(capsys):
+    """`--sections scale` runs only the planning-time part: no model rows, one planning-time
+    row per size, the 256-GPU plan checked valid (no timing is asserted: it is a benchmark)."""
+    rc = main(["bench", "plan", "--json", "--sections", "scale", "--scale-repeats", "1"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["results"] == []
+    assert [t["target"] for t in out["targets"]] == [  # only what this run decides
+        "planning <= 1 s at 256 GPUs, <= 5 s at 4,096 (wall)"
+    ]
+    rows = {r["gpus"]: r for r in out["planning_time"]}
+    assert set(rows) == {256, 4096}
+    assert rows[256]["valid"]
+    assert rows[256]["full_simulation_s"] == pytest.approx(rows[256]["predicted_s"], rel=1e-9)
+    assert all(r["simulations"] > 0 and r["plan_cpu_s"] > 0 for r in rows.values())

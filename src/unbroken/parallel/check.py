@@ -14,13 +14,14 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from unbroken.parallel.actions import Action, ActionKind
+from unbroken.parallel.actions import COMM_KINDS, Action, ActionKind
 
-__all__ = ["Problem", "check_plan", "match_transfers", "transfer_key"]
+__all__ = ["Problem", "check_plan", "match_transfers", "pair_transfers", "transfer_key"]
 
 TransferKey = tuple[int, int, str, int, int, int, int]
 Ref = tuple[int, int]
 """(rank, index of the action in the rank's list)."""
+_SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,24 @@ def match_transfers(
     partner, problems = _pair_by_key(actions, sends, recvs)
     problems += _fifo_problems(actions, partner)
     return partner, problems
+
+
+def pair_transfers(actions) -> dict[Ref, Ref]:
+    """The partner map of `match_transfers` alone (the first SEND and the first RECV of each
+    `transfer_key` paired, both directions), without its problem checks: one pass, for callers
+    that replay lists many times (the simulator reports what stays stuck itself)."""
+    sends: dict[TransferKey, Ref] = {}
+    recvs: dict[TransferKey, Ref] = {}
+    for rank, acts in actions.items():
+        for i, a in enumerate(acts):
+            if a.kind in COMM_KINDS:
+                (sends if a.kind in _SENDS else recvs).setdefault(transfer_key(rank, a), (rank, i))
+    partner: dict[Ref, Ref] = {}
+    for key, s in sends.items():
+        r = recvs.get(key)
+        if r is not None:
+            partner[s], partner[r] = r, s
+    return partner
 
 
 def _problem(actions, ref: Ref, reason: str) -> Problem:

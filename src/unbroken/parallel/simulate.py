@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from unbroken.parallel.actions import Action, ActionKind
-from unbroken.parallel.check import Problem, check_plan, match_transfers
+from unbroken.parallel.actions import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind
+from unbroken.parallel.check import Problem, check_plan, pair_transfers
 from unbroken.parallel.costs import Costs, Work
 from unbroken.parallel.plan import ParallelPlan
 
@@ -50,6 +50,7 @@ __all__ = [
 
 Ref = tuple[int, int]
 """(rank, index) of one action."""
+_SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,13 +113,14 @@ class DeadlockError(ValueError):
         self.problems = problems
 
 
-def _items(acts: tuple[Action, ...]) -> list[tuple[int, int]]:
-    """Split a list into items: single non-comm actions and maximal runs of SEND/RECV."""
+def _items(comm: list[bool]) -> list[tuple[int, int]]:
+    """Split a list (`comm[i]`: action i is a SEND/RECV) into items: single non-comm actions
+    and maximal runs of SEND/RECV."""
     items, i = [], 0
-    while i < len(acts):
+    while i < len(comm):
         j = i + 1
-        if acts[i].is_comm:
-            while j < len(acts) and acts[j].is_comm:
+        if comm[i]:
+            while j < len(comm) and comm[j]:
                 j += 1
         items.append((i, j))
         i = j
@@ -131,8 +133,11 @@ class _Replay:
     def __init__(self, plan: ParallelPlan, costs: Costs, eager: bool) -> None:
         self.plan, self.costs, self.eager = plan, costs, eager
         self.acts = dict(plan.actions)
-        self.items = {r: _items(a) for r, a in self.acts.items()}
-        self.partner, _ = match_transfers(self.acts)
+        self.comm = {r: [a.kind in COMM_KINDS for a in acts] for r, acts in self.acts.items()}
+        self.items = {r: _items(c) for r, c in self.comm.items()}
+        self.partner = pair_transfers(self.acts)
+        self.links: dict[tuple[int, int, int], float] = {}
+        self.slow: dict[tuple[int, ...], float] = {}
         self.start: dict[Ref, float] = {}
         self.end: dict[Ref, float] = {}
         self.cause: dict[Ref, Ref | None] = {}
@@ -164,7 +169,7 @@ class _Replay:
                 if a.is_comm:
                     continue
                 if a.is_compute:
-                    base: tuple = ("compute", group, str(a))
+                    base: tuple = ("compute", group, (a.kind, a.stage, a.microbatch))
                     assert a.stage is not None and a.microbatch is not None
                     self.work[(rank, i)] = Work(
                         d,
@@ -206,7 +211,10 @@ class _Replay:
                     work.replica, work.stage, ActionKind.W, work.microbatch, work.layers, work.ranks
                 )
             )
-        return t * self.costs.slowness(work.ranks)
+        slow = self.slow.get(work.ranks)
+        if slow is None:
+            slow = self.slow[work.ranks] = self.costs.slowness(work.ranks)
+        return t * slow
 
     def _push(self, rank: int) -> None:
         if rank in self.acts and rank not in self.queued:
@@ -219,14 +227,17 @@ class _Replay:
         self.bind[rank] = bind
         self._push(rank)
 
-    def _post(self, rank: int) -> None:
-        lo, hi = self.items[rank][self.pc[rank]]
+    def _post(self, rank: int, lo: int, hi: int) -> None:
+        t, bind = self.ready[rank], self.bind[rank]
+        post_time, post_bind, partner = self.post_time, self.post_bind, self.partner
         for i in range(lo, hi):
-            self.post_time[(rank, i)] = self.ready[rank]
-            self.post_bind[(rank, i)] = self.bind[rank]
-            if (rank, i) in self.partner:
-                self._push(self.partner[(rank, i)][0])
-        if not self.acts[rank][lo].is_comm:
+            ref = (rank, i)
+            post_time[ref] = t
+            post_bind[ref] = bind
+            other = partner.get(ref)
+            if other is not None:
+                self._push(other[0])
+        if not self.comm[rank][lo]:
             for member in self.expect[self.key[(rank, lo)]]:
                 self._push(member)
 
@@ -236,61 +247,90 @@ class _Replay:
     def _complete_sync(self, rank: int, lo: int) -> bool:
         key = self.key[(rank, lo)]
         expect, members = self.expect[key], self.members[key]
-        refs = [(m, members[m]) for m in expect if m in members]
-        if len(refs) < len(expect) or any(ref not in self.post_time for ref in refs):
-            return False
-        start, last = max((self.post_time[ref], ref) for ref in refs)
+        post_time = self.post_time
+        if len(expect) == 1:  # a group of one (rank, lo) is the only member
+            last = (rank, lo)
+            refs = [last]
+            start = post_time[last]  # posted: `run` posts an item before completing it
+        else:
+            refs = [(m, members[m]) for m in expect if m in members]
+            if len(refs) < len(expect) or any(ref not in post_time for ref in refs):
+                return False
+            start, last = max((post_time[ref], ref) for ref in refs)
         end = start + self._cost(key, (rank, lo))
+        cause = self.post_bind[last]
         for ref in refs:
-            self._finish(ref, start, end, self.post_bind[last])
+            self._finish(ref, start, end, cause)
             self._advance(ref[0], end, ref)
         return True
 
     def _resolve(self, ref: Ref) -> bool:
         """Time the transfer of comm action `ref` if its partner allows; True when timed."""
-        if ref in self.end:
+        ends = self.end
+        if ref in ends:
             return True
         other = self.partner.get(ref)
         if other is None:
             return False
         rank, i = ref
-        send, recv = (ref, other) if self.acts[rank][i].is_send else (other, ref)
-        a = self.acts[send[0]][send[1]]
-        link = self.costs.transfer_time(send[0], recv[0], a.num_chunks)
+        send, recv = (ref, other) if self.acts[rank][i].kind in _SENDS else (other, ref)
+        post_time = self.post_time
         if self.eager:
-            if send in self.post_time and send not in self.end:
-                self._finish(send, self.post_time[send], self.post_time[send], self.post_bind[send])
-            if recv == ref and send in self.post_time:
-                ps, pr = self.post_time[send], self.post_time[recv]
+            if send not in post_time:
+                return False
+            ps = post_time[send]
+            if send not in ends:
+                self._finish(send, ps, ps, self.post_bind[send])
+            if recv == ref:
+                link = self._link(send, recv)
+                pr = post_time[recv]
                 cause = self.post_bind[recv] if pr >= ps + link else send
                 self._finish(recv, max(pr, ps), max(pr, ps + link), cause)
-            return ref in self.end
-        if send not in self.post_time or recv not in self.post_time:
+            return ref in ends
+        link = self._link(send, recv)
+        if send not in post_time or recv not in post_time:
             return False
-        start, later = max((self.post_time[send], send), (self.post_time[recv], recv))
+        start, later = max((post_time[send], send), (post_time[recv], recv))
         for x in (send, recv):
             self._finish(x, start, start + link, self.post_bind[later])
         self._push(other[0])
         return True
 
+    def _link(self, send: Ref, recv: Ref) -> float:
+        """One chunk's transfer time (the costs are pure: each (src, dst, chunks) asked once)."""
+        key = (send[0], recv[0], self.acts[send[0]][send[1]].num_chunks)
+        link = self.links.get(key)
+        if link is None:
+            link = self.links[key] = self.costs.transfer_time(*key)
+        return link
+
     def _complete_batch(self, rank: int, lo: int, hi: int) -> bool:
-        done = [self._resolve((rank, i)) for i in range(lo, hi)]
-        if not all(done):
+        done = True
+        for i in range(lo, hi):  # every one, even after a miss: sends finish as they post
+            done = self._resolve((rank, i)) and done
+        if not done:
             return False
-        end, last = max((self.end[(rank, i)], (rank, i)) for i in range(lo, hi))
+        ends = self.end
+        end, last = ends[(rank, lo)], (rank, lo)
+        for i in range(lo + 1, hi):  # the latest end; among equal ends the last index
+            if ends[(rank, i)] >= end:
+                end, last = ends[(rank, i)], (rank, i)
         self._advance(rank, end, last)
         return True
 
     def run(self) -> None:
-        while self.queue:
-            rank = self.queue.popleft()
+        queue, items, comm, pc, posted = self.queue, self.items, self.comm, self.pc, self.posted_pc
+        while queue:
+            rank = queue.popleft()
             self.queued.discard(rank)
-            while self.pc[rank] < len(self.items[rank]):
-                if self.posted_pc[rank] != self.pc[rank]:
-                    self.posted_pc[rank] = self.pc[rank]
-                    self._post(rank)
-                lo, hi = self.items[rank][self.pc[rank]]
-                if self.acts[rank][lo].is_comm:
+            mine, flags = items[rank], comm[rank]
+            while pc[rank] < len(mine):
+                k = pc[rank]
+                lo, hi = mine[k]
+                if posted[rank] != k:
+                    posted[rank] = k
+                    self._post(rank, lo, hi)
+                if flags[lo]:
                     progressed = self._complete_batch(rank, lo, hi)
                 else:
                     progressed = self._complete_sync(rank, lo)
@@ -371,8 +411,8 @@ def simulate(
     total = math.inf if stuck else finished
     busy = {r: 0.0 for r in replay.acts}
     for t in timed:
-        if t.action.is_compute:
-            busy[t.rank] += t.duration
+        if t.action.kind in COMPUTE_KINDS:
+            busy[t.rank] += t.end - t.start
     bubble = {r: total - b for r, b in busy.items()}
     return Timeline(
         actions=timed,
@@ -397,12 +437,15 @@ def _blocking(plan: ParallelPlan, costs: Costs) -> list[Problem]:
 def _critical_path(replay: _Replay, timed: tuple[TimedAction, ...]) -> tuple[TimedAction, ...]:
     if not timed:
         return ()
-    by_ref = {(t.rank, t.index): t for t in timed}
-    last = max(timed, key=lambda t: (t.end, -t.rank, -t.index))
+    last = timed[0]
+    for t in timed:  # the latest end; among equal ends the lowest (rank, index)
+        if t.end > last.end or (t.end == last.end and (t.rank, t.index) < (last.rank, last.index)):
+            last = t
     path: list[TimedAction] = []
     ref: Ref | None = (last.rank, last.index)
-    while ref is not None and ref in by_ref:
-        path.append(by_ref[ref])
+    while ref is not None and ref in replay.end:
+        r, i = ref
+        path.append(TimedAction(r, i, replay.acts[r][i], replay.start[ref], replay.end[ref]))
         ref = replay.cause.get(ref)
     return tuple(reversed(path))
 

@@ -43,6 +43,7 @@ from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from unbroken.parallel import Action, ActionKind, ParallelPlan, p2p_chunks
 from unbroken.plan.layout import Group, Layout
@@ -69,6 +70,11 @@ LinkCost = Callable[[Group, Group], float]
 
 def _no_link(a: Group, b: Group) -> float:
     return 0.0
+
+
+_action = lru_cache(maxsize=1 << 16)(Action)
+"""`Action(...)`, shared: actions are immutable values, and the scorer builds the same few
+thousand for every candidate it times (validating each anew was a tenth of a simulation)."""
 
 
 @dataclass(slots=True)
@@ -133,7 +139,9 @@ class _ListSchedule:
     """The timed list schedule of the module docstring, for one component."""
 
     def __init__(self, work: Mapping[Group, list[int]], pp: int, bound, cost, link) -> None:
-        self.work, self.pp, self.bound, self.cost, self.link = work, pp, bound, cost, link
+        self.work, self.pp, self.link = work, pp, link
+        self.bound = {g: bound(g) for g in work}
+        self.cost = {g: {F: cost(g, F), B: cost(g, B)} for g in work}  # priced once per group
         self.nf = dict.fromkeys(work, 0)
         self.nb = dict.fromkeys(work, 0)
         self.clock = dict.fromkeys(work, 0.0)
@@ -142,29 +150,33 @@ class _ListSchedule:
         self.out = Orders(order={g: [] for g in work})
         self.out.executor = {(m, g[1]): g for g, mbs in work.items() for m in mbs}
 
-    def arrival(self, step: Step, g: Group) -> float | None:
-        """When `step`'s input is at group `g` (None: not produced yet)."""
-        producer = _producer(step, self.pp)
-        if producer is None:
-            return self.out.end.get((F, step[1], step[2])) if step[0] is B else 0.0
-        done = self.out.end.get(producer)
-        if done is None:
-            return None
-        return done + self.link(self.out.executor[(producer[2], producer[1])], g)
+    def arrival(self, kind: ActionKind, s: int, m: int, g: Group) -> float | None:
+        """When the input of step (kind, s, m) is at group `g` (None: not produced yet)."""
+        k = s - 1 if kind is F else s + 1  # the producer's stage (`_producer`)
+        if k < 0:
+            return 0.0
+        if k == self.pp:
+            return self.out.end.get((F, s, m))
+        done = self.out.end.get((kind, k, m))
+        if done is None or self.link is _no_link:
+            return done
+        return done + self.link(self.out.executor[(m, k)], g)
 
     def candidate(self, g: Group, relaxed: bool) -> tuple[float, int, ActionKind] | None:
-        mbs, s = self.work[g], g[1]
-        found = []
+        mbs, s, clock = self.work[g], g[1], self.clock[g]
         nf, nb = self.nf[g], self.nb[g]
+        best = None
         if nb < nf:
-            ready = self.arrival((B, s, mbs[nb]), g)
+            ready = self.arrival(B, s, mbs[nb], g)
             if ready is not None:
-                found.append((max(self.clock[g], ready), 1, B))
-        if nf < len(mbs) and (relaxed or nf - nb < self.bound(g)):
-            ready = self.arrival((F, s, mbs[nf]), g)
+                best = (max(clock, ready), 1, B)
+        if nf < len(mbs) and (relaxed or nf - nb < self.bound[g]):
+            ready = self.arrival(F, s, mbs[nf], g)
             if ready is not None:
-                found.append((max(self.clock[g], ready), 0, F))
-        return min(found) if found else None
+                forward = (max(clock, ready), 0, F)
+                if best is None or forward < best:
+                    best = forward
+        return best
 
     def refresh(self, g: Group | None) -> None:
         if g is None:
@@ -195,7 +207,7 @@ class _ListSchedule:
             m = self.work[g][counter[g]]
             counter[g] += 1
             step = (kind, s, m)
-            end = start + self.cost(g, kind)
+            end = start + self.cost[g][kind]
             self.out.order[g].append(step)
             self.out.start[step], self.out.end[step] = start, end
             self.clock[g] = end
@@ -249,12 +261,12 @@ def _transfers(kind: ActionKind, k: int, m: int, src, dst, rank: int) -> list[Ac
     """This rank's chunks of one message (as in `parallel.schedules`)."""
     if len(src) == 1 and len(dst) == 1:  # one chunk (every reduced plan): no routing to do
         peer = dst[0] if kind in (ActionKind.SEND_F, ActionKind.SEND_B) else src[0]
-        return [Action(kind, k, m, peer)]
+        return [_action(kind, k, m, peer)]
     chunks = p2p_chunks(src, dst)
     n = len(chunks)
     if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
-        return [Action(kind, k, m, b, c, n) for c, a, b in chunks if a == rank]
-    return [Action(kind, k, m, a, c, n) for c, a, b in chunks if b == rank]
+        return [_action(kind, k, m, b, c, n) for c, a, b in chunks if a == rank]
+    return [_action(kind, k, m, a, c, n) for c, a, b in chunks if b == rank]
 
 
 class _Placer:
@@ -305,10 +317,10 @@ class _Placer:
                 acts += pending
                 for consumer in slots[j]:
                     acts += self.comm(consumer, here, rank, send=False)
-                acts.append(Action(step[0], step[1], step[2]))
+                acts.append(_action(*step))
                 pending = self.comm(step, here, rank, send=True)
             acts += pending
-            acts += [Action(ActionKind.REDUCE_GRAD), Action(ActionKind.OPT_STEP)]
+            acts += [_action(ActionKind.REDUCE_GRAD), _action(ActionKind.OPT_STEP)]
             out[rank] = tuple(acts)
         return out
 
