@@ -41,6 +41,8 @@ def test_a_crash_and_a_second_lost_device_after_a_reconfiguration(tmp_path):
     assert crash["mode"] == "inplace" and crash["shadow_level"] == 3
 
 
+@pytest.mark.slow  # ~65 s on 2 cores; CI covers the takeover-after-re-plan path through the
+# crash after a lost device above and the fail-slow switch in test_fail_slow_replan
 @pytest.mark.timeout(1200)
 def test_a_shadow_takeover_right_after_a_fail_slow_replan_keeps_the_new_placement(tmp_path):
     faults = ["slow:rank=3,iter=15,factor=6", "kill:rank=0,iter=27,phase=update"]
