@@ -129,6 +129,35 @@ class TrainConfig:
     pattern must match a parameter of the model (checked before launch)."""
     grad_clip: float = 1.0
     """Clip gradients to this global norm (0 disables)."""
+    optimizer: Literal["adamw", "sgd", "lion", "muon"] = "adamw"
+    """The update rule of the resumable updater (docs/optimizers.md): adamw (beta1, beta2,
+    eps); sgd with momentum (momentum, dampening, nesterov; weight decay is torch's coupled L2);
+    lion (lion_beta1, lion_beta2); muon (Newton–Schulz orthogonalized momentum per 2-D weight
+    matrix: muon_*; every other parameter, and matrices matched by `muon_adamw`, take AdamW
+    with beta1, beta2, eps). `lr` and `weight_decay` serve every rule."""
+    momentum: float = 0.9
+    """SGD momentum factor (0 = plain SGD)."""
+    dampening: float = 0.0
+    """SGD dampening of the momentum buffer."""
+    nesterov: bool = False
+    """SGD Nesterov momentum (needs momentum > 0 and dampening = 0, as in torch)."""
+    lion_beta1: float = 0.9
+    """Lion: interpolation weight of the update direction."""
+    lion_beta2: float = 0.99
+    """Lion: decay of the momentum."""
+    muon_momentum: float = 0.95
+    """Muon momentum factor."""
+    muon_nesterov: bool = True
+    """Muon Nesterov momentum."""
+    muon_ns_steps: int = 5
+    """Muon Newton–Schulz iterations per matrix."""
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Muon learning-rate scaling per matrix shape [A, B]: match_rms_adamw = 0.2·sqrt(max(A, B))
+    (Moonlight; one `lr` serves the Muon matrices and the AdamW rest), original = sqrt(max(1,
+    A/B)) (Keller Jordan's; tune `lr` for Muon then)."""
+    muon_adamw: list[str] = field(default_factory=lambda: ["*embed*", "*head*", "*wte*", "*wpe*"])
+    """2-D parameters updated by AdamW instead of Muon (embeddings and the output head, the
+    usual Muon recipe), as `fnmatch` patterns over parameter names."""
     init_std: float = 0.006
     """Weights are initialized from N(0, init_std^2)."""
     seed: int = 0
@@ -160,9 +189,35 @@ class TrainConfig:
             raise ValueError("train.hash_every must be >= 0 (0 = only the final state)")
         if self.weight_decay < 0:
             raise ValueError("train.weight_decay must be >= 0")
+        self._check_optimizer()
         for i, pattern in enumerate(self.no_decay):
             if not pattern.strip():
                 raise ValueError(f"train.no_decay[{i}] is empty; give a parameter-name pattern")
+
+    def _check_optimizer(self) -> None:
+        """Hyper-parameters of the chosen optimizer (one line per bad value)."""
+        if self.optimizer not in ("adamw", "sgd", "lion", "muon"):
+            raise ValueError(
+                f"train.optimizer={self.optimizer!r}: use one of 'adamw', 'sgd', 'lion', 'muon'"
+            )
+        unit = {
+            "adamw": ("beta1", "beta2"),
+            "sgd": ("dampening",),
+            "lion": ("lion_beta1", "lion_beta2"),
+            "muon": ("beta1", "beta2", "muon_momentum"),
+        }[self.optimizer]
+        for name in unit:
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.optimizer == "sgd":
+            if self.momentum < 0:
+                raise ValueError(f"train.momentum must be >= 0, got {self.momentum}")
+            if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+                raise ValueError("train.nesterov needs train.momentum > 0 and train.dampening = 0")
+        if self.optimizer in ("adamw", "muon") and self.eps <= 0:
+            raise ValueError(f"train.eps must be positive, got {self.eps}")
+        if self.optimizer == "muon" and not 1 <= self.muon_ns_steps < 100:
+            raise ValueError(f"train.muon_ns_steps must be in [1, 100), got {self.muon_ns_steps}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -34,7 +34,7 @@ from unbroken.model import (
 )
 from unbroken.model.flat import bind_grads
 from unbroken.parallel import ParallelPlan, make_plan
-from unbroken.train import AdamW, BatchSource, TrainState
+from unbroken.train import BatchSource, TrainState
 from unbroken.update import ChunkStep, PlainUpdater, StateGeometry
 
 __all__ = [
@@ -191,7 +191,12 @@ def build_worker(
         )
     if source is None:
         source = make_source(cfg, plan.dp)
-    step = ChunkStep.for_layout(geometry, AdamW.from_config(cfg.train), layout)
+    if cfg.train.optimizer == "muon" and groups.tp.size > 1:
+        raise UserError(
+            "train.optimizer = 'muon' orthogonalizes whole weight matrices, which tensor "
+            "parallelism shards: set parallel.tp = 1 or pick another optimizer"
+        )
+    step = ChunkStep.for_job(geometry, cfg.train, layout)
     worker = PlanWorker(
         plan=plan,
         model=model,

@@ -27,7 +27,6 @@ from unbroken.errors import UserError
 from unbroken.model import FlatLayout, build_model, init_parameters, materialize, resolve_args
 from unbroken.model.flat import bind_grads
 from unbroken.train.loop import BatchSource, LossFn, reference_loss
-from unbroken.train.optim import AdamW
 from unbroken.train.state import TrainState
 from unbroken.update import ChunkStep, StateGeometry
 
@@ -189,7 +188,7 @@ def build_training(
     materialize(model, layout, state.params)
     bind_grads(model, layout, state.grads)
     source = _source(cfg, n_shards, search)
-    step = ChunkStep.for_layout(geometry, AdamW.from_config(cfg.train), layout)
+    step = ChunkStep.for_job(geometry, cfg.train, layout)
     return Built(
         model=model, state=state, source=source, loss_fn=loss_fn, geometry=geometry, step=step
     )

@@ -1,5 +1,9 @@
 """The per-chunk optimizer step shared by every updater (see [Note: chunk-geometry]).
 
+`ChunkStep` runs the job's `ChunkRule` (`unbroken.update.rule`: AdamW, SGD, Lion, Muon) on one
+chunk: it cuts the chunk's views out of the flat buffers, builds the chunk's masks, keeps frozen
+elements unchanged, and holds the pass's derived buffer (`begin_pass`).
+
 Which elements of a chunk get weight decay and which are frozen comes from element ranges of
 the flat layout (`FlatLayout.decay_ranges`, `frozen_ranges`; [Note: shared parameters] in
 `unbroken.model.flat`), turned into one mask per chunk on first use. A chunk entirely inside
@@ -9,20 +13,18 @@ after) compute exactly what a single decay boundary did.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
+from unbroken.config import TrainConfig
 from unbroken.model.flat import FlatLayout
 from unbroken.train.optim import AdamW
-from unbroken.update.fused_adamw import AdamWCoefficients, fused_adamw_, fused_available
+from unbroken.train.state import TrainState
+from unbroken.update.adamw import AdamWRule
 from unbroken.update.geometry import ChunkRef, StateGeometry
+from unbroken.update.optimizers import rule_for
+from unbroken.update.rule import ChunkContext, ChunkRule, Mask, Ranges
 
 __all__ = ["ChunkStep"]
-
-Ranges = Sequence[tuple[int, int]]
-Mask = torch.Tensor | bool
-"""Per-element mask of a chunk, or True / False when it holds for all of it / none of it."""
 
 
 def _ranges_mask(idx: torch.Tensor, ranges: Ranges) -> Mask:
@@ -41,36 +43,53 @@ def _ranges_mask(idx: torch.Tensor, ranges: Ranges) -> Mask:
 
 
 class ChunkStep:
-    """Applies AdamW to one chunk of the striped state: weight decay only on elements in
-    `decay` ranges, no change at all to elements in `frozen` ranges. On a CUDA device a chunk
-    whose elements all decay or all do not, with nothing frozen, is one fused kernel launch
-    (`unbroken.update.fused_adamw`); otherwise, and on the CPU, the eager reference.
+    """Applies the optimizer rule to one chunk of the striped state: weight decay only on
+    elements in `decay` ranges, no change at all to elements in `frozen` ranges.
 
     Args:
         geometry: the state's chunks.
-        optimizer: the AdamW rule.
+        optimizer: the rule (an `AdamW` is taken as `AdamWRule`).
         decay: sorted, disjoint element ranges [a, b) with weight decay.
-        frozen: sorted, disjoint element ranges [a, b) never updated (parameters and moments
-            stay as they are).
+        frozen: sorted, disjoint element ranges [a, b) never updated (parameters and state
+            slots stay as they are).
     """
 
     def __init__(
         self,
         geometry: StateGeometry,
-        optimizer: AdamW,
+        optimizer: AdamW | ChunkRule,
         decay: Ranges,
         frozen: Ranges = (),
     ) -> None:
         self.geometry = geometry
-        self.optimizer = optimizer
+        if isinstance(optimizer, AdamW):
+            optimizer = AdamWRule(optimizer, geometry.padded_numel)
+        self.rule: ChunkRule = optimizer
         self.decay = tuple(decay)
         self.frozen = tuple(frozen)
-        self._masks: dict[tuple[int, int], tuple[Mask, Mask]] = {}
+        self._rule_ranges = {k: tuple(v) for k, v in self.rule.ranges().items()}
+        self._masks: dict[tuple[int, int], tuple[Mask, Mask, dict[str, Mask]]] = {}
+        self._derived: dict[int, torch.Tensor | None] = {}
 
     @classmethod
     def for_layout(cls, geometry: StateGeometry, optimizer: AdamW, layout: FlatLayout) -> ChunkStep:
-        """The step for `layout`'s decay and frozen ranges."""
+        """The AdamW step for `layout`'s decay and frozen ranges."""
         return cls(geometry, optimizer, layout.decay_ranges(), layout.frozen_ranges())
+
+    @classmethod
+    def for_job(cls, geometry: StateGeometry, cfg: TrainConfig, layout: FlatLayout) -> ChunkStep:
+        """The step of `cfg.optimizer` for `layout`'s decay and frozen ranges."""
+        rule = rule_for(cfg, layout, geometry)
+        return cls(geometry, rule, layout.decay_ranges(), layout.frozen_ranges())
+
+    @property
+    def optimizer(self) -> AdamW | ChunkRule:
+        """The AdamW of an AdamW step; the rule otherwise."""
+        return self.rule.opt if isinstance(self.rule, AdamWRule) else self.rule
+
+    @property
+    def passes(self) -> int:
+        return self.rule.passes
 
     @property
     def decay_end(self) -> int | None:
@@ -84,7 +103,16 @@ class ChunkStep:
             return self.decay[0][1]
         return None
 
-    def _chunk_masks(self, ref: ChunkRef) -> tuple[Mask, Mask]:
+    def begin_pass(
+        self, pass_: int, state: TrainState, *, step: int, lr: float, grad_scale: float
+    ) -> None:
+        """Derive pass `pass_`'s buffer from the retained state (before its first chunk, and
+        again when a resumed update enters the pass)."""
+        self._derived = {
+            pass_: self.rule.derive(pass_, state, step=step, lr=lr, grad_scale=grad_scale)
+        }
+
+    def _chunk_masks(self, ref: ChunkRef) -> tuple[Mask, Mask, dict[str, Mask]]:
         key = (ref.group, ref.chunk)
         masks = self._masks.get(key)
         if masks is None:
@@ -92,6 +120,7 @@ class ChunkStep:
             masks = self._masks[key] = (
                 _ranges_mask(idx, self.decay),
                 _ranges_mask(idx, self.frozen),
+                {k: _ranges_mask(idx, r) for k, r in self._rule_ranges.items()},
             )
         return masks
 
@@ -106,40 +135,33 @@ class ChunkStep:
         step: int,
         lr: float,
         grad_scale: float,
+        pass_: int = 0,
     ) -> None:
         g = self.geometry
-        decay, frozen = self._chunk_masks(ref)
+        decay, frozen, masks = self._chunk_masks(ref)
         if frozen is True:
             return
         p = g.chunk_view(params, ref)
-        m, v = g.chunk_view(exp_avg, ref), g.chunk_view(exp_avg_sq, ref)
-        if p.is_cuda and frozen is False and isinstance(decay, bool) and fused_available():
-            # One launch per chunk (see fused_adamw): decay_end below or above every element.
-            coeffs = AdamWCoefficients.of(self.optimizer, step=step, lr=lr, grad_scale=grad_scale)
-            first = ref.group * g.stripe_pages * g.elems_per_page + ref.byte_lo // 4
-            end = g.padded_numel if decay else 0
-            fused_adamw_(
-                p, g.chunk_view(grads, ref), m, v, coeffs, first_index=first, decay_end=end
-            )
-            return
-        kept = None
-        if isinstance(frozen, torch.Tensor):
-            frozen = frozen.to(p.device)
-            kept = [t[frozen] for t in (p, m, v)]
-        if isinstance(decay, torch.Tensor):
-            factor = torch.where(decay.to(p.device), 1.0 - lr * self.optimizer.weight_decay, 1.0)
-            p.mul_(factor.to(p.dtype))
-            decay = False
-        self.optimizer.update_range(
-            p,
-            g.chunk_view(grads, ref),
-            m,
-            v,
+        slots = tuple(g.chunk_view(t, ref) for t in (exp_avg, exp_avg_sq)[: len(self.rule.slots)])
+        if pass_ and pass_ not in self._derived:
+            raise RuntimeError(f"pass {pass_} of {self.rule.name} before begin_pass")
+        derived = self._derived.get(pass_)
+        ctx = ChunkContext(
+            ref=ref,
             step=step,
             lr=lr,
             grad_scale=grad_scale,
             decay=decay,
+            frozen=frozen,
+            first_index=ref.group * g.stripe_pages * g.elems_per_page + ref.byte_lo // 4,
+            masks=masks,
+            derived=None if derived is None else g.chunk_view(derived, ref),
         )
+        kept = None
+        if isinstance(frozen, torch.Tensor):
+            frozen = frozen.to(p.device)
+            kept = [t[frozen] for t in (p, *slots)]
+        self.rule.apply(pass_, p, g.chunk_view(grads, ref), slots, ctx)
         if kept is not None:
-            for t, old in zip((p, m, v), kept, strict=True):
+            for t, old in zip((p, *slots), kept, strict=True):
                 t[frozen] = old

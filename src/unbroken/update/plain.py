@@ -1,11 +1,13 @@
 """The update phase without crash consistency: the same chunks and kernel as the resumable
-updater (see [Note: chunk-geometry]), nothing retained around them. On a GPU the chunks run as
-one fused launch over the whole state (`unbroken.update.fused_adamw`)."""
+updater (see [Note: chunk-geometry]), nothing retained around them. On a GPU, AdamW runs the
+chunks as one fused launch over the whole state (`unbroken.update.fused_adamw`); the other
+rules run their chunks with torch operations."""
 
 from __future__ import annotations
 
 from unbroken.train.phases import Phase
 from unbroken.train.state import TrainState
+from unbroken.update.adamw import AdamWRule
 from unbroken.update.fused_adamw import AdamWCoefficients, fused_adamw_, fused_available
 from unbroken.update.geometry import StateGeometry
 from unbroken.update.kernel import ChunkStep
@@ -27,9 +29,10 @@ class PlainUpdater:
         """Nothing to record."""
 
     def update(self, iteration: int, *, lr: float, grad_scale: float, hook) -> None:
-        s, n = self.state, len(self.chunks)
+        s, n, passes = self.state, len(self.chunks), self.step.passes
         decay_end = self.step.decay_end
-        if s.params.is_cuda and decay_end is not None and fused_available():
+        fused = isinstance(self.step.rule, AdamWRule) and decay_end is not None
+        if s.params.is_cuda and fused and fused_available():
             # Element-wise: one launch over every chunk computes the chunks' bits (see
             # fused_adamw). The chunks' hooks still fire, in order, before it.
             for k in range(n):
@@ -41,18 +44,12 @@ class PlainUpdater:
             views = (t[:span] for t in (s.params, s.grads, s.exp_avg, s.exp_avg_sq))
             fused_adamw_(*views, coeffs, first_index=0, decay_end=decay_end)
             return
-        for k, ref in enumerate(self.chunks):
-            hook(Phase.UPDATE, iteration, k, n)
-            self.step(
-                ref,
-                s.params,
-                s.grads,
-                s.exp_avg,
-                s.exp_avg_sq,
-                step=iteration + 1,
-                lr=lr,
-                grad_scale=grad_scale,
-            )
+        scalars = {"step": iteration + 1, "lr": lr, "grad_scale": grad_scale}
+        for pass_ in range(passes):
+            self.step.begin_pass(pass_, s, **scalars)
+            for k, ref in enumerate(self.chunks):
+                hook(Phase.UPDATE, iteration, pass_ * n + k, passes * n)
+                self.step(ref, s.params, s.grads, s.exp_avg, s.exp_avg_sq, pass_=pass_, **scalars)
 
     def boundary(self, iteration: int) -> None:
         """Nothing to finish."""

@@ -13,6 +13,11 @@ State machine of one chunk (marker stage after each step; see `Stage`):
     SYNCED(g, j) --undo copied--> CHUNK_UPDATING(g, j) --stepped, parity in scratch-->
     PARITY_READY(g, j) --written back--> SYNCED(g, j+1)  (… IDLE(done_iter = t) after the last)
 
+A rule of several passes (Muon; `unbroken.update.rule`) runs every chunk once per pass:
+transaction k is chunk k mod n of pass k div n, and the marker's (group, chunk) count on across
+passes, so resuming needs nothing more than today's position (the pass's derived buffer is
+computed again from retained state on entry).
+
 Recovery per stage: SYNCED / GRADS_PROTECTED / IDLE need nothing; CHUNK_UPDATING restores the
 chunk from the undo buffer (its parity is still the committed one); PARITY_READY writes the
 scratch parity back (the chunk's data is already new). Either way data and parity then agree.
@@ -185,15 +190,35 @@ class ResumableUpdater:
     def boundary(self, iteration: int) -> None:
         """The marker already says IDLE(done_iter = iteration) after the last chunk."""
 
+    @property
+    def transactions(self) -> int:
+        """Chunk transactions per update: every chunk once per pass of the rule."""
+        return self.step.passes * len(self.chunks)
+
+    def _position(self, k: int) -> dict[str, int]:
+        """Marker fields of transaction k: (group, chunk) of chunk k, numbered on across passes
+        (pass p's groups follow pass p-1's), so a one-pass rule's marker is unchanged."""
+        group, chunk = divmod(k, self.geometry.chunks_per_group)
+        return {"group": group, "chunk": chunk}
+
+    def _index(self, st: MarkerState) -> int:
+        return st.group * self.geometry.chunks_per_group + st.chunk
+
     def update(self, iteration: int, *, lr: float, grad_scale: float, hook: Hook) -> None:
-        """Run (or resume) the chunk transactions of `iteration` from the marker's position."""
+        """Run (or resume) the chunk transactions of `iteration` from the marker's position.
+        Entering a pass (at its start or resumed inside it) derives the pass's buffer first."""
         st = self.marker.state
         if st.stage is not Stage.SYNCED or st.iteration != iteration:
             raise RuntimeError(f"update of {iteration} from marker {st}")
         self.hook = hook
+        n = len(self.chunks)
         try:
-            start = st.group * self.geometry.chunks_per_group + st.chunk
-            for k in range(start, len(self.chunks)):
+            start = self._index(st)
+            for k in range(start, self.transactions):
+                if k == start or k % n == 0:
+                    self.step.begin_pass(
+                        k // n, self.state, step=iteration + 1, lr=lr, grad_scale=grad_scale
+                    )
                 self._transaction(iteration, k, lr, grad_scale)
         finally:
             self.hook = _noop
@@ -203,12 +228,13 @@ class ResumableUpdater:
         return self.segments[sg][ref.group * d : (ref.group + 1) * d, ref.byte_lo : ref.byte_hi]
 
     def _transaction(self, iteration: int, k: int, lr: float, grad_scale: float) -> None:
-        ref, n = self.chunks[k], len(self.chunks)
+        pass_, chunk = divmod(k, len(self.chunks))
+        ref, n = self.chunks[chunk], self.transactions
         x, c = ref.byte_lo, self.geometry.chunk_bytes
         group = self.groups[ref.group]
         for sg in range(SEGMENTS):
             self.undo[sg].copy_(self._chunk_data(sg, ref))
-        self._mark(stage=Stage.CHUNK_UPDATING, group=ref.group, chunk=ref.chunk)
+        self._mark(stage=Stage.CHUNK_UPDATING, **self._position(k))
         self.hook(Phase.UPDATE, iteration, k, n)
         s = self.state
         self.step(
@@ -220,6 +246,7 @@ class ResumableUpdater:
             step=iteration + 1,
             lr=lr,
             grad_scale=grad_scale,
+            pass_=pass_,
         )
         self.hook(Phase.PARITY, iteration, k, n)
         par = self.model_parity[ref.group]
@@ -237,15 +264,14 @@ class ResumableUpdater:
         x, c, h1 = ref.byte_lo, self.geometry.chunk_bytes, self.h1
         par = self.model_parity[ref.group]
         par[:h1, x : x + c].copy_(self.scratch[:h1])
-        self.hook(Phase.WRITEBACK, iteration, k, len(self.chunks))
+        self.hook(Phase.WRITEBACK, iteration, k, self.transactions)
         par[h1:, x : x + c].copy_(self.scratch[h1:])
 
     def _commit(self, iteration: int, k: int) -> None:
-        if k + 1 == len(self.chunks):
+        if k + 1 == self.transactions:
             self._mark(stage=Stage.IDLE, done_iter=iteration, group=0, chunk=0)
         else:
-            nxt = self.chunks[k + 1]
-            self._mark(stage=Stage.SYNCED, group=nxt.group, chunk=nxt.chunk)
+            self._mark(stage=Stage.SYNCED, **self._position(k + 1))
 
     # -- recovery -------------------------------------------------------------------------
     def repair(self, lost: dict[str, list[int]]) -> RepairReport:
@@ -276,7 +302,7 @@ class ResumableUpdater:
         if st.stage is Stage.CHUNK_UPDATING:
             if undo_lost:
                 raise UnrecoverableError(group="undo", lost=set(lost["undo"]))
-            ref = self.chunks[st.group * self.geometry.chunks_per_group + st.chunk]
+            ref = self.chunks[self._index(st) % len(self.chunks)]
             for sg in range(SEGMENTS):
                 self._chunk_data(sg, ref).copy_(self.undo[sg])
             self._mark(stage=Stage.SYNCED)
@@ -284,8 +310,8 @@ class ResumableUpdater:
         elif st.stage is Stage.PARITY_READY:
             if scratch_lost:
                 raise UnrecoverableError(group="scratch", lost=set(lost["scratch"]))
-            k = st.group * self.geometry.chunks_per_group + st.chunk
-            self._write_back(self.chunks[k])
+            k = self._index(st)
+            self._write_back(self.chunks[k % len(self.chunks)])
             self._commit(st.iteration, k)
             report.fixup = f"rolled chunk g{st.group}/c{st.chunk} parity forward"
         report.groups_repaired += self._reconstruct(
