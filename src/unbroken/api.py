@@ -91,9 +91,9 @@ def run_job(
         dataset: the data, overriding `data.dataset`: a class or top-level function called
             as `(data_cfg, n_shards)`, an object with `iteration(iteration, shard)` (pickled
             to every trainer), or a "module:name" string.
-        optimizer: AdamW settings overriding the config's (`unbroken.config.optimizer`):
-            "adamw", a dict, or `torch.optim.AdamW` / a `functools.partial` of it. Other
-            optimizers are refused until the resumable updater runs them.
+        optimizer: the update rule and its settings, overriding the config's
+            (`unbroken.config.optimizer`): "adamw" / "sgd" / "lion" / "muon", a dict with
+            "name", or `torch.optim.AdamW` / `SGD` / `Muon` or a `functools.partial` of one.
         reference: also run the fault-free reference and compare.
         search_path: extra dirs for user modules (default: the config file's dir).
         quiet: no terminal progress.
@@ -107,7 +107,7 @@ def run_job(
 
     Raises:
         UserError: bad config, bad fault spec, missing data, an object that cannot reach the
-            trainer processes, an optimizer other than AdamW.
+            trainer processes, an optimizer the resumable updater does not run.
         JobFailed: the fault-free reference run failed (its reason says why).
     """
     if in_job_process():

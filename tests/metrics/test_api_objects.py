@@ -205,16 +205,44 @@ def test_torch_adamw_as_users_write_it():
     assert apply_optimizer(TrainConfig(), torch.optim.AdamW) == TrainConfig()
 
 
+def test_every_rule_of_the_updater_by_name_dict_or_torch_class():
+    import torch
+
+    got = apply_optimizer(TrainConfig(), "sgd")
+    assert got.optimizer == "sgd" and got.momentum == TrainConfig().momentum
+    got = apply_optimizer(
+        TrainConfig(), functools.partial(torch.optim.SGD, lr=0.1, momentum=0.8, nesterov=True)
+    )
+    assert (got.optimizer, got.lr, got.momentum, got.nesterov) == ("sgd", 0.1, 0.8, True)
+    got = apply_optimizer(TrainConfig(), {"name": "lion", "lr": 1e-4, "betas": (0.95, 0.98)})
+    assert (got.optimizer, got.lr, got.lion_beta1, got.lion_beta2) == ("lion", 1e-4, 0.95, 0.98)
+    assert (got.beta1, got.beta2) == (TrainConfig().beta1, TrainConfig().beta2)  # AdamW's
+    got = apply_optimizer(
+        TrainConfig(),
+        functools.partial(torch.optim.Muon, lr=0.02, momentum=0.9, ns_steps=4, adjust_lr_fn=None),
+    )
+    assert (got.optimizer, got.lr, got.muon_momentum, got.muon_ns_steps) == ("muon", 0.02, 0.9, 4)
+    assert got.muon_adjust_lr == "original"  # torch reads None as the original adjustment
+    assert apply_optimizer(TrainConfig(), torch.optim.Muon).optimizer == "muon"
+
+
 @pytest.mark.parametrize(
     ("optimizer", "message"),
     [
-        ("sgd", "only AdamW runs under the resumable updater"),
-        ({"name": "lion"}, "only AdamW"),
-        ({"momentum": 0.9}, r"unknown AdamW setting\(s\) \['momentum'\]"),
+        ("adagrad", "optimizer 'adagrad': use one of adamw, sgd, lion, muon"),
+        ({"name": "rmsprop"}, "use one of adamw, sgd, lion, muon"),
+        ({"momentum": 0.9}, r"unknown adamw setting\(s\) \['momentum'\]"),
+        ({"name": "sgd", "eps": 1e-8}, r"unknown sgd setting\(s\) \['eps'\]"),
+        ({"name": "sgd", "nesterov": 1}, "nesterov must be true or false"),
+        ({"name": "sgd", "nesterov": True, "momentum": 0.0}, "nesterov needs train.momentum"),
+        ({"name": "muon", "adjust_lr_fn": "fast"}, "muon_adjust_lr='fast'"),
+        ({"name": "muon", "ns_steps": 2.5}, "ns_steps must be an integer"),
         ({"betas": 0.9}, "betas must be two numbers"),
         ({"beta1": 1.0}, r"beta1 must be in \[0, 1\)"),
+        ({"name": "lion", "betas": (0.9, 1.0)}, r"lion_beta2 must be in \[0, 1\)"),
         ({"lr": "fast"}, "lr must be a number"),
         ({"lr": -1.0}, "train.lr must be positive"),
+        ({"grad_clip": -1.0}, "grad_clip must be >= 0"),
     ],
 )
 def test_what_the_resumable_updater_cannot_run_is_refused(optimizer, message):
@@ -222,13 +250,21 @@ def test_what_the_resumable_updater_cannot_run_is_refused(optimizer, message):
         apply_optimizer(TrainConfig(), optimizer)
 
 
-def test_other_torch_optimizers_and_amsgrad_are_refused():
+def test_other_torch_optimizers_and_arithmetic_changing_options_are_refused():
     import torch
 
-    with pytest.raises(UserError, match="optimizer=SGD: only AdamW"):
-        apply_optimizer(TrainConfig(), torch.optim.SGD)
-    with pytest.raises(UserError, match="amsgrad and maximize"):
+    with pytest.raises(UserError, match="optimizer=Adam: the resumable updater runs"):
+        apply_optimizer(TrainConfig(), torch.optim.Adam)
+    with pytest.raises(UserError, match="amsgrad=True is not supported"):
         apply_optimizer(TrainConfig(), functools.partial(torch.optim.AdamW, amsgrad=True))
+    with pytest.raises(UserError, match="maximize=True is not supported"):
+        apply_optimizer(TrainConfig(), functools.partial(torch.optim.SGD, maximize=True))
+    with pytest.raises(UserError, match="ns_coefficients"):
+        apply_optimizer(
+            TrainConfig(), functools.partial(torch.optim.Muon, ns_coefficients=(3.0, -4.0, 2.0))
+        )
+    with pytest.raises(UserError, match="pass settings by keyword"):
+        apply_optimizer(TrainConfig(), functools.partial(torch.optim.SGD, [], 0.1))
 
 
 def test_the_typed_summary_keeps_the_json_form():

@@ -189,6 +189,8 @@ class TrainConfig:
             raise ValueError("train.hash_every must be >= 0 (0 = only the final state)")
         if self.weight_decay < 0:
             raise ValueError("train.weight_decay must be >= 0")
+        if self.grad_clip < 0:
+            raise ValueError("train.grad_clip must be >= 0 (0 disables clipping)")
         self._check_optimizer()
         for i, pattern in enumerate(self.no_decay):
             if not pattern.strip():
@@ -216,6 +218,10 @@ class TrainConfig:
                 raise ValueError("train.nesterov needs train.momentum > 0 and train.dampening = 0")
         if self.optimizer in ("adamw", "muon") and self.eps <= 0:
             raise ValueError(f"train.eps must be positive, got {self.eps}")
+        if self.muon_adjust_lr not in ("match_rms_adamw", "original"):
+            raise ValueError(
+                f"train.muon_adjust_lr={self.muon_adjust_lr!r}: use 'match_rms_adamw' or 'original'"
+            )
         if self.optimizer == "muon" and not 1 <= self.muon_ns_steps < 100:
             raise ValueError(f"train.muon_ns_steps must be in [1, 100), got {self.muon_ns_steps}")
 

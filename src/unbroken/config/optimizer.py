@@ -1,20 +1,23 @@
-"""The `optimizer=` argument of `unbroken.run_job`: what it accepts today and how it becomes the
-job's `TrainConfig`.
+"""The `optimizer=` argument of `unbroken.run_job`: what it accepts and how it becomes the job's
+`TrainConfig`.
 
-The resumable updater runs one optimizer today: AdamW (`unbroken.train.optim.AdamW`, the
-arithmetic of `torch.optim.AdamW` term by term, over chunk ranges of the flat state). So
-`optimizer=` accepts AdamW settings only, in any of these spellings:
+The resumable updater runs the rules of `train.optimizer` (docs/optimizers.md): AdamW, SGD with
+momentum, Lion and Muon. `optimizer=` names one of them and its settings, in any of these
+spellings:
 
-    optimizer="adamw"                                   # the config's settings
-    optimizer={"name": "adamw", "lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}
-    optimizer=functools.partial(torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95))
-    optimizer=torch.optim.AdamW                          # the config's settings
+    optimizer="sgd"                                     # that rule, the config's settings
+    optimizer={"name": "lion", "lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 1.0}
+    optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True)
+    optimizer=torch.optim.AdamW                         # AdamW, the config's settings
 
-The settings named override `train.lr` (the peak of the schedule: warm-up and cosine stay the
-config's), `train.beta1`/`beta2`, `train.eps`, `train.weight_decay` (applied to matrices, not
-norm weights) and, in the dict form only, `train.grad_clip`. Anything else — another optimizer,
-or a torch AdamW option that changes the arithmetic (`amsgrad`, `maximize`) — is refused with
-one line, until more optimizers exist under the resumable updater.
+torch's own classes are accepted where the updater runs the same arithmetic: `torch.optim.AdamW`,
+`torch.optim.SGD` and `torch.optim.Muon` (Lion has no torch class: name it). The settings named
+override the config's: `lr` is the peak of the schedule (warm-up and cosine stay the config's),
+`weight_decay` and, in the dict form only, `grad_clip`, plus each rule's own (`SETTINGS` maps
+them onto `TrainConfig` fields); a setting not named keeps the config's value, also under a torch
+class (torch's own defaults are not applied). A setting the rule does not have, or a torch
+option that changes the arithmetic (`amsgrad`, `maximize`, Muon's `ns_coefficients` or `eps`
+other than torch's defaults), is refused with one line.
 """
 
 from __future__ import annotations
@@ -27,91 +30,143 @@ from typing import Any
 from unbroken.config.job import TrainConfig
 from unbroken.errors import UserError
 
-__all__ = ["OPTIMIZER_KEYS", "apply_optimizer"]
+__all__ = ["OPTIMIZER_KEYS", "SETTINGS", "apply_optimizer"]
 
-OPTIMIZER_KEYS = ("lr", "betas", "beta1", "beta2", "eps", "weight_decay", "grad_clip")
-"""Settings `optimizer=` may name (AdamW's)."""
+_COMMON = {"lr": "lr", "weight_decay": "weight_decay", "grad_clip": "grad_clip"}
+SETTINGS: dict[str, dict[str, str]] = {
+    "adamw": {**_COMMON, "beta1": "beta1", "beta2": "beta2", "eps": "eps"},
+    "sgd": {**_COMMON, "momentum": "momentum", "dampening": "dampening", "nesterov": "nesterov"},
+    "lion": {**_COMMON, "beta1": "lion_beta1", "beta2": "lion_beta2"},
+    "muon": {
+        **_COMMON,
+        "momentum": "muon_momentum",
+        "nesterov": "muon_nesterov",
+        "ns_steps": "muon_ns_steps",
+        "adjust_lr_fn": "muon_adjust_lr",
+        "beta1": "beta1",  # of the AdamW that runs the non-matrix parameters
+        "beta2": "beta2",
+    },
+}
+"""Per rule: setting name in `optimizer=` -> `TrainConfig` field (`betas` is beta1, beta2)."""
 
-_ONLY = (
-    "only AdamW runs under the resumable updater today (its settings: lr, betas, eps, "
-    "weight_decay, grad_clip); other optimizers are not built yet"
-)
-_TORCH_NEUTRAL = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
-"""torch.optim.AdamW options that change how torch computes, not what: accepted at these values."""
+OPTIMIZER_KEYS = (*SETTINGS["adamw"], "betas")
+"""AdamW's settings (the default rule)."""
+
+_TORCH = {"AdamW": "adamw", "SGD": "sgd", "Muon": "muon"}
+"""torch.optim classes whose arithmetic a rule of the updater runs."""
+_TORCH_NEUTRAL = {
+    "foreach": (None, False),
+    "fused": (None, False),
+    "capturable": (False,),
+    "differentiable": (False,),
+    "amsgrad": (False,),
+    "maximize": (False,),
+    "ns_coefficients": ((3.4445, -4.775, 2.0315),),
+    "eps@muon": (1e-7,),
+}
+"""torch options that change how torch computes, not what (or that the updater runs only at
+torch's default): accepted at these values, refused otherwise."""
 
 
-def _is_torch_adamw(obj: Any) -> bool:
-    return (
-        isinstance(obj, type)
-        and obj.__name__ == "AdamW"
-        and obj.__module__.startswith("torch.optim")
+def _torch_rule(obj: Any) -> str | None:
+    if isinstance(obj, type) and obj.__module__.startswith("torch.optim"):
+        return _TORCH.get(obj.__name__)
+    return None
+
+
+def _from_torch(optimizer: partial, rule: str) -> dict[str, Any]:
+    if optimizer.args:
+        raise UserError(
+            f"optimizer=partial(torch.optim.{optimizer.func.__name__}, ...): pass settings by "
+            "keyword (the parameters are unbroken's flat state)"
+        )
+    settings = dict(optimizer.keywords)
+    for key in list(settings):
+        neutral = _TORCH_NEUTRAL.get(f"{key}@{rule}", _TORCH_NEUTRAL.get(key))
+        if neutral is None:
+            continue
+        if settings[key] not in neutral:
+            raise UserError(
+                f"optimizer: {key}={settings[key]!r} is not supported by the resumable updater's "
+                f"{rule} (accepted: {neutral[0]!r})"
+            )
+        settings.pop(key)
+    if "grad_clip" in settings:
+        raise UserError("optimizer: torch's optimizers have no grad_clip; set train.grad_clip")
+    if rule == "muon" and "adjust_lr_fn" in settings:  # torch reads None as "original"
+        settings["adjust_lr_fn"] = settings["adjust_lr_fn"] or "original"
+    return settings
+
+
+def _named(name: Any) -> str:
+    rule = str(name).lower()
+    if rule not in SETTINGS:
+        raise UserError(
+            f"optimizer {name!r}: use one of {', '.join(SETTINGS)} (docs/optimizers.md)"
+        )
+    return rule
+
+
+def _rule_and_settings(optimizer: Any) -> tuple[str, dict[str, Any]]:
+    """(rule, named settings) of any accepted spelling."""
+    if isinstance(optimizer, str):
+        return _named(optimizer), {}
+    if isinstance(optimizer, Mapping):
+        settings = dict(optimizer)
+        return _named(settings.pop("name", "adamw")), settings
+    rule = _torch_rule(optimizer)
+    if rule is not None:
+        return rule, {}
+    if isinstance(optimizer, partial):
+        rule = _torch_rule(optimizer.func)
+        if rule is not None:
+            return rule, _from_torch(optimizer, rule)
+    name = getattr(optimizer, "__name__", type(optimizer).__name__)
+    raise UserError(
+        f"optimizer={name}: the resumable updater runs {', '.join(SETTINGS)} "
+        "(a name, a dict with 'name', or torch.optim.AdamW / SGD / Muon)"
     )
 
 
-def _settings(optimizer: Any) -> dict[str, Any]:
-    """The named settings of any accepted spelling."""
-    if isinstance(optimizer, str):
-        if optimizer.lower() != "adamw":
-            raise UserError(f"optimizer={optimizer!r}: {_ONLY}")
-        return {}
-    if isinstance(optimizer, Mapping):
-        settings = dict(optimizer)
-        name = str(settings.pop("name", "adamw"))
-        if name.lower() != "adamw":
-            raise UserError(f"optimizer name {name!r}: {_ONLY}")
-        return settings
-    if _is_torch_adamw(optimizer):
-        return {}
-    if isinstance(optimizer, partial) and _is_torch_adamw(optimizer.func):
-        if optimizer.args:
-            raise UserError(
-                "optimizer=partial(torch.optim.AdamW, ...): pass settings by keyword (the "
-                "parameters are unbroken's flat state)"
-            )
-        settings = dict(optimizer.keywords)
-        for key, neutral in _TORCH_NEUTRAL.items():
-            if key in settings and settings[key] in (neutral, False, None):
-                settings.pop(key)
-        if settings.pop("amsgrad", False) or settings.pop("maximize", False):
-            raise UserError("optimizer: amsgrad and maximize are not supported; " + _ONLY)
-        if "grad_clip" in settings:
-            raise UserError("optimizer: torch's AdamW has no grad_clip; set train.grad_clip")
-        return settings
-    name = getattr(optimizer, "__name__", type(optimizer).__name__)
-    raise UserError(f"optimizer={name}: {_ONLY}")
+def _value(key: str, value: Any) -> Any:
+    if key == "nesterov":
+        if not isinstance(value, bool):
+            raise UserError(f"optimizer: {key} must be true or false, got {value!r}")
+        return value
+    if key == "adjust_lr_fn":
+        return value
+    if key == "ns_steps":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"optimizer: {key} must be an integer, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise UserError(f"optimizer: {key} must be a number, got {value!r}")
+    return float(value)
 
 
 def apply_optimizer(train: TrainConfig, optimizer: Any) -> TrainConfig:
-    """`train` with the AdamW settings `optimizer` names (None: unchanged).
+    """`train` running the rule `optimizer` names, with its settings (None: unchanged).
 
     Raises:
-        UserError: not AdamW, an unknown setting, or a value out of range; one line.
+        UserError: a rule the updater does not run, a setting the rule does not have, or a value
+            out of range; one line.
     """
     if optimizer is None:
         return train
-    settings = _settings(optimizer)
-    unknown = sorted(set(settings) - set(OPTIMIZER_KEYS))
-    if unknown:
-        raise UserError(
-            f"optimizer: unknown AdamW setting(s) {unknown}; use {', '.join(OPTIMIZER_KEYS)}"
-        )
-    changes: dict[str, float] = {}
+    rule, settings = _rule_and_settings(optimizer)
     if "betas" in settings:
         betas = settings.pop("betas")
         if not isinstance(betas, tuple | list) or len(betas) != 2:
             raise UserError(f"optimizer: betas must be two numbers, got {betas!r}")
         settings["beta1"], settings["beta2"] = betas
+    fields = SETTINGS[rule]
+    unknown = sorted(set(settings) - set(fields))
+    if unknown:
+        known = ", ".join(fields) + (", betas" if "beta1" in fields else "")
+        raise UserError(f"optimizer: unknown {rule} setting(s) {unknown}; use {known}")
+    changes: dict[str, Any] = {"optimizer": rule}
     for key, value in settings.items():
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise UserError(f"optimizer: {key} must be a number, got {value!r}")
-        changes[key] = float(value)
-    for beta in ("beta1", "beta2"):
-        if beta in changes and not 0.0 <= changes[beta] < 1.0:
-            raise UserError(f"optimizer: {beta} must be in [0, 1), got {changes[beta]}")
-    if changes.get("eps", 1.0) <= 0 or changes.get("weight_decay", 0.0) < 0:
-        raise UserError("optimizer: eps must be > 0 and weight_decay >= 0")
-    if changes.get("grad_clip", 0.0) < 0:
-        raise UserError("optimizer: grad_clip must be >= 0 (0 disables clipping)")
+        changes[fields[key]] = _value(key, value)
     try:
         return dataclasses.replace(train, **changes)
     except ValueError as exc:
