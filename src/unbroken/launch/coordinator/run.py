@@ -104,6 +104,8 @@ class Coordinator:
             observers=observers,
         )
         self.agent_proc: subprocess.Popen | None = None
+        self.agent_silent = False
+        """Its agent's beats stopped: it is hung (or stopped), and will not exit on its own."""
 
     # -- services -------------------------------------------------------------------------
     def _start_services(self) -> CoordinatorCore:
@@ -212,6 +214,7 @@ class Coordinator:
         for node, seen in list(core.joined.items()):
             silent = now - seen
             if node in self.server.nodes and silent > self.cfg.recovery.node_timeout_s:
+                self.agent_silent = True
                 core.node_lost(node, f"beats stopped (agent silent for {silent:.1f}s)", silent)
                 return
         if self.agent_proc is not None and self.agent_proc.poll() is not None:
@@ -220,8 +223,11 @@ class Coordinator:
 
     def _shutdown(self) -> None:
         if self.agent_proc is not None:
+            # A healthy agent stops its processes and exits after Shutdown; a silent one never
+            # will, so it is killed at once instead of after the grace period.
+            grace = 0.0 if self.agent_silent else 30.0
             try:
-                self.agent_proc.wait(timeout=30)
+                self.agent_proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 self.agent_proc.kill()
                 self.agent_proc.wait()
