@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from unbroken.api import run_job
 from unbroken.checkpoint import CheckpointInfo, verify_checkpoint, young_interval
 from unbroken.metrics.log import read_jsonl
@@ -23,6 +25,8 @@ def _hashes(out, run):
     return by_iter
 
 
+@pytest.mark.slow  # ~18 s; every run with reference=True in the CI tier compares a fault-free
+# run with another run of the same config iteration by iteration, which needs this determinism
 def test_two_runs_of_one_config_have_identical_per_iteration_hashes(tmp_path):
     cfg = tiny_job(iterations=6)
     a = run_job(cfg, tmp_path / "a", quiet=True)
