@@ -10,18 +10,21 @@ parallelism are refused before launch, in one line.
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from unbroken.api import run_job
 from unbroken.config import JobConfig, ModelConfig, load_config
-from unbroken.engine.build import full_initial_params, plan_from_config
+from unbroken.engine.build import build_worker, full_initial_params, plan_from_config
 from unbroken.engine.replica import build_training
 from unbroken.errors import UserError
 from unbroken.integrations.hf import FACTORY, HFPipeline, hf_causal_lm
 from unbroken.integrations.hf_stages import EMBED, HEAD
+from unbroken.parallel import make_plan
 from unbroken.preflight import check_job
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -69,6 +72,33 @@ def test_a_pipeline_run_starts_from_the_data_parallel_weights(tie):
         assert torch.equal(full[name], p.detach()), name
     # the tied pair: one tensor under both names
     assert (full[EMBED].data_ptr() == full[HEAD].data_ptr()) == tie
+
+
+@pytest.fixture
+def world(tmp_path):
+    """A one-rank gloo group in this process (the worker's collectives need one)."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(30))
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_engine_rank_of_a_tied_qwen2_computes_the_data_parallel_loss(world):
+    cfg = _job({**TINY, "model_type": "qwen2", "tie_word_embeddings": True})
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, microbatches=2))
+    plan = make_plan(dp=1, pp=1, tp=1, num_layers=2, microbatches=2, schedule="1f1b")
+    rank = build_worker(cfg, plan, world, device=torch.device("cpu"))
+    layout = rank.state.layout
+    assert [s.names for s in layout.stored if EMBED in s.names] == [(EMBED, HEAD)]  # one slot
+    views, full = layout.views(rank.state.params), full_initial_params(cfg)
+    assert all(torch.equal(views[s.name], full[s.name]) for s in layout.stored)
+    dp = build_training(cfg, n_shards=1, device=torch.device("cpu"))
+    batches = dp.source.iteration(0, 0)
+    expected = sum(dp.loss_fn(dp.model, mb, torch.device("cpu")).item() for mb in batches) / 2
+    result = rank.worker.run_iteration(0)
+    assert result.loss == pytest.approx(expected, rel=1e-6)
 
 
 def test_a_model_that_does_not_split_is_refused_before_launch(tmp_path):
