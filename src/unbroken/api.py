@@ -322,8 +322,13 @@ def _check_job(cfg: JobConfig) -> None:
         UserError: one line naming what to fix.
     """
     if cfg.parallel.planned:
-        if cfg.model.factory:
-            raise UserError("parallel.tp/pp > 1 run the reference model only (model.factory set)")
+        if cfg.model.factory and cfg.parallel.tp > 1:
+            raise UserError(
+                "parallel.tp > 1 runs the reference model only (model.factory set); own models "
+                "train with parallel.pp when their factory provides stages (docs/own-model.md)"
+            )
+        if cfg.data.dataset:
+            raise UserError("parallel.tp/pp > 1 train on data.corpus (data.dataset set)")
         if cfg.model.moe_experts:
             raise UserError("parallel.tp/pp > 1: the engine runs the dense model (moe_experts set)")
     if cfg.recovery.memory_budget_mb:

@@ -5,7 +5,8 @@ problem that can be found from the config alone and the model built on the meta 
 
 - the model against the plan: the TP degree against heads, KV heads, FFN and vocabulary sizes
   (`unbroken.engine.stage.check_tp_degree`), pipeline stages x virtual stages against layers
-  (`unbroken.parallel.split_layers`), micro-batches against the schedule
+  (`unbroken.parallel.split_layers`; an own model's layers from its factory's stage source,
+  `unbroken.engine.own_stages`), micro-batches against the schedule
   (`unbroken.engine.build.plan_from_config`: the plan the trainers will build) — the engine's
   own checks, called here instead of restated;
 - parameter names: every `train.no_decay` pattern matches a parameter (a typo is loud);
@@ -55,34 +56,49 @@ def _fail(source: str, key: str, problem: str, fix: str) -> UserError:
 
 
 # -- the model against the plan ----------------------------------------------------------------
-def _check_plan(cfg: JobConfig, source: str) -> None:
-    """TP, PP x virtual stages and micro-batches against the reference model and schedule."""
-    from unbroken.engine.build import plan_from_config
+def _plan_layers(cfg: JobConfig, source: str, search: list[str]) -> int:
+    """The model's layer count for the plan, once the TP degree fits the reference model (an
+    own model's count comes from its factory's stage source, which refuses a model that does
+    not split)."""
+    from unbroken.engine.build import model_layers
     from unbroken.engine.stage import check_tp_degree
     from unbroken.model import resolve_args
+
+    if cfg.model.factory:
+        return model_layers(cfg, search)
+    args = resolve_args(cfg.model)
+    try:
+        check_tp_degree(args, cfg.parallel.tp)
+    except ValueError as exc:
+        raise _fail(
+            source,
+            f"parallel.tp = {cfg.parallel.tp}",
+            str(exc),
+            "choose a TP degree that divides it",
+        ) from None
+    return args.n_layers
+
+
+def _check_plan(cfg: JobConfig, source: str, search: list[str]) -> None:
+    """TP, PP x virtual stages and micro-batches against the model and schedule."""
+    from unbroken.engine.build import plan_from_config
     from unbroken.parallel import split_layers
 
     p = cfg.parallel
-    args = resolve_args(cfg.model)
-    try:
-        check_tp_degree(args, p.tp)
-    except ValueError as exc:
-        raise _fail(
-            source, f"parallel.tp = {p.tp}", str(exc), "choose a TP degree that divides it"
-        ) from None
+    layers = _plan_layers(cfg, source, search)
     stages = p.pp * p.virtual_stages
     try:
-        split_layers(args.n_layers, stages)
+        split_layers(layers, stages)
     except ValueError as exc:
+        more = "its config" if cfg.model.factory else "model.n_layers"
         raise _fail(
             source,
             f"parallel.pp × parallel.virtual_stages = {p.pp} × {p.virtual_stages}",
             str(exc),
-            f"use at most {args.n_layers} stages in all, or a model with more layers "
-            "(model.n_layers)",
+            f"use at most {layers} stages in all, or a model with more layers ({more})",
         ) from None
     try:
-        plan_from_config(cfg)
+        plan_from_config(cfg, search)
     except ValueError as exc:
         raise _fail(
             source,
@@ -348,8 +364,8 @@ def check_job(
     """
     # cheap checks first; building the meta model imports torch's compiler stack (~1.5 s)
     _check_devices(cfg, cuda, source)
-    if cfg.parallel.planned and not cfg.model.factory:
-        _check_plan(cfg, source)
+    if cfg.parallel.planned:
+        _check_plan(cfg, source, search)
     warnings = _check_faults(cfg, source)
     check_output(Path(out))
     if cfg.checkpoint.dir:

@@ -2,7 +2,8 @@
 adapter's loss is HF's own, documents in a packed micro-batch are masked apart, the factory takes
 the job's vocabulary and switches dropout off, a missing `transformers` is one line naming the
 extra, and the example Llama trains data-parallel on 2 ranks through kills in its update and
-its backward, recovered in place, bit-identical to the fault-free run.
+its backward, recovered in place, bit-identical to the fault-free run. Pipeline plans:
+test_hf_pipeline.py.
 
 `transformers` is in the `test` extra (what `./dev test` installs), so these run in CI; a
 missing install fails here, it is never skipped.
@@ -192,14 +193,6 @@ def test_pipeline_stages_of_a_hf_model_compute_the_full_model_loss_and_gradients
         assert "hf.lm_head.weight" not in dict(full.named_parameters())  # one name in full
         both = dict(first.named_parameters())[EMBED].grad + dict(last.named_parameters())[HEAD].grad
         torch.testing.assert_close(both, grads[EMBED], rtol=1e-5, atol=1e-7)
-
-
-def test_a_pipeline_job_of_a_hf_model_is_refused_before_launch(tmp_path):
-    cfg = load_config(JobConfig, LLAMA)
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=1, pp=2))
-    with pytest.raises(UserError, match="reference model only"):
-        run_job(cfg, tmp_path, quiet=True)
-    assert not (tmp_path / "summary.json").exists()
 
 
 def test_a_model_without_a_pipeline_plan_is_refused():

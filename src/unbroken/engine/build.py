@@ -5,11 +5,19 @@ on "meta", its `FlatLayout`, the flat state (fresh, or the caller's retained buf
 `allocate`), initial values cut from the reference model's deterministic init (so every plan
 starts from the same full model as the single-process trainer), the data source with one
 shard per replica, the plan's groups and the updater.
+
+An own model (`model.factory`) whose factory provides pipeline stages
+(`unbroken.engine.own_stages`, e.g. a Hugging Face causal LM) is built the same way from its
+stage source: its layer count sizes the plan, its stage model replaces `StageModel`, its full
+model's initial values (the data-parallel build's) are cut by name, and its stage's `tied`
+names the embedding pair. Pipeline parallelism only: tensor parallelism needs the reference
+model's layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +27,7 @@ from unbroken.config import JobConfig
 from unbroken.data import PackedStream, Sampler, corpus_for
 from unbroken.engine.groups import PlanGroups
 from unbroken.engine.interpreter import PlanWorker
+from unbroken.engine.own_stages import factory_layers, factory_stage, full_factory_params
 from unbroken.engine.replica import state_geometry
 from unbroken.engine.sharding import load_from_full
 from unbroken.engine.stage import StageModel
@@ -43,6 +52,7 @@ __all__ = [
     "full_initial_params",
     "job_plan",
     "make_source",
+    "model_layers",
     "plan_from_config",
 ]
 
@@ -52,7 +62,8 @@ class EngineRank:
     """What `build_worker` made for one rank."""
 
     worker: PlanWorker
-    model: StageModel
+    model: StageModel | torch.nn.Module
+    """The stage model (an own model's stage for `model.factory`)."""
     state: TrainState
     groups: PlanGroups
     geometry: StateGeometry
@@ -63,26 +74,38 @@ _SCHEDULE_NAMES = {"interleaved": "interleaved_1f1b"}
 """Config schedule names that differ from the plan IR's (`unbroken.parallel.SCHEDULES`)."""
 
 
-def plan_from_config(cfg: JobConfig) -> ParallelPlan:
+def model_layers(cfg: JobConfig, search: Iterable[str] = ()) -> int:
+    """The job model's layer count: the reference preset's, or an own model's stage source's.
+
+    Raises:
+        UserError: a bad preset, or an own model without pipeline stages.
+    """
+    if cfg.model.factory:
+        return factory_layers(cfg, search)
+    return resolve_args(cfg.model).n_layers
+
+
+def plan_from_config(cfg: JobConfig, search: Iterable[str] = ()) -> ParallelPlan:
     """The job's plan from `parallel.*` (uniform degrees): what every trainer rank runs and
-    what the coordinator's fail-slow watch simulates. A pure function of the config."""
+    what the coordinator's fail-slow watch simulates. A pure function of the config (and, for
+    an own model, of its factory's stage source, found through `search`)."""
     p = cfg.parallel
     return make_plan(
         dp=p.dp,
         pp=p.pp,
         tp=p.tp,
-        num_layers=resolve_args(cfg.model).n_layers,
+        num_layers=model_layers(cfg, search),
         microbatches=cfg.data.microbatches,
         schedule=_SCHEDULE_NAMES.get(p.schedule, p.schedule),
         virtual_stages=p.virtual_stages,
     )
 
 
-def job_plan(cfg: JobConfig) -> ParallelPlan | None:
+def job_plan(cfg: JobConfig, search: Iterable[str] = ()) -> ParallelPlan | None:
     """The plan the job runs: `plan_from_config` when `parallel.tp`/`pp` > 1, else None (the
     data-parallel trainer). The one reading of `parallel.planned` for building and watching a
     job (trainers, the coordinator's fail-slow watch)."""
-    return plan_from_config(cfg) if cfg.parallel.planned else None
+    return plan_from_config(cfg, search) if cfg.parallel.planned else None
 
 
 def make_source(cfg: JobConfig, replicas: int) -> Sampler:
@@ -92,9 +115,11 @@ def make_source(cfg: JobConfig, replicas: int) -> Sampler:
     return Sampler(stream, replicas, cfg.data.microbatches)
 
 
-def full_initial_params(cfg: JobConfig) -> dict[str, torch.Tensor]:
-    """The reference model's initial parameters by name, tied names included (as
-    `build_training` initializes)."""
+def full_initial_params(cfg: JobConfig, search: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    """The job model's initial parameters by name, tied names included (as `build_training`
+    initializes: the reference init, or an own model's factory under the job's seed)."""
+    if cfg.model.factory:
+        return full_factory_params(cfg, search)
     args = resolve_args(cfg.model)
     layout = FlatLayout.of(build_model(args, device="meta"), tied=args.tied)
     flat = torch.zeros(layout.numel)
@@ -102,17 +127,27 @@ def full_initial_params(cfg: JobConfig) -> dict[str, torch.Tensor]:
     return layout.views(flat)
 
 
-def _check_fits(cfg: JobConfig, plan: ParallelPlan) -> TransformerArgs:
-    """The reference model's arguments, once `plan` is known to fit the job.
+def _check_fits(cfg: JobConfig, plan: ParallelPlan, search: list[str]) -> TransformerArgs | None:
+    """The reference model's arguments (None for an own model), once `plan` is known to fit
+    the job.
 
     Raises:
-        UserError: a user model, or a plan with other layers or micro-batch counts.
+        UserError: an own model under tensor parallelism or without pipeline stages, or a plan
+            with other layers or micro-batch counts.
     """
+    args = None
     if cfg.model.factory:
-        raise UserError("the hybrid-parallel engine runs the reference model only")
-    args = resolve_args(cfg.model)
-    if plan.num_layers != args.n_layers:
-        raise UserError(f"the plan has {plan.num_layers} layers, the model {args.n_layers}")
+        if any(g.tp > 1 for rep in plan.replicas for g in rep.stages):
+            raise UserError(
+                "tensor parallelism runs the reference model only (model.factory set); "
+                "set parallel.tp = 1"
+            )
+        layers = factory_layers(cfg, search)
+    else:
+        args = resolve_args(cfg.model)
+        layers = args.n_layers
+    if plan.num_layers != layers:
+        raise UserError(f"the plan has {plan.num_layers} layers, the model {layers}")
     if any(n != cfg.data.microbatches for n in plan.microbatches):
         raise UserError(
             f"the plan gives replicas {list(plan.microbatches)} micro-batches; "
@@ -130,7 +165,30 @@ def _stage_layers(plan: ParallelPlan, rank: int) -> list[tuple[int, int]]:
     return [g.layers for k, g in enumerate(stages) if k % plan.pp == s]
 
 
-# Long: a 22-line docstring for its 9 parameters and a 12-line signature; the body is 38 lines.
+def _stage_and_groups(
+    cfg: JobConfig,
+    plan: ParallelPlan,
+    world: dist.ProcessGroup,
+    args: TransformerArgs | None,
+    search: list[str],
+) -> tuple[torch.nn.Module, PlanGroups, dict[str, torch.Tensor] | None]:
+    """This rank's stage model, its groups, and (own models) the stage's initial values by
+    name. The reference stage is on "meta" and initialized from `full_initial_params`; an own
+    model's is cut from the factory's full model, whose values it still holds."""
+    if args is None:
+        model = factory_stage(cfg, _stage_layers(plan, dist.get_rank(world)), search)
+        tied = model.tied[0] if model.tied else ()
+        initial = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+        return model, PlanGroups.build(plan, world, tied=tuple(tied)), initial
+    groups = PlanGroups.build(plan, world, args)
+    try:
+        model = StageModel(args, _stage_layers(plan, groups.rank), groups.tp, device="meta")
+    except ValueError as exc:
+        raise UserError(f"plan: {exc}") from None
+    return model, groups, None
+
+
+# Long: a 24-line docstring for its 10 parameters and a 13-line signature; the body is 40 lines.
 def build_worker(
     cfg: JobConfig,
     plan: ParallelPlan,
@@ -142,13 +200,15 @@ def build_worker(
     source: BatchSource | None = None,
     autocast_dtype: torch.dtype | None = None,
     make_updater=PlainUpdater,
+    search: Iterable[str] = (),
 ) -> EngineRank:
     """Build this rank's stage model in flat storage, its groups and its `PlanWorker`.
 
     Collective over the default group (process groups are created); every rank calls it.
 
     Args:
-        cfg: the job (reference model only; `model.factory` is not supported here).
+        cfg: the job: the reference model, or an own model whose factory provides pipeline
+            stages (`unbroken.engine.own_stages`).
         plan: the plan every rank derived.
         world: the group whose ranks are the plan's ranks.
         device: where to compute.
@@ -160,16 +220,14 @@ def build_worker(
         make_updater: `(state, geometry, step) -> updater`; default `PlainUpdater`. In-place
             recovery passes a factory of `ResumableUpdater` over its retained tensors, as
             `unbroken.launch.trainer` does for the single-stage trainer.
+        search: directories for an own model's factory module.
 
     Raises:
-        UserError: a user model, or a plan that does not fit the model.
+        UserError: an own model without pipeline stages, or a plan that does not fit the model.
     """
-    args = _check_fits(cfg, plan)
-    groups = PlanGroups.build(plan, world, args)
-    try:
-        model = StageModel(args, _stage_layers(plan, groups.rank), groups.tp, device="meta")
-    except ValueError as exc:
-        raise UserError(f"plan: {exc}") from None
+    search = list(search)
+    args = _check_fits(cfg, plan, search)
+    model, groups, initial = _stage_and_groups(cfg, plan, world, args, search)
     layout = FlatLayout.of(model, no_decay=cfg.train.no_decay, tied=model.tied)
     geometry = state_geometry(cfg, max(layout.numel, 1), torch.device(device).type == "cuda")
     if allocate is None:
@@ -177,9 +235,10 @@ def build_worker(
     else:
         state, fresh = allocate(layout, geometry, device)
     if fresh:
-        load_from_full(
-            full_initial_params(cfg), layout, state.params, groups.tp.size, groups.tp.rank
-        )
+        full = initial if initial is not None else full_initial_params(cfg)
+        load_from_full(full, layout, state.params, groups.tp.size, groups.tp.rank)
+    if initial is not None:
+        model.to(device)  # its buffers (rotary frequencies); the parameters are replaced next
     materialize(model, layout, state.params)
     bind_grads(model, layout, state.grads)
     if groups.tie is not None:  # the DP average plus the tied-embedding sum (engine.tied)

@@ -36,15 +36,31 @@ def same_layouts(plan: ParallelPlan) -> bool:
     return all([(g.layers, g.tp) for g in rep.stages] == first for rep in plan.replicas[1:])
 
 
-def _tie_group(plan: ParallelPlan, rank: int, new_group) -> tuple[dist.ProcessGroup | None, str]:
+def _tie_group(
+    plan: ParallelPlan, rank: int, new_group, tied: tuple[str, str]
+) -> tuple[dist.ProcessGroup | None, str]:
     """Create every tied-embedding pair's group (collective, fixed order); this rank's group
     and the name it holds its copy under, or (None, "")."""
     tie, tie_name = None, ""
-    for ranks, names in embedding_pairs(plan):
+    for ranks, names in embedding_pairs(plan, tied):
         group = new_group(ranks)
         if rank in ranks:
             tie, tie_name = group, names[ranks.index(rank)]
     return tie, tie_name
+
+
+def _layouts(
+    plan: ParallelPlan, args: TransformerArgs | None, tied: tuple[str, ...]
+) -> tuple[bool, tuple[str, ...]]:
+    """Whether every replica has the same layout (`same_layouts`), and the tied embedding's
+    names (`tied`, else the reference model's from `args`; empty when untied)."""
+    uniform = same_layouts(plan)
+    if not uniform and args is None:
+        raise ValueError("replicas with different layouts need the model args to sync")
+    tied = tuple(tied or (args.tied[0] if args is not None and args.tied else ()))
+    if tied and not uniform:
+        raise ValueError("tied embeddings with replicas of different layouts: not built")
+    return uniform, tied
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +92,8 @@ class PlanGroups:
         plan: ParallelPlan,
         world: dist.ProcessGroup,
         args: TransformerArgs | None = None,
+        *,
+        tied: tuple[str, ...] = (),
     ) -> PlanGroups:
         """Create the groups of `plan`; collective, every rank of the job calls it.
 
@@ -83,17 +101,14 @@ class PlanGroups:
             plan: the plan.
             world: the group the plan's ranks are numbered in.
             args: the model's sizes; needed when replica layouts differ.
+            tied: an own model's tied names, the first stage's first (`engine.own_stages`);
+                default: the reference model's, from `args`.
 
         Raises:
             ValueError: `world` has fewer ranks than the plan names, or replica layouts differ
                 and `args` is missing.
         """
-        uniform = same_layouts(plan)
-        if not uniform and args is None:
-            raise ValueError("replicas with different layouts need the model args to sync")
-        tied = args is not None and args.tie_embeddings
-        if tied and not uniform:
-            raise ValueError("tied embeddings with replicas of different layouts: not built")
+        uniform, tied = _layouts(plan, args, tied)
         size, rank = dist.get_world_size(world), dist.get_rank(world)
         if max(plan.ranks) >= size:
             raise ValueError(f"the plan names rank {max(plan.ranks)}; the world has {size}")
@@ -118,7 +133,7 @@ class PlanGroups:
                     group = new_group(ranks)
                     if rank in ranks:
                         dp, dp_size = group, len(ranks)
-        tie, tie_name = _tie_group(plan, rank, new_group) if tied else (None, "")
+        tie, tie_name = _tie_group(plan, rank, new_group, tied) if tied else (None, "")
         # NCCL: the first operation on a communicator must involve all its ranks; the first
         # p2p batch of a plan does not, so the world meets once here.
         dist.barrier(group=world)

@@ -37,6 +37,7 @@ __all__ = [
     "import_object",
     "state_geometry",
     "user_loss",
+    "user_model",
 ]
 
 
@@ -117,15 +118,26 @@ def factory_kwargs(cfg: JobConfig, factory: Any) -> dict[str, Any]:
     return args
 
 
-def _user_model(cfg: JobConfig, search: list[str], make_state):
-    """The user's model, built by their factory under the job's seed (their init kept), with
-    its layout and state: (model, layout, (state, fresh, geometry))."""
+def user_model(cfg: JobConfig, search: Iterable[str] = ()) -> nn.Module:
+    """The user's full model, built by their factory under the job's seed (their init kept):
+    the same weights in every process, for data-parallel and pipeline-parallel builds alike.
+
+    Raises:
+        UserError: the factory cannot be imported or returns no `torch.nn.Module`.
+    """
     factory = import_object(cfg.model.factory, "model.factory", search)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed)
         model = factory(**factory_kwargs(cfg, factory))
     if not isinstance(model, nn.Module):
         raise UserError(f"model.factory {cfg.model.factory!r} must return a torch.nn.Module")
+    return model
+
+
+def _user_model(cfg: JobConfig, search: list[str], make_state):
+    """The user's model (`user_model`) with its layout and state:
+    (model, layout, (state, fresh, geometry))."""
+    model = user_model(cfg, search)
     layout = FlatLayout.of(model, no_decay=cfg.train.no_decay)
     return model, layout, make_state(layout)
 

@@ -1,6 +1,8 @@
 """Tied embedding and head across pipeline stages: one parameter, two holders.
 
-With `TransformerArgs.tie_embeddings` the token embedding and the output head are one weight.
+With `TransformerArgs.tie_embeddings` the token embedding and the output head are one weight
+(an own model's stages name theirs in `tied`, e.g. a Hugging Face Qwen2's
+``hf.model.embed_tokens.weight`` and ``hf.lm_head.weight``; `unbroken.engine.own_stages`).
 A rank that runs both the first and the last layer holds it once under both names ([Note:
 shared parameters] in `unbroken.model.flat`). On a pipeline they are on different ranks: the
 first stage owns ``embed.weight`` and the last stage holds a copy, ``head.weight`` (a
@@ -32,10 +34,14 @@ _REDUCE_BUCKET = 1 << 25
 """Elements per data-parallel all-reduce (the worker's own bucket size)."""
 
 
-def embedding_pairs(plan: ParallelPlan) -> list[tuple[tuple[int, int], tuple[str, str]]]:
+def embedding_pairs(
+    plan: ParallelPlan, names: tuple[str, str] = TIED_EMBEDDINGS
+) -> list[tuple[tuple[int, int], tuple[str, str]]]:
     """The (first-stage rank, last-stage rank) pairs that hold the two copies of a tied
-    embedding, one per replica and TP position, in a fixed order, with the name each holds.
-    Empty when every replica's first and last layers are on the same ranks.
+    embedding, one per replica and TP position, in a fixed order, with the name each holds
+    (`names`: the first stage's, then the last stage's; the reference model's by default, an
+    own model's stage `tied` group otherwise). Empty when every replica's first and last
+    layers are on the same ranks.
 
     Raises:
         ValueError: the first and last stage of a replica have different TP degrees (their
@@ -52,7 +58,7 @@ def embedding_pairs(plan: ParallelPlan) -> list[tuple[tuple[int, int], tuple[str
                 f"(got {first.tp} and {last.tp})"
             )
         for a, b in zip(first.ranks, last.ranks, strict=True):
-            pairs.append(((a, b), TIED_EMBEDDINGS))
+            pairs.append(((a, b), names))
     return pairs
 
 

@@ -24,27 +24,31 @@ What the adapter settles, so a run is deterministic and recovers bit-exactly:
   as the reference model does from `segment_ids` (checked in tests/ecosystem/test_hf_models.py).
 - **loss** — the mean token cross-entropy over the micro-batch's targets, exactly the reference
   model's (fp32 logits, targets already shifted, IGNORE_INDEX across document ends).
+- **pipeline stages** — `hf_causal_lm.pipeline` is an `HFPipeline`, the factory's stage source
+  (the protocol of `unbroken.engine.own_stages`): its layer count from the config alone, and
+  `unbroken.integrations.hf_stages.HFStageModel` cut from the full model, so a job with
+  `parallel.pp > 1` trains it pipeline-parallel from the same initial weights as data-parallel.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from unbroken.data.packing import IGNORE_INDEX
 from unbroken.errors import UserError
+from unbroken.integrations.hf_stages import HFStageModel, check_pipeline_plan, token_cross_entropy
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "FACTORY",
     "INSTALL_HINT",
     "HFCausalLM",
+    "HFPipeline",
     "hf_causal_lm",
     "hf_config",
     "token_cross_entropy",
@@ -126,13 +130,6 @@ def hf_config(config: Mapping[str, Any] | str | Path, vocab_size: int | None = N
     return hf
 
 
-def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of `logits` [T, V] against next-token `targets` [T] (IGNORE_INDEX
-    where a position predicts nothing), computed in fp32 as the reference model computes it."""
-    loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss / (targets != IGNORE_INDEX).sum().clamp(min=1)
-
-
 class HFCausalLM(nn.Module):
     """A `transformers` causal LM behind unbroken's own-model forward: micro-batch in, mean
     loss out.
@@ -206,3 +203,38 @@ def hf_causal_lm(
             "transformers.AutoModelForCausalLM builds (use e.g. 'llama', 'qwen2', 'mistral')"
         ) from None
     return HFCausalLM(model)
+
+
+class HFPipeline:
+    """The stage source of `hf_causal_lm` (`unbroken.engine.own_stages.StageSource`): what the
+    plan engine asks a factory to train its model pipeline-parallel. Models whose config
+    declares the `embed_tokens -> layers -> norm` pipeline plan split (Llama, Qwen2, Mistral);
+    others (GPT-2) are refused from their config."""
+
+    def num_layers(
+        self,
+        config: Mapping[str, Any] | str,
+        vocab_size: int | None = None,
+        attn_implementation: str = ATTN_IMPLEMENTATION,
+    ) -> int:
+        """The model's decoder layers, from the factory's arguments (no model is built).
+
+        Raises:
+            UserError: the config is unreadable or names no model type transformers knows.
+            ValueError: the model does not split into pipeline stages.
+        """
+        hf = hf_config(config, vocab_size)
+        check_pipeline_plan(hf)
+        return int(hf.num_hidden_layers)
+
+    def stage(self, model: nn.Module, layer_ranges: Sequence[tuple[int, int]]) -> HFStageModel:
+        """The part of `model` (an `HFCausalLM` the factory built) that runs `layer_ranges`.
+
+        Raises:
+            ValueError: the model does not split, or a range lies outside its layers.
+        """
+        return HFStageModel(model, layer_ranges)
+
+
+hf_causal_lm.pipeline = HFPipeline()  # type: ignore[attr-defined]
+"""The factory's stage source (`unbroken.engine.own_stages`)."""

@@ -12,11 +12,15 @@ Each stage builds the attention mask and rotary embeddings from the micro-batch'
 itself, exactly as the full model does, so a chain of stages computes the full model's loss and
 gradients (tests/ecosystem/test_hf_models.py).
 
+The plan engine builds it through the factory's stage source (`unbroken.integrations.hf.HFPipeline`,
+the `pipeline` attribute of `hf_causal_lm`; the protocol is `unbroken.engine.own_stages`).
+
 What it does not do: tensor parallelism (HF layers are plain `nn.Linear`; TP degree 1 only) and
 the zero-bubble split of weight gradients (no `SplitLinear`: a split backward computes all of a
 stage's gradients in B and its W has nothing left to do, correct but without the saving).
-`unbroken.engine.build.build_worker` does not construct it yet (see docs/own-model.md,
-"Hugging Face models").
+
+The loss (`token_cross_entropy`) lives here, below `unbroken.integrations.hf`, which uses it
+too and imports this module (so the factory can name its stage source without an import cycle).
 """
 
 from __future__ import annotations
@@ -25,12 +29,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from unbroken.data.packing import IGNORE_INDEX
 from unbroken.engine.wgrad import WeightGradSink
-from unbroken.integrations.hf import HFCausalLM, token_cross_entropy
 
-__all__ = ["EMBED", "HEAD", "HFStageModel", "StageArgs", "check_pipelinable"]
+__all__ = [
+    "EMBED",
+    "HEAD",
+    "HFStageModel",
+    "StageArgs",
+    "check_pipelinable",
+    "check_pipeline_plan",
+    "token_cross_entropy",
+]
 
 _PARTS = ("embed_tokens", "layers", "norm")
 """The base model's pipeline plan (`base_model_pp_plan`) a stage split needs."""
@@ -46,15 +59,34 @@ class StageArgs:
     n_layers: int
 
 
-def check_pipelinable(full: HFCausalLM) -> None:
-    """Raise ValueError when `full` does not split into decoder-layer stages."""
-    hf = full.hf
-    plan = tuple(getattr(hf.config, "base_model_pp_plan", None) or ())
-    if plan != _PARTS or not hasattr(hf.model, "rotary_emb") or not hasattr(hf, "lm_head"):
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of `logits` [T, V] against next-token `targets` [T] (IGNORE_INDEX
+    where a position predicts nothing), computed in fp32 as the reference model computes it."""
+    loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def check_pipeline_plan(config) -> None:
+    """Raise ValueError when a `transformers` config declares no `embed_tokens -> layers ->
+    norm` pipeline plan (checked from the config alone, before any model is built)."""
+    plan = tuple(getattr(config, "base_model_pp_plan", None) or ())
+    if plan != _PARTS:
         raise ValueError(
-            f"model_type {hf.config.model_type!r} does not split into pipeline stages "
+            f"model_type {config.model_type!r} does not split into pipeline stages "
             f"(its base model's pipeline plan is {list(plan)}, not {list(_PARTS)} with rotary "
             "embeddings)"
+        )
+
+
+def check_pipelinable(full: nn.Module) -> None:
+    """Raise ValueError when `full` (an `HFCausalLM`) does not split into decoder-layer
+    stages."""
+    hf = full.hf
+    check_pipeline_plan(hf.config)
+    if not hasattr(hf.model, "rotary_emb") or not hasattr(hf, "lm_head"):
+        raise ValueError(
+            f"model_type {hf.config.model_type!r} does not split into pipeline stages "
+            f"(no rotary embeddings or no lm_head)"
         )
 
 
@@ -63,15 +95,15 @@ class HFStageModel(nn.Module):
     running layer 0 and the norm, head and loss on the rank running the last layer.
 
     Args:
-        full: the full model (on "meta" to cut stages without storage); the stage takes its
-            modules, so build one full model per stage model.
+        full: the full `HFCausalLM`; the stage takes its modules (their storage is replaced
+            by the engine's flat storage), so build one full model per stage model.
         layer_ranges: the half-open layer range of every virtual stage this rank runs.
 
     Raises:
         ValueError: a model that does not split (`check_pipelinable`) or a range outside it.
     """
 
-    def __init__(self, full: HFCausalLM, layer_ranges: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, full: nn.Module, layer_ranges: Sequence[tuple[int, int]]) -> None:
         super().__init__()
         check_pipelinable(full)
         hf = full.hf

@@ -170,9 +170,9 @@ def build_executor(
     shard r."""
     from unbroken.engine.build import job_plan
 
-    plan = job_plan(cfg)
+    plan = job_plan(cfg, search)
     if plan is not None:
-        return _plan_executor(cfg, plan, group, device, retained, hooks, autocast)
+        return _plan_executor(cfg, plan, group, device, retained, hooks, autocast, search)
     if cfg.ordered_reduction and placement is None:
         from unbroken.parallel import DataPlacement
 
@@ -223,7 +223,7 @@ def _data_parallel_executor(cfg, rank, group, device, retained, hooks, autocast,
     )
 
 
-def _plan_executor(cfg, plan, group, device, retained, hooks, autocast):
+def _plan_executor(cfg, plan, group, device, retained, hooks, autocast, search):
     """A plan's worker times itself (its waits are not at phase hooks): no PhaseTimer."""
     from unbroken.engine.build import build_worker, full_initial_params
     from unbroken.engine.sharding import load_from_full
@@ -237,12 +237,14 @@ def _plan_executor(cfg, plan, group, device, retained, hooks, autocast):
         hooks=list(hooks),
         autocast_dtype=autocast,
         make_updater=_make_updater(retained, cfg),
+        search=search,
     )
     worker, state = rank_engine.worker, rank_engine.state
     tp = rank_engine.groups.tp
 
     def reinit() -> None:
-        load_from_full(full_initial_params(cfg), state.layout, state.params, tp.size, tp.rank)
+        full = full_initial_params(cfg, search)
+        load_from_full(full, state.layout, state.params, tp.size, tp.rank)
 
     return PlanExecutor(
         worker=worker,

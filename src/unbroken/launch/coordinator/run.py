@@ -91,7 +91,7 @@ class Coordinator:
         self.search_path = search_path or []
         self.debug = debug
         self.secret = os.urandom(32)
-        plan = job_plan(cfg)
+        plan = job_plan(cfg, self.search_path)
         self.monitor = RunMonitor(
             self.run_dir,
             run_name,
