@@ -127,7 +127,14 @@ def test_tensor_parallelism_of_a_hf_model_is_refused_before_launch(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "model_type, tie", [("llama", False), ("qwen2", True)], ids=["llama", "qwen2-tied"]
+    "model_type, tie",
+    [
+        # CI runs the tied Qwen2 (the embedding on stage 0, its tied head on stage 1); the
+        # untied Llama, which it covers, is in the slow tier (~19 s each on 2 cores)
+        pytest.param("llama", False, marks=pytest.mark.slow),
+        ("qwen2", True),
+    ],
+    ids=["llama", "qwen2-tied"],
 )
 def test_a_hf_model_on_pp2_recovers_in_place_bit_exact_from_a_kill_in_the_update(
     tmp_path, model_type, tie
