@@ -134,6 +134,18 @@ def test_ettr_so_far_against_the_reference_and_estimated():
     assert ettr_so_far([], None) == (None, "none")
 
 
+def test_re_plans_are_listed_among_the_events():
+    replan = {"kind": "replan", "t": T0, "trigger": {"kind": "fail_slow", "rank": 3},
+              "counts_before": [4, 4, 4, 4], "counts_after": [5, 5, 4, 2],
+              "devices_after": [0, 1, 2, 3]}  # fmt: skip
+    assert describe_event(replan) == (
+        "re-plan (fail_slow): micro-batches per rank [4, 4, 4, 4] → [5, 5, 4, 2] "
+        "on devices [0, 1, 2, 3]"
+    )
+    applied = {"kind": "plan_applied", "t": T0, "epoch": 1, "iter": 20, "counts": [5, 5, 4, 2]}
+    assert describe_event(applied) == "plan 1 applied from iteration 20: [5, 5, 4, 2]"
+
+
 def test_an_unknown_event_is_not_listed_and_a_malformed_one_does_not_raise():
     assert describe_event({"kind": "checkpoint_saved", "iter": 3}) is None
     assert describe_event({"kind": "recovery_done"}) == "recovery_done"

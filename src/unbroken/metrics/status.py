@@ -99,6 +99,13 @@ _TEXT: dict[str, Any] = {
         f"fail-slow: {_rank_of(e)} ({e.get('what', 'compute')}) {e.get('factor', 0):.2f}x "
         f"slower since iteration {e.get('since_iter')}"
     ),
+    "replan": lambda e: (
+        f"re-plan ({(e.get('trigger') or {}).get('kind', '?')}): micro-batches per rank "
+        f"{e.get('counts_before')} → {e.get('counts_after')} on devices {e.get('devices_after')}"
+    ),
+    "plan_applied": lambda e: (
+        f"plan {e.get('epoch')} applied from iteration {e.get('iter')}: {e.get('counts')}"
+    ),
     "inplace_fallback": lambda e: f"in-place fallback to checkpoint: {e.get('reason', '')}",
     "checkpoint_loaded": lambda e: f"checkpoint of iteration {e.get('iter')} loaded",
     "job_end": lambda e: f"job {e['state']}: {e.get('reason', '')}",
