@@ -12,10 +12,12 @@ Run `python tests/test_import_layers.py` to print the package-level import edges
 from __future__ import annotations
 
 import itertools
+import subprocess
 import sys
 from dataclasses import dataclass
 
 import grimp
+import pytest
 
 ROOT = "unbroken"
 
@@ -48,10 +50,11 @@ LAYERS: tuple[str | tuple[str, ...], ...] = (
     ("metrics", "state", "erasure", "model", "sim"),
     "data",  # corpus, packing, sampler; the models take their batches
     "config",  # typed job configs
-    # The typed messages between processes and the typed job store: everything that crosses
+    # The typed messages between processes, the typed job store and the devices' health
+    # registry (written by the injector, read by the agent): everything that crosses
     # a process boundary (launch, shadow's reclamation client, inject's fired faults,
     # checkpoint's shared decisions) speaks them; they import nothing of unbroken.
-    ("messages", "jobstore"),
+    ("messages", "jobstore", "devices"),
     "errors",  # UserError, imported everywhere
 )
 
@@ -197,3 +200,14 @@ def _package_edges() -> list[str]:
 if __name__ == "__main__":
     print("\n".join(_package_edges()))
     sys.exit(0)
+
+
+@pytest.mark.parametrize(
+    "module", ["unbroken.launch.agent.loop", "unbroken.state.manager", "unbroken.cli.main"]
+)
+def test_processes_that_never_train_do_not_import_torch(module):
+    """The agent and the state managers start with every job (and the CLI with every command):
+    torch's import, seconds on a loaded machine, would delay each start."""
+    code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, f"{module} imports torch" + (done.stderr and f": {done.stderr}")

@@ -210,7 +210,7 @@ class StartGeneration(Message):
     devices: dict[str, int] = field(default_factory=dict)
     """rank -> the device it runs on (empty: rank r on device r)."""
     device_registry: str = ""
-    """Where the agent's health check reads CPU devices' health (`unbroken.inject.devices`)."""
+    """Where the agent's health check reads CPU devices' health (`unbroken.devices`)."""
     world_changed: bool = False
     """The generation's world differs from the one its shadows were prepared for (a device was
     lost): start fresh trainers; the shadows are discarded."""

@@ -22,7 +22,7 @@ firing is recorded in the job's store before the fault acts, so a redone iterati
 recovery runs clean.
 """
 
-from unbroken.inject.devices import DeviceRegistry
+from unbroken.devices import DeviceRegistry
 from unbroken.inject.faults import (
     FaultKind,
     FaultSpec,

@@ -45,7 +45,7 @@ class FaultKind(enum.StrEnum):
     rank — the negative control of the audit."""
     LOSE = "lose"
     """The rank's device is gone for the rest of the job (hardware that does not come back,
-    Leto §2.2): recorded lost in the job's device registry (`unbroken.inject.devices`; what a
+    Leto §2.2): recorded lost in the job's device registry (`unbroken.devices`; what a
     GPU probe would report), its state manager shut down so its retained memory is destroyed,
     then SIGKILL the trainer. The agent's health check finds the device lost and never starts
     anything on it again."""

@@ -42,7 +42,7 @@ class GenerationSpec:
     plan_epoch: int = 0
     """The epoch of `placement` in the job store (`JobStore.placement_epoch`)."""
     device_registry: str = ""
-    """The directory of the devices' health on CPU ranks (`unbroken.inject.devices`)."""
+    """The directory of the devices' health on CPU ranks (`unbroken.devices`)."""
 
     def device_of(self, rank: int) -> int:
         """The device `rank` runs on."""

@@ -8,7 +8,7 @@ with the device), and the agent refuses to start anything on it again (`refused`
 crash on a healthy device stays hardware-operable and is recovered in place as before.
 
 The check: on CPU ranks a device is the node's slot, and its health is what the job's device
-registry says (`unbroken.inject.devices`: the `lose` fault writes there, as a GPU's failure
+registry says (`unbroken.devices`: the `lose` fault writes there, as a GPU's failure
 would show in a probe). A probe of a CUDA device itself (context creation and a small
 allocation in a child process) is not built: on a GPU node the registry is read as well.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from unbroken.inject.devices import DeviceRegistry
+from unbroken.devices import DeviceRegistry
 from unbroken.messages import StartGeneration
 
 __all__ = ["DeviceHealth"]

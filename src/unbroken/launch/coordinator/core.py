@@ -118,7 +118,7 @@ class CoordinatorCore:
         self._worlds: dict[int, tuple[int, ...]] = {}
         """generation -> its rank -> device (a late report names a rank of its own world)."""
         self.registry = run_dir / "devices" / run_name
-        """The CPU devices' health (`unbroken.inject.devices`), fresh for every run."""
+        """The CPU devices' health (`unbroken.devices`), fresh for every run."""
         shutil.rmtree(self.registry, ignore_errors=True)
         self.registry.mkdir(parents=True)
         self.joined: dict[int, float] = {}

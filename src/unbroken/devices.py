@@ -8,6 +8,10 @@ probe's answer. Recovery never learns what the injector did any other way.
 
 A device is lost when its file `device-<id>.lost` exists under the registry's directory (the
 file holds the reason); written atomically (a rename), never removed during a job.
+
+A module of its own at the bottom of the import layers, importing nothing but the standard
+library: the agent reads it on every failure, and the agent must not import torch (it would pay
+torch's import, seconds on a loaded machine, before it can start a job's trainers).
 """
 
 from __future__ import annotations
