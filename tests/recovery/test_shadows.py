@@ -10,6 +10,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from unbroken.api import run_job
 from unbroken.metrics.log import read_jsonl
 
@@ -83,6 +85,8 @@ def _reference_then_background_run(tmp_path):
     return ref, out, result, job
 
 
+@pytest.mark.slow  # ~35 s; CI covers a shadow that dies (in its takeover) and the fresh
+# processes that replace it in test_a_shadow_killed_mid_takeover_is_survived_exactly
 def test_a_lost_shadow_is_survived_by_fresh_processes(tmp_path):
     ref, out, result, job = _reference_then_background_run(tmp_path)
 
