@@ -169,7 +169,7 @@ def draw_schedule(
     kinds = _kinds(rng, int(seconds / gap_s[0]) + 1)
     faults: list[ScheduledFault] = []
     t, it, cost = 0.0, 0, 0.0
-    for kind in kinds:
+    while kinds:
         gap = rng.uniform(*gap_s)
         if t + gap >= seconds:
             break
@@ -177,7 +177,10 @@ def draw_schedule(
         it += max(3, round((gap - cost) / iter_s))
         rank = rng.randrange(world_size)
         if faults and faults[-1].kind == "slow":
-            kind, rank = "kill", faults[-1].rank  # end the slow trainer (module docstring)
+            # End the slow trainer (module docstring); the kind drawn waits for the next turn.
+            kind, rank = "kill", faults[-1].rank
+        else:
+            kind = kinds.pop(0)
         phase = rng.choice(PHASES)
         spec = _spec(kind, rank, it, phase, rng, parity_pages)
         faults.append(ScheduledFault(kind=kind, spec=spec, iteration=it, rank=rank, t_s=t))
