@@ -53,6 +53,11 @@ BENCHMARKS = {
         "unbroken.bench.adapt",
         "Live reconfiguration: tokens/s after a slow or lost device, with and without re-planning.",
     ),
+    "soak": (
+        "unbroken.bench.soak",
+        "Soak: the demo job for --minutes through a failure every 10-30 s; asserts no leak, "
+        "bit-exactness and no decay of iteration or recovery time.",
+    ),
 }
 """Subcommand name -> (harness module, one-line help)."""
 

@@ -1,0 +1,338 @@
+"""Soak (issue 21): the demo job trained for `--minutes` through a failure every 10-30 s — nothing
+leaks, nothing diverges, throughput does not decay.
+
+The demo's job (`unbroken.config.demo.demo_config`: the small model on 4 local CPU ranks,
+in-place recovery with shadows) with its own schedule of failures drawn from a seed it prints
+(`unbroken.bench.soak_schedule`: every kind the runtime injects here — kill, hang, exception,
+page loss within and beyond tolerance, corrupt checkpoint, memory spike, slow).
+
+How long: the schedule is made of iteration triggers, so the job's length is an iteration
+count. A short fault-free calibration run of the same job measures the steady iteration time
+(`--iter-s` skips it), and the schedule turns `--minutes` of wall time into iterations with it
+and an estimate of each failure's cost. The faulty run lasts about `--minutes`; the fault-free
+reference of the same iterations (`run_job(reference=True)`, which also audits the final
+state, every rank's state and every hashed iteration bit for bit) runs before it and costs up
+to as long again, without protection.
+
+What it watches (`unbroken.bench.soak_watch`, a thread of this process, outside the runtime):
+every `--interval` s, per class of the job's processes, their count, open fds, memfds, RSS and
+shared memory, the event log's size and the recoveries so far, into OUT/soak.jsonl.
+
+What it asserts (`unbroken.bench.soak_checks`, [Note: soak bounds]): bit-exact against the
+reference; every scheduled fault fired and every failure detected and recovered; per class and
+resource a slope per recovery under its bound; no zombie piling up; no process of the job left
+after it ended; steady iteration time and recovery time in the last tenth of the run no more
+than `--iter-tolerance` / `--recovery-tolerance` above the first tenth. A PASS/FAIL line per
+check; exit status 0 only if all pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from unbroken.bench.soak_checks import (
+    Check,
+    ends_ratio,
+    fit_slope,
+    leak_checks,
+    recovery_ratio,
+    steady_iterations,
+)
+from unbroken.bench.soak_schedule import ScheduledFault, draw_schedule
+from unbroken.bench.soak_watch import CLASSES, ResourceSampler, descendants
+
+__all__ = ["add_arguments", "run", "soak"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--minutes", type=float, default=60.0, help="faulty run's length (default 60)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the schedule (default: drawn)")
+    p.add_argument("--out", default="runs/soak", help="output dir (default runs/soak)")
+    p.add_argument("--json", action="store_true", help="print the result (checks, rows) as JSON")
+    p.add_argument(
+        "--iter-s", type=float, default=None, help="iteration time (default: measured first)"
+    )
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between samples (2)")
+    p.add_argument("--settle", type=int, default=5, help="iterations after a failure not steady")
+    p.add_argument(
+        "--iter-tolerance", type=float, default=0.10, help="steady iteration time decay (0.10)"
+    )
+    p.add_argument(
+        "--recovery-tolerance", type=float, default=0.25, help="recovery time decay (0.25)"
+    )
+
+
+LEAK_GROUPS = {
+    "coordinator": ("coordinator",),
+    "agent": ("agent",),
+    "state_manager": ("state_manager",),
+    "trainer+shadow": ("trainer", "shadow"),
+    "zombie": ("zombie",),
+    "all": CLASSES,
+}
+"""The process classes whose resources are fitted together ([Note: soak bounds])."""
+
+
+def _say(text: str) -> None:
+    print(f"[soak] {text}", file=sys.stderr, flush=True)
+
+
+def soak_config(iterations: int, inject: list[str], restarts: int):
+    """The demo job with the soak's length and failures."""
+    from unbroken.config.demo import demo_config
+
+    cfg = demo_config(quick=False)
+    return dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, iterations=iterations),
+        recovery=dataclasses.replace(cfg.recovery, max_restarts=restarts),
+        inject=inject,
+    )
+
+
+def measure_iter_s(out: Path) -> float:
+    """The fault-free job's steady iteration time (median of iterations 4-11, checkpoint time
+    excluded), from a 12-iteration run."""
+    from unbroken.api import run_job
+    from unbroken.metrics.log import read_jsonl
+
+    run_job(soak_config(12, [], 20), out, quiet=True)
+    rows = [m for m in read_jsonl(out / "metrics.jsonl") if m["run"] == "train" and m["iter"] >= 4]
+    return statistics.median(m["iter_s"] - (m.get("ckpt_s") or 0.0) for m in rows)
+
+
+def plan_soak(minutes: float, seed: int, iter_s: float):
+    """(the failures, the job's iterations, the job's config) of a soak."""
+    from unbroken.config.demo import demo_config
+
+    demo = demo_config(quick=False)
+    faults, iterations = draw_schedule(
+        seed,
+        minutes * 60,
+        iter_s,
+        demo.parallel.world_size,
+        demo.protection.resolved(False).parity_pages,
+    )
+    restarts = sum(f.failstop for f in faults) + 10
+    return faults, iterations, soak_config(iterations, [f.spec for f in faults], restarts)
+
+
+def _wait_orphans(timeout_s: float = 30.0) -> list[int]:
+    """Processes below this one still alive (not zombies) `timeout_s` after the job ended."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in descendants(os.getpid()) if _state(p) not in ("Z", "")]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def soak(
+    minutes: float,
+    seed: int,
+    out: Path,
+    *,
+    iter_s: float | None = None,
+    interval_s: float = 2.0,
+    settle: int = 5,
+    iter_tolerance: float = 0.10,
+    recovery_tolerance: float = 0.25,
+) -> dict[str, Any]:
+    """Run the soak; returns its result (`checks`, `passed`, figures). See the module docstring.
+
+    Args:
+        minutes: the faulty run's target length.
+        seed: seeds the failure schedule.
+        out: output dir: `calibrate/`, `job/` (the runs), `soak.jsonl`, `soak-result.json`.
+        iter_s: the iteration time to plan with (None: measured by a calibration run).
+        interval_s: seconds between resource samples.
+        settle: iterations after a failure whose time is not steady.
+        iter_tolerance: largest relative rise of the steady iteration time, first to last tenth.
+        recovery_tolerance: the same for the normalized recovery time.
+    """
+    from unbroken.metrics.log import read_jsonl
+
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    if iter_s is None:
+        iter_s = measure_iter_s(out / "calibrate")
+        _say(f"calibration: {iter_s:.3f} s per iteration")
+    faults, iterations, cfg = plan_soak(minutes, seed, iter_s)
+    _say(f"seed {seed}: {len(faults)} faults over {iterations} iterations ({minutes:g} min)")
+    summary, samples, orphans = _watched_run(cfg, out, interval_s)
+    metrics = [m for m in read_jsonl(out / "job" / "metrics.jsonl") if m["run"] == "faulty"]
+    result = _result(
+        summary.to_dict(),
+        samples,
+        metrics,
+        faults,
+        orphans,
+        settle=settle,
+        tolerances=(iter_tolerance, recovery_tolerance),
+    )
+    result.update(
+        seed=seed,
+        minutes=minutes,
+        iter_s_planned=iter_s,
+        iterations=iterations,
+        schedule=[f.spec for f in faults],
+        seconds=round(time.time() - t0, 1),
+        faulty_wall_s=summary.faulty_wall_s,
+        run_dir=str(out / "job"),
+    )
+    (out / "soak-result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _watched_run(cfg, out: Path, interval_s: float):
+    """Run the job and its reference in OUT/job with the sampler watching; (summary, samples,
+    processes left after it ended)."""
+    from unbroken.api import run_job
+
+    samples_path = out / "soak.jsonl"
+    samples_path.unlink(missing_ok=True)
+    job_dir = out / "job"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / "events.jsonl").unlink(missing_ok=True)  # the sampler must not read a stale run
+    sampler = ResourceSampler(job_dir, samples_path, interval_s)
+    sampler.start()
+    try:
+        summary = run_job(cfg, job_dir, reference=True, quiet=True, source="unbroken bench soak")
+    finally:
+        sampler.stop()
+    return summary, sampler.rows, _wait_orphans()
+
+
+def _result(
+    summary: dict[str, Any],
+    samples: list[dict[str, Any]],
+    metrics: list[dict[str, Any]],
+    faults: list[ScheduledFault],
+    orphans: list[int],
+    *,
+    settle: int,
+    tolerances: tuple[float, float],
+) -> dict[str, Any]:
+    """Every check and the figures behind them."""
+    failstop = sum(f.failstop for f in faults)
+    recoveries = summary["recoveries"]
+    steady = steady_iterations(metrics, [(f.iteration, f.kind) for f in faults], settle)
+    checks = _job_checks(summary, failstop, orphans)
+    checks += leak_checks(samples, LEAK_GROUPS)
+    checks.append(_ends_check("steady iteration time", [s for _, s in steady], tolerances[0]))
+    checks.append(
+        _ends_check("recovery time (per kind)", recovery_ratio(recoveries), tolerances[1])
+    )
+    events = [(s["recoveries"], s["events_bytes"] / 1024) for s in samples]
+    return {
+        "passed": all(c.passed for c in checks),
+        "checks": [c.as_dict() for c in checks],
+        "failures_scheduled": len(faults),
+        "failstop_scheduled": failstop,
+        "recoveries": [
+            {k: r[k] for k in ("fault", "mode", "rank", "iteration", "detect_s", "total_s")}
+            for r in recoveries
+        ],
+        "detect_s_median": _median([r["detect_s"] for r in recoveries]),
+        "total_s_median": _median([r["total_s"] for r in recoveries]),
+        "steady_iterations": len(steady),
+        "steady_iter_s_median": _median([s for _, s in steady]),
+        "events_kib_per_recovery": fit_slope(events) if len(events) > 1 else None,
+        "samples": len(samples),
+        "first_sample": samples[0] if samples else None,
+        "last_sample": samples[-1] if samples else None,
+    }
+
+
+def _job_checks(summary: dict[str, Any], failstop: int, orphans: list[int]) -> list[Check]:
+    """Exactness, completion, recovery of every failure, no process left."""
+    exact = summary.get("bit_exact")
+    return [
+        Check("bit-exact vs reference", exact is True, exact, True),
+        Check(
+            "job done, every fault fired",
+            summary["state"] == "done" and not summary["faults_not_fired"],
+            summary["state"],
+            "done",
+            f"not fired: {list(summary['faults_not_fired'])}",
+        ),
+        Check(
+            "every failure recovered",
+            summary["failures_recovered"] == summary["failures_detected"] >= failstop,
+            f"{summary['failures_recovered']}/{summary['failures_detected']}",
+            f">={failstop}",
+            "recovered/detected vs fail-stop faults scheduled",
+        ),
+        Check("no process left after the job", not orphans, len(orphans), 0, str(orphans)),
+    ]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ends_check(name: str, values: list[float], tolerance: float) -> Check:
+    ends = ends_ratio(values)
+    if ends is None or ends[2] is None:
+        return Check(name, None, "-", f"<={1 + tolerance:.2f}", f"too few ({len(values)})")
+    first, last, ratio = ends
+    return Check(
+        name,
+        ratio <= 1 + tolerance,
+        round(ratio, 3),
+        f"<={1 + tolerance:.2f}",
+        f"first tenth {first:.3f}, last tenth {last:.3f} (of {len(values)})",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the soak; print a PASS/FAIL line per check (or the result as JSON)."""
+    from unbroken.errors import UserError
+
+    if args.minutes <= 0 or args.interval <= 0 or (args.iter_s is not None and args.iter_s <= 0):
+        raise UserError("--minutes, --interval and --iter-s must be positive")
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+    _say(f"seed {seed} (repeat with --seed {seed})")
+    result = soak(
+        args.minutes,
+        seed,
+        Path(args.out),
+        iter_s=args.iter_s,
+        interval_s=args.interval,
+        settle=args.settle,
+        iter_tolerance=args.iter_tolerance,
+        recovery_tolerance=args.recovery_tolerance,
+    )
+    lines = [
+        Check(c["check"], c["passed"], c["value"], c["bound"], c["detail"]).line()
+        for c in result["checks"]
+    ]
+    if args.json:  # the verdicts still go to the terminal, the rows to stdout
+        print("\n".join(lines), file=sys.stderr)
+        print(json.dumps(result, indent=1))
+    else:
+        print("\n".join(lines))
+        print(
+            f"\nseed {seed}: {result['failures_scheduled']} faults, {result['iterations']} "
+            f"iterations, {len(result['recoveries'])} recoveries (median detect "
+            f"{result['detect_s_median']} s, total {result['total_s_median']} s); "
+            f"{result['seconds']:.0f} s; samples in {args.out}/soak.jsonl"
+        )
+        print("PASS" if result["passed"] else "FAIL")
+    return 0 if result["passed"] else 1

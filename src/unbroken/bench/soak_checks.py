@@ -1,0 +1,213 @@
+"""The soak's verdicts, as pure functions of its records (samples, metrics rows, recoveries):
+leak slopes, steady iteration time, recovery time over the run. No process, no torch.
+
+[Note: soak bounds] Each resource must not grow with the number of recoveries. Per group of
+process classes (`unbroken.bench.soak_watch`: the coordinator, the agent, the state managers,
+the trainers and shadows together — a promoted shadow trains on as a child of the fork server,
+so processes move from one class to the other over the first recoveries —, zombies, and all
+of them) and resource, the samples taken while no recovery was in progress are grouped by the
+recoveries finished so far, each group reduced to its median (a group's samples are the same
+steady state; the median drops a sample caught mid-spawn), and a least-squares line is fitted
+through (recoveries, median). The bound on its slope, per recovery:
+
+- fds 0.5, memfds 0.25, processes 0.1, zombies 0.1: these are counts, steady between
+  recoveries; a leak of one per recovery (an fd, a memfd segment, a zombie shadow per
+  generation) gives a slope of 1, and the steady level is the same after every recovery, so
+  the fitted slope of a leak-free run is ~0;
+- RSS 2 MiB per class (a class sums 4 processes or more): RSS drifts with the allocator and
+  with which shadow was promoted, a few MiB up or down; a leaked copy of a rank's retained
+  state (the demo's small model holds several MiB per rank) or a growing per-generation table
+  would exceed it over tens of recoveries;
+- shared memory 1 MiB per class: retained state lives in memfds of fixed size per rank; a
+  segment not released per generation is at least one page group (tens of KiB to MiB) per
+  recovery.
+The samples before the first recovery are left out: they hold the job's start-up (its
+shadows are forked and initialized over the first ~20 s on the 2-core VM, adding ~150 fds),
+not a steady state. A slope needs at least 4 groups (recovery counts 1, 2, ...); with fewer the
+check reports "too few".
+The coordinator also keeps every event and metrics row of the run in memory by design (the
+summary is built from them): growth per iteration, which is far below 2 MiB per recovery at
+one failure per 10-30 s.
+
+Timing checks (one-sided: the soak looks for decay, a faster end is not a failure):
+- steady iteration time: the median of `iter_s - ckpt_s` of the iterations in the first and
+  in the last tenth of the run, leaving out every iteration from one before a failure to
+  `settle` after it, recomputed attempts, and the stretch a `slow` fault was active;
+- recovery time: each fail-stop failure's `total_s` divided by the median of its kind's and
+  recovery mode's (a hang waits for the heartbeat timeout, a kill does not; a checkpoint
+  fallback recomputes), then the median of those ratios
+  in the first and in the last tenth of the failures (at least 3 each).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "BOUNDS",
+    "Check",
+    "ends_ratio",
+    "fit_slope",
+    "leak_checks",
+    "recovery_ratio",
+    "steady_iterations",
+]
+
+BOUNDS = {
+    "fds": 0.5,
+    "memfds": 0.25,
+    "procs": 0.1,
+    "rss_mib": 2.0,
+    "shmem_mib": 1.0,
+}
+"""Largest slope per recovery allowed, per class and resource ([Note: soak bounds])."""
+
+MIN_GROUPS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One verdict of the soak: a PASS/FAIL line and a JSON row."""
+
+    name: str
+    passed: bool | None
+    """None: could not be decided (too little data); not a pass."""
+    value: Any
+    bound: Any
+    detail: str = ""
+
+    def line(self) -> str:
+        verdict = {True: "PASS", False: "FAIL", None: "N/A "}[self.passed]
+        return (
+            f"{verdict}  {self.name:34} {self.value!s:>14}  bound {self.bound!s:<10} {self.detail}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "check": self.name,
+            "passed": self.passed,
+            "value": self.value,
+            "bound": self.bound,
+            "detail": self.detail,
+        }
+
+
+def fit_slope(points: Sequence[tuple[float, float]]) -> float | None:
+    """Least-squares slope of y over x; None with fewer than 2 distinct x."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    mx = statistics.fmean(x for x, _ in points)
+    my = statistics.fmean(y for _, y in points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    sxy = sum((x - mx) * (y - my) for x, y in points)
+    return sxy / sxx
+
+
+def _value(row: dict[str, Any], classes: Sequence[str], resource: str) -> float:
+    key = {"rss_mib": "rss_kib", "shmem_mib": "shmem_kib"}.get(resource, resource)
+    total = sum(row["classes"][c][key] for c in classes)
+    return total / 1024 if key != resource else float(total)
+
+
+def group_medians(
+    samples: Iterable[dict[str, Any]], classes: Sequence[str], resource: str
+) -> list[tuple[int, float]]:
+    """(recoveries so far, median of the steady samples) per recovery count, of `resource`
+    summed over `classes`."""
+    groups: dict[int, list[float]] = {}
+    for row in samples:
+        if not row["in_recovery"]:
+            groups.setdefault(row["recoveries"], []).append(_value(row, classes, resource))
+    return [(k, statistics.median(v)) for k, v in sorted(groups.items())]
+
+
+def leak_checks(
+    samples: list[dict[str, Any]], groups_of: Mapping[str, Sequence[str]]
+) -> list[Check]:
+    """One check per group of classes and resource ([Note: soak bounds]); the `zombie` group is
+    checked for its process count only."""
+    checks = []
+    for cls, classes in groups_of.items():
+        resources = ("procs",) if cls == "zombie" else tuple(BOUNDS)
+        for resource in resources:
+            groups = [g for g in group_medians(samples, classes, resource) if g[0] >= 1]
+            bound = BOUNDS[resource]
+            slope = fit_slope(groups) if len(groups) >= MIN_GROUPS else None
+            name = f"leak {cls}.{resource}/recovery"
+            if slope is None:
+                checks.append(Check(name, None, "-", bound, f"too few ({len(groups)} groups)"))
+                continue
+            first, last = groups[0][1], groups[-1][1]
+            checks.append(
+                Check(
+                    name,
+                    slope < bound,
+                    round(slope, 4),
+                    bound,
+                    f"{first:.1f} -> {last:.1f} over {groups[-1][0]} recoveries",
+                )
+            )
+    return checks
+
+
+def disturbed(failures: Sequence[tuple[int, str]], last_iteration: int, settle: int) -> set[int]:
+    """Iterations whose time a failure shapes: from one before each (iteration, kind) to
+    `settle` after it, and a `slow` fault's stretch up to `settle` after the next failure."""
+    out: set[int] = set()
+    ordered = sorted(failures)
+    for i, (it, kind) in enumerate(ordered):
+        end = it + settle
+        if kind == "slow":
+            end = (ordered[i + 1][0] if i + 1 < len(ordered) else last_iteration) + settle
+        out.update(range(max(0, it - 1), end + 1))
+    return out
+
+
+def steady_iterations(
+    metrics: Sequence[dict[str, Any]], failures: Sequence[tuple[int, str]], settle: int
+) -> list[tuple[int, float]]:
+    """(iteration, seconds without checkpointing) of the steady iterations, in order: each
+    iteration's only attempt (a recomputed one is left out), outside `disturbed`, not the
+    first two (start-up)."""
+    attempts: dict[int, list[dict[str, Any]]] = {}
+    for m in metrics:
+        attempts.setdefault(m["iter"], []).append(m)
+    last = max(attempts, default=0)
+    skip = disturbed(failures, last, settle)
+    return [
+        (it, rows[0]["iter_s"] - (rows[0].get("ckpt_s") or 0.0))
+        for it, rows in sorted(attempts.items())
+        if len(rows) == 1 and it not in skip and it >= 2
+    ]
+
+
+def ends_ratio(values: Sequence[float], fraction: float = 0.1, minimum: int = 3):
+    """(median of the first `fraction`, of the last, last / first) of `values`, each end at
+    least `minimum` values; None if there are fewer than 2 x `minimum`."""
+    if len(values) < 2 * minimum:
+        return None
+    n = max(minimum, int(len(values) * fraction))
+    n = min(n, len(values) // 2)
+    first, last = statistics.median(values[:n]), statistics.median(values[-n:])
+    return first, last, last / first if first else None
+
+
+def _recovery_key(r: dict[str, Any]) -> tuple[str, str]:
+    return (r.get("fault") or r["kind"], r["mode"])
+
+
+def recovery_ratio(recoveries: Sequence[dict[str, Any]]) -> list[float]:
+    """Each recovery's `total_s` over the median of its (fault kind, recovery mode)'s — a page
+    loss recovered in place and one beyond tolerance restarted from a checkpoint differ —, in
+    order of detection."""
+    by_key: dict[tuple[str, str], list[float]] = {}
+    for r in recoveries:
+        by_key.setdefault(_recovery_key(r), []).append(r["total_s"])
+    medians = {k: statistics.median(v) for k, v in by_key.items()}
+    ordered = sorted(recoveries, key=lambda r: r.get("detected_t", 0.0))
+    return [
+        r["total_s"] / medians[_recovery_key(r)] for r in ordered if medians[_recovery_key(r)] > 0
+    ]

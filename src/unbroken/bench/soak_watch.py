@@ -1,0 +1,197 @@
+"""The soak's resource watch: samples, from a thread of the bench process (never from inside the
+runtime), every process of the running job — the job's process tree below the bench process,
+read from /proc — and appends one JSON row per sample to `soak.jsonl`.
+
+Per process: open fds (`/proc/PID/fd`), memfds among them (links naming `memfd:`), RSS and
+shared memory (`VmRSS`, `RssShmem` of `/proc/PID/status`), summed per class: `coordinator` (the
+bench process itself: `run_job` runs the coordinator in the calling process), `agent`,
+`state_manager`, `trainer`, `shadow` (the fork server and every process forked from it: idle
+shadows, and promoted shadows that now train — a fork keeps its server's cmdline), `zombie`
+(exited, not reaped) and `other`. Plus the event log's size and the recoveries so far, read
+from `events.jsonl`: each sample is labelled with the number of recoveries finished in the
+faulty run (`recovery_done` events) and whether one is in progress.
+
+Samples are taken only once the faulty run has started (the fault-free reference before it
+runs without shadows or retained state: another process set).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CLASSES", "ResourceSampler", "classify", "descendants", "sample_processes"]
+
+CLASSES = ("coordinator", "agent", "state_manager", "trainer", "shadow", "zombie", "other")
+
+_MARKERS = (
+    ("unbroken.launch.agent", "agent"),
+    ("unbroken.state.manager", "state_manager"),
+    ("forkserver", "shadow"),
+    ("unbroken.launch.trainer", "trainer"),
+)
+
+
+def classify(cmdline: str, state: str = "S") -> str:
+    """The class of a job's process from its cmdline (NUL bytes as spaces) and /proc state."""
+    if state == "Z":
+        return "zombie"
+    for marker, name in _MARKERS:
+        if marker in cmdline:
+            return name
+    return "other"
+
+
+def _proc_tree() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (children, their children, ...)."""
+    tree, out, todo = _proc_tree(), set(), [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def _read_process(pid: int) -> dict[str, Any] | None:
+    """One process's figures; None if it is gone."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        status = Path(f"/proc/{pid}/status").read_text()
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        state = fields.get("State", "S").split()[0]
+        fds = memfds = 0
+        if state != "Z":
+            for name in os.listdir(f"/proc/{pid}/fd"):
+                fds += 1
+                with contextlib.suppress(OSError):  # closed between listing and reading
+                    memfds += "memfd:" in os.readlink(f"/proc/{pid}/fd/{name}")
+    except (OSError, ValueError):
+        return None
+    return {
+        "class": classify(cmdline, state),
+        "fds": fds,
+        "memfds": memfds,
+        "rss_kib": _kib(fields.get("VmRSS")),
+        "shmem_kib": _kib(fields.get("RssShmem")),
+    }
+
+
+def _kib(value: str | None) -> int:
+    return int(value.split()[0]) if value else 0
+
+
+def sample_processes(root_pid: int) -> dict[str, dict[str, int]]:
+    """Per class: live processes, fds, memfds, RSS and shared memory (KiB), summed over the
+    root process (as `coordinator`) and every process below it."""
+    totals = {c: {"procs": 0, "fds": 0, "memfds": 0, "rss_kib": 0, "shmem_kib": 0} for c in CLASSES}
+    for pid in [root_pid, *sorted(descendants(root_pid))]:
+        info = _read_process(pid)
+        if info is None:
+            continue
+        cls = "coordinator" if pid == root_pid else info.pop("class")
+        info.pop("class", None)
+        row = totals[cls]
+        row["procs"] += 1
+        for key, value in info.items():
+            row[key] += value
+    return totals
+
+
+class _EventTail:
+    """Reads `events.jsonl` as it grows: the faulty run's recoveries so far."""
+
+    def __init__(self, path: Path, run: str) -> None:
+        self.path, self.run = path, run
+        self.offset = 0
+        self.started = False
+        self.detected = self.done = self.lines = 0
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1  # a line being written is read next time
+        self.offset += end
+        for line in data[:end].splitlines():
+            self.lines += 1
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("run") != self.run:
+                continue
+            self.started = True
+            self.detected += event.get("kind") == "failure_detected"
+            self.done += event.get("kind") == "recovery_done"
+
+
+class ResourceSampler(threading.Thread):
+    """Samples the job every `interval_s` into `out_path` (one JSON row per sample) until
+    `stop()`; `rows` holds what was written."""
+
+    def __init__(self, run_dir: Path, out_path: Path, interval_s: float, run: str = "faulty"):
+        super().__init__(name="soak-sampler", daemon=True)
+        self.events = _EventTail(run_dir / "events.jsonl", run)
+        self.events_path = run_dir / "events.jsonl"
+        self.out_path = out_path
+        self.interval_s = interval_s
+        self.rows: list[dict[str, Any]] = []
+        self._halt = threading.Event()
+        self.t0 = time.monotonic()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def run(self) -> None:
+        with open(self.out_path, "a") as out:
+            while not self._halt.wait(self.interval_s):
+                row = self.sample()
+                if row is not None:
+                    self.rows.append(row)
+                    out.write(json.dumps(row, separators=(",", ":")) + "\n")
+                    out.flush()
+
+    def sample(self) -> dict[str, Any] | None:
+        """One row (None before the faulty run started)."""
+        self.events.poll()
+        if not self.events.started:
+            return None
+        per_class = sample_processes(os.getpid())
+        self.events.poll()  # a recovery that ended while sampling counts as in progress
+        try:
+            events_bytes = self.events_path.stat().st_size
+        except OSError:
+            events_bytes = 0
+        return {
+            "t": round(time.monotonic() - self.t0, 3),
+            "recoveries": self.events.done,
+            "in_recovery": self.events.detected > self.events.done,
+            "events_bytes": events_bytes,
+            "events_lines": self.events.lines,
+            "classes": per_class,
+        }
