@@ -4,6 +4,11 @@ retried, and a reclamation kills every shadow and drops pending ones."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+
+import pytest
+
 from unbroken.launch.agent.hang import Liveness
 from unbroken.launch.agent.procs import RankProc
 from unbroken.launch.agent.shadows import RelaunchAfter, ShadowPool
@@ -119,3 +124,24 @@ def test_a_reclamation_drops_pending_shadows_and_a_new_start_forgets_the_relaunc
     pool.relaunch_after = RelaunchAfter(rank=0, iteration=7, level=2, generation=5)
     assert pool.prepare(_plan(), level=0) is None  # a start brings its own shadows (none here)
     assert pool.relaunch_after is None and sup.spawned == []
+
+
+@pytest.mark.ci_required  # CI runs as root: raising a process's priority needs the privilege
+def test_a_promoted_shadow_returns_to_the_jobs_priority_not_to_zero():
+    if os.geteuid() != 0:
+        pytest.skip("raising a process's priority needs root")
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, 3)  # a job started under `nice -n 3`
+    try:
+        pool = ShadowPool(FakeSupervisor())  # type: ignore[arg-type]
+        shadow = subprocess.Popen(  # a shadow: lower priority, waiting for its promotion
+            ["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, preexec_fn=lambda: os.nice(5)
+        )
+        pool.shadows[0] = RankProc(0, 1, shadow, Liveness(spawned=0.0))
+        assert os.getpriority(os.PRIO_PROCESS, shadow.pid) == 8
+        pool.promote(0, "spec.json", now=1.0)
+        assert os.getpriority(os.PRIO_PROCESS, shadow.pid) == 3
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, before)
+        shadow.kill()
+        shadow.wait()

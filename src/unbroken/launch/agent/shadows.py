@@ -81,6 +81,10 @@ class ShadowPool:
         """The level of the shadows asked for last."""
         self.plan: StartGeneration | None = None
         """The generation start whose shadow plan the pool follows (the latest)."""
+        self.job_nice = os.getpriority(os.PRIO_PROCESS, 0)
+        """The job's own niceness (the agent's, inherited from the command): a promoted shadow
+        returns to it, not to 0 — a job started under `nice` keeps every trainer at one
+        priority, or its collectives wait for the ranks left behind."""
 
     # -- what there is ------------------------------------------------------------------------
     def live(self) -> list[RankProc]:
@@ -108,8 +112,8 @@ class ShadowPool:
         """Turn `rank`'s shadow into the trainer of the generation whose final spec is `spec`
         (check `alive_for` first)."""
         t = self.shadows.pop(rank)
-        with contextlib.suppress(OSError):  # full priority now (needs privilege)
-            os.setpriority(os.PRIO_PROCESS, t.proc.pid, 0)
+        with contextlib.suppress(OSError):  # the job's priority now (needs privilege)
+            os.setpriority(os.PRIO_PROCESS, t.proc.pid, self.job_nice)
         assert t.proc.stdin is not None
         t.proc.stdin.write(encode_json(Promote(spec=spec)) + b"\n")
         t.proc.stdin.flush()
