@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from unbroken.bench.soak_watch import descendants as _descendants
+
 _CONFIG = """
 [model]
 preset = "tiny"
@@ -37,30 +39,6 @@ heartbeat_interval_s = 0.1
 heartbeat_timeout_s = 1.5
 shadow_level = 3
 """
-
-
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        tree.setdefault(ppid, []).append(int(entry.name))
-    return tree
-
-
-def _descendants(pid: int) -> set[int]:
-    tree, out, todo = _children(), set(), [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
 
 
 def _cmdline(pid: int) -> str:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from unbroken.bench.faults import PHASES
+
 __all__ = [
     "FAILSTOP_KINDS",
     "KINDS",
@@ -66,18 +68,6 @@ FAILSTOP_KINDS = frozenset(
 )
 """Kinds that stop a trainer: each must be detected and recovered."""
 
-PHASES = (
-    "forward",
-    "backward",
-    "protect",
-    "sync",
-    "update",
-    "parity",
-    "writeback",
-    "marker",
-    "boundary",
-)
-"""Phases a fault fires in (those of in-place protection, `unbroken.train.phases`)."""
 
 RECOVERY_COST_S = {
     "hang": 6.0,
