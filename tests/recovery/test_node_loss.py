@@ -49,4 +49,9 @@ def test_agent_loss_is_detected_within_its_bound(tmp_path, sig, bound_s):
     latency = lost[0]["t"] - t_loss
     assert 0 <= latency < bound_s, latency
     reason = lost[0]["reason"]
-    assert ("closed" in reason) if sig == signal.SIGKILL else ("beats stopped" in reason)
+    if sig == signal.SIGKILL:
+        # Killed: seen at once, by whichever the coordinator notices first — the control
+        # connection closing or the agent's exit status — never by waiting out the beats.
+        assert "closed" in reason or "exited with status -9" in reason, reason
+    else:
+        assert "beats stopped" in reason, reason
