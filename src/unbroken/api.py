@@ -36,12 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unbroken.config import JobConfig, load_config, to_dict
+from unbroken.config import JobConfig, NodesConfig, load_config, to_dict
 from unbroken.config.objects import factory_reference, in_job_process, pickle_dataset, reference
 from unbroken.config.optimizer import apply_optimizer
 from unbroken.errors import JobFailed, UserError
 from unbroken.inject import faults_not_fired, parse_fault
 from unbroken.launch.coordinator import Coordinator, RunOutcome
+from unbroken.launch.rendezvous import NodeJoin
 from unbroken.metrics.observer import RunObserver
 from unbroken.metrics.plot import plot_runs
 from unbroken.metrics.run_summary import RunSummary
@@ -79,6 +80,8 @@ def run_job(
     observers: Sequence[RunObserver] = (),
     source: str | None = None,
     strict: bool = False,
+    join: NodeJoin | None = None,
+    secret: str | None = None,
 ) -> RunSummary:
     """Run a job (and optionally its fault-free reference); returns its summary.
 
@@ -104,6 +107,10 @@ def run_job(
             called in this process as the job's logs grow.
         source: where the config came from, for messages (default: `config` if a path).
         strict: refuse, instead of warning about, a memory estimate over the device.
+        join: node 0's place in a multi-node job (`unbroken.launch.rendezvous.resolve_join`):
+            the coordinator listens on its endpoint and waits for `join.nnodes - 1` other
+            nodes' agents (docs/multinode.md). The fault-free reference runs on this node alone.
+        secret: the job secret the nodes share (multi-node jobs; `load_secret`).
 
     Raises:
         UserError: bad config, bad fault spec, missing data, an object that cannot reach the
@@ -128,9 +135,10 @@ def run_job(
         metrics_port,
         Preflight(source=src, strict=strict),
     )
+    nodes = _nodes(cfg, join, secret)
     live = _live_server(cfg, out, quiet)
     try:
-        return _run(cfg, out, reference, search, quiet, debug, live, list(observers))
+        return _run(cfg, out, reference, search, quiet, debug, live, list(observers), nodes)
     finally:
         if live is not None:
             live.close()
@@ -269,13 +277,25 @@ def _run(
     debug: bool,
     live: Any,
     observers: list[RunObserver],
+    nodes: dict[str, Any],
 ) -> RunSummary:
     def coordinator(run_cfg: JobConfig, name: str) -> dict[str, Any]:
         watch = ([live.observe(name)] if live is not None else []) + observers
+        where = nodes if run_cfg.nodes.count > 1 else {}
         c = Coordinator(
-            run_cfg, out, name, search_path=search, quiet=quiet, debug=debug, observers=watch
+            run_cfg,
+            out,
+            name,
+            search_path=search,
+            quiet=quiet,
+            debug=debug,
+            observers=watch,
+            **where,
         )
-        return _outcome_dict(c.run())
+        try:
+            return _outcome_dict(c.run())
+        except OSError as exc:  # the rendezvous port is taken, or the host is not this one
+            raise UserError(f"cannot listen on {where.get('endpoints')}: {exc}") from None
 
     runs: dict[str, dict[str, Any]] = {}
     ref = None
@@ -297,6 +317,33 @@ def _run(
     return RunSummary.from_dict(summary)
 
 
+def _nodes(cfg: JobConfig, join: NodeJoin | None, secret: str | None) -> dict[str, Any]:
+    """The coordinator's arguments for a multi-node job (empty for one node).
+
+    Raises:
+        UserError: nodes.count and the join disagree, or no secret.
+    """
+    if join is None:
+        if cfg.nodes.count > 1:
+            raise UserError(
+                f"nodes.count = {cfg.nodes.count}: start node 0 with --nnodes, --node-rank 0 "
+                "and --rdzv-endpoint HOST:PORT (docs/multinode.md)"
+            )
+        return {}
+    if join.nnodes != cfg.nodes.count:
+        raise UserError(
+            f"{join.source}: {join.nnodes} nodes, the config has nodes.count = {cfg.nodes.count}"
+        )
+    if not secret:
+        raise UserError(
+            "a multi-node job needs a job secret shared by its nodes: --secret-file F (mode "
+            "0600) or UNBROKEN_JOB_SECRET (docs/security.md)"
+        )
+    from unbroken.launch.coordinator.nodes import Endpoints
+
+    return {"endpoints": Endpoints(host=join.host, control_port=join.port), "secret": secret}
+
+
 def reference_config(cfg: JobConfig) -> JobConfig:
     """The fault-free reference of `cfg`: no fault-tolerance mechanisms (Leto §8.1) — no
     checkpoints, no retained state or parity, no shadows, no faults, no re-planning. Its update
@@ -312,6 +359,7 @@ def reference_config(cfg: JobConfig) -> JobConfig:
         ),
         checkpoint=dataclasses.replace(cfg.checkpoint, enabled=False),
         recovery=dataclasses.replace(cfg.recovery, mode="ckpt_restart", shadow_level=0),
+        nodes=NodesConfig(),  # on the launching node alone: the same ranks, the same sums
     )
 
 

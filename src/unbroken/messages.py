@@ -225,6 +225,9 @@ class StopGeneration(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Shutdown(Message):
     OP: ClassVar[str] = "shutdown"
+    fenced: str = ""
+    """Not the job's end: this node was declared lost earlier and is refused (why); its agent
+    stops every process of the node and exits with an error."""
 
 
 # -- trainer <-> agent, inside a node ----------------------------------------------------------

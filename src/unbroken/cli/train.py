@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 
 from unbroken.config import JobConfig, load_config
 from unbroken.errors import UserError
@@ -39,7 +40,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no live progress")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_metrics_flags(p)
+    add_node_flags(p)
     p.set_defaults(func=run)
+
+
+def add_node_flags(p: argparse.ArgumentParser) -> None:
+    """The multi-node flags (torchrun's names; docs/multinode.md)."""
+    g = p.add_argument_group(
+        "multi-node",
+        "run the same command on every node, each with its --node-rank (or let the "
+        "environment say: NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT, or SLURM's). Node 0 runs "
+        "the coordinator; the others join it.",
+    )
+    g.add_argument("--nnodes", type=int, metavar="N", help="nodes in the job (nodes.count)")
+    g.add_argument("--node-rank", type=int, metavar="R", help="this node's rank, 0..N-1")
+    g.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="node 0's address and the coordinator's port (default port 29400)",
+    )
+    g.add_argument(
+        "--nproc-per-node", type=int, metavar="K", help="ranks per node (nodes.ranks_per_node)"
+    )
+    g.add_argument(
+        "--local-addr", metavar="ADDR", help="this node's address (its agent connects from it)"
+    )
+    g.add_argument(
+        "--secret-file",
+        metavar="F",
+        help="the job secret every node shares, in a file of mode 0600 (or set "
+        "UNBROKEN_JOB_SECRET); never on the command line",
+    )
 
 
 def add_metrics_flags(p: argparse.ArgumentParser) -> None:
@@ -59,6 +90,19 @@ def add_metrics_flags(p: argparse.ArgumentParser) -> None:
         metavar="ADDR",
         help="address the metrics server binds (default: 127.0.0.1, this machine only)",
     )
+
+
+def _nodes(cfg: JobConfig, join, per_node: int | None):
+    """`cfg.nodes` with the launch's node count and ranks per node."""
+    changes = {}
+    if join is not None:
+        changes["count"] = join.nnodes
+    if per_node is not None:
+        changes["ranks_per_node"] = per_node
+    try:
+        return dataclasses.replace(cfg.nodes, **changes)
+    except ValueError as exc:
+        raise UserError(f"{exc} (--nnodes/--nproc-per-node)") from None
 
 
 def metrics_config(cfg: JobConfig, args: argparse.Namespace) -> JobConfig:
@@ -83,8 +127,21 @@ def metrics_config(cfg: JobConfig, args: argparse.Namespace) -> JobConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
+    from unbroken.launch.rendezvous import load_secret, resolve_join
+
+    join = resolve_join(args.nnodes, args.node_rank, args.rdzv_endpoint, os.environ)
+    if join is not None and join.node_rank > 0:
+        from unbroken.launch.agent.loop import serve_node
+
+        print(
+            f"unbroken: node {join.node_rank} of {join.nnodes} joining {join.endpoint} "
+            f"({join.source})",
+            file=sys.stderr,
+        )
+        return serve_node(join.endpoint, join.node_rank, args.local_addr, args.secret_file)
     try:
         cfg = load_config(JobConfig, args.config)
     except (OSError, UnicodeDecodeError) as exc:
@@ -96,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
         if args.iterations < 1:
             raise UserError(f"--iterations {args.iterations}: give at least 1")
         changes["train"] = dataclasses.replace(cfg.train, iterations=args.iterations)
+    if join is not None or args.nproc_per_node is not None:
+        changes["nodes"] = _nodes(cfg, join, args.nproc_per_node)
     cfg = metrics_config(dataclasses.replace(cfg, **changes), args)
     reference = args.reference if args.reference is not None else bool(cfg.inject)
     from unbroken.api import run_job  # after the config: a bad one fails without importing torch
@@ -109,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
         debug=args.debug,
         source=args.config,
         strict=args.strict,
+        join=join,
+        secret=load_secret(args.secret_file, os.environ) if join is not None else None,
     )
     print(json.dumps(summary.to_dict(), indent=1) if args.json else format_table(summary))
     return 0 if summary.ok else 1

@@ -22,6 +22,7 @@ from unbroken.config.job import (
     TrainConfig,
 )
 from unbroken.config.loader import config_from_dict, load_config, to_dict
+from unbroken.config.nodes import NodesConfig
 
 __all__ = [
     "AdaptConfig",
@@ -30,6 +31,7 @@ __all__ = [
     "JobConfig",
     "MetricsConfig",
     "ModelConfig",
+    "NodesConfig",
     "ParallelConfig",
     "ProtectionConfig",
     "RecoveryConfig",

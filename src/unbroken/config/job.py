@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from unbroken.config.nodes import NodesConfig
 from unbroken.config.vocab import resolve_vocabulary
 
 __all__ = [
@@ -482,6 +483,8 @@ class JobConfig:
     """The live metrics endpoint and status page (off by default)."""
     adapt: AdaptConfig = field(default_factory=AdaptConfig)
     """Live reconfiguration around lost and slow devices."""
+    nodes: NodesConfig = field(default_factory=NodesConfig)
+    """Hosts of the job and ranks per host (one node by default)."""
     inject: list[str] = field(default_factory=list)
     """Faults to inject, e.g. "kill:rank=1,iter=12,phase=update" (see unbroken.inject)."""
 
@@ -490,6 +493,7 @@ class JobConfig:
         # process then reads the same values from its spec.
         self.model, self.data = resolve_vocabulary(self.model, self.data)
         parallel = self.parallel
+        self.nodes.per_node(parallel.world_size)  # raises when the nodes do not hold the world
         if self.adapt.enabled and parallel.planned:
             raise ValueError(
                 "adapt.enabled re-plans data-parallel jobs only (parallel.tp = pp = 1); "

@@ -7,7 +7,7 @@ and typed actions for the coordinator to execute.
     STOPPING   --every node stopped its trainers-->      RESTARTING (start generation + 1)
     RESTARTING --every node started its trainers-->      RUNNING
     any live state --restart budget spent, crash loop, node lost, no plan--> FAILED
-    STARTING/RUNNING/RESTARTING --a device lost-->       STOPPING when the job re-plans
+    STARTING/RUNNING/RESTARTING --a device or node lost--> STOPPING when the job re-plans
                                                          (`replans`), else FAILED
 
 Any other transition raises `IllegalTransition` (`ALLOWED` lists them): the machine cannot
@@ -244,11 +244,18 @@ class RecoveryMachine:
         self._go(_S.FAILED, f"start-up failure on every rank: {reason}")
         return Fail(self.generation, reason)
 
-    def on_node_lost(self, reason: str) -> Fail | None:
+    def on_node_lost(self, reason: str) -> Action | None:
+        """A node is gone with its devices. A job that re-plans stops the generation (its
+        ranks on other nodes wait on collectives with the lost ones) and continues without
+        them, like after a lost device; one already stopping just goes on. Else FAILED."""
         if self.over:
             return None
-        self._go(_S.FAILED, f"node lost: {reason}")
-        return Fail(self.generation, reason)
+        if not self.replans:
+            self._go(_S.FAILED, f"node lost: {reason}")
+            return Fail(self.generation, reason)
+        if self.state is _S.STOPPING:
+            return None
+        return self._failure(f"node lost: {reason}")
 
     def give_up(self, reason: str) -> Fail | None:
         """Nothing can run the job any more (no device left to re-plan on): FAILED."""

@@ -94,6 +94,11 @@ class Agent:
         self._last_node_beat = 0.0
         self._last_start: StartGeneration | None = None
         self.running = True
+        """False after the coordinator's `Shutdown`."""
+        self.heard = False
+        """A command came from the coordinator (it accepted this node)."""
+        self.fenced = ""
+        """Why the coordinator refused this node (it was declared lost earlier)."""
         self.sel = selectors.DefaultSelector()
 
     # -- commands -------------------------------------------------------------------------
@@ -106,6 +111,7 @@ class Agent:
             case Shutdown():
                 self.shutdown_all()
                 self.running = False
+                self.fenced = msg.fenced
 
     def start(self, msg: StartGeneration) -> None:
         """Start a generation: promote its shadows when every rank has a live one (no process
@@ -278,6 +284,7 @@ class Agent:
         sel.register(self.hb, selectors.EVENT_READ, "hb")
         sel.register(self.rc, selectors.EVENT_READ, "rc")
         for msg in self.channel.take_pending():
+            self.heard = True
             self.handle(msg)
         while self.running:
             for key, _ in sel.select(timeout=TICK_S):
@@ -301,6 +308,7 @@ class Agent:
             if not data:
                 return False
             for msg in self.channel.feed(data):
+                self.heard = True
                 self.handle(msg)
         return True
 
@@ -334,32 +342,87 @@ def datagram_socket(kind: str) -> tuple[socket.socket, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m unbroken.launch.agent --coordinator HOST:PORT --node N`, the job secret in
-    UNBROKEN_JOB_SECRET."""
+    """`python -m unbroken.launch.agent --coordinator HOST:PORT --node N [--local-addr A]
+    [--secret-file F]`, the job secret in the file or in UNBROKEN_JOB_SECRET. Exit status: 0
+    after the coordinator's `Shutdown`, 1 when cut off from it, 2 for a bad invocation."""
     parser = argparse.ArgumentParser(prog="unbroken-agent")
     parser.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
     parser.add_argument("--node", type=int, default=0)
+    parser.add_argument("--local-addr", help="this node's address (the connection's source)")
+    parser.add_argument("--secret-file", help="the job secret (a file of mode 0600)")
+    parser.add_argument(
+        "--connect-timeout", type=float, default=60.0, help="seconds to retry connecting"
+    )
     args = parser.parse_args(argv)
-    secret = os.environ.get("UNBROKEN_JOB_SECRET")
-    if not secret:
-        print("unbroken-agent: UNBROKEN_JOB_SECRET is not set", file=sys.stderr)
+    return serve_node(
+        args.coordinator, args.node, args.local_addr, args.secret_file, args.connect_timeout
+    )
+
+
+def serve_node(
+    coordinator: str,
+    node: int,
+    local_addr: str | None = None,
+    secret_file: str | None = None,
+    connect_timeout_s: float = 60.0,
+) -> int:
+    """Join the job at `coordinator` ("HOST:PORT") as `node` and serve it until it ends (see
+    `main` for the exit status); every failure is one line on stderr."""
+    from unbroken.errors import UserError
+    from unbroken.launch.agent.join import connect
+    from unbroken.launch.rendezvous import SECRET_ENV, load_secret, secret_key
+
+    who = f"unbroken: node {node}"
+    try:
+        text = load_secret(secret_file, os.environ)
+    except UserError as exc:
+        print(f"{who}: {exc}", file=sys.stderr)
         return 2
-    host, _, port = args.coordinator.rpartition(":")
-    sock = socket.create_connection((host, int(port)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    channel = Channel(sock, bytes.fromhex(secret), FROM_COORDINATOR)
+    if not text:
+        print(f"{who}: no job secret (--secret-file, or {SECRET_ENV})", file=sys.stderr)
+        return 2
+    host, _, port = coordinator.rpartition(":")
+    try:
+        sock = connect(host.strip("[]"), int(port), connect_timeout_s, local_addr)
+    except OSError as exc:
+        print(f"{who}: cannot reach the coordinator at {coordinator}: {exc}", file=sys.stderr)
+        return 1
+    channel = Channel(sock, secret_key(text), FROM_COORDINATOR)
     hb, hb_addr = datagram_socket("hb")
     rc, rc_addr = datagram_socket("reclaim")
-    channel.send(Hello(node=args.node, pid=os.getpid(), host=socket.gethostname()))
-    agent = Agent(channel, args.node, hb, rc, ProcessSupervisor(hb_addr, rc_addr))
+    me = local_addr or socket.gethostname()
+    channel.send(Hello(node=node, pid=os.getpid(), host=me))
+    agent = Agent(channel, node, hb, rc, ProcessSupervisor(hb_addr, rc_addr))
     try:
         agent.serve()
     except ProtocolError as exc:
-        print(f"unbroken-agent: rejected a control message: {exc}", file=sys.stderr)
+        print(f"{who}: rejected a control message: {exc}", file=sys.stderr)
         agent.shutdown_all()
         return 1
     except (ConnectionError, OSError) as exc:
-        print(f"unbroken-agent: lost the coordinator: {exc}", file=sys.stderr)
+        print(f"{who}: lost the coordinator: {exc}", file=sys.stderr)
         agent.shutdown_all()
+        return 1
+    if agent.fenced:
+        print(
+            f"{who}: cut off by the coordinator at {coordinator}: {agent.fenced}; every "
+            "process of this node is stopped",
+            file=sys.stderr,
+        )
+        return 1
+    if agent.running:  # the coordinator closed the connection without a Shutdown
+        if not agent.heard:
+            print(
+                f"{who}: the coordinator at {coordinator} closed the connection before "
+                "accepting this node: is the job secret the same on every node? (node 0's "
+                "events.jsonl says why: control_rejected)",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"{who}: cut off by the coordinator at {coordinator} (this node was declared "
+                "lost, or the job ended); every process of this node is stopped",
+                file=sys.stderr,
+            )
         return 1
     return 0

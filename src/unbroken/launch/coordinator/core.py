@@ -123,6 +123,10 @@ class CoordinatorCore:
         self.registry.mkdir(parents=True)
         self.joined: dict[int, float] = {}
         """node -> when it was last heard from."""
+        self.gone: set[int] = set()
+        """Nodes lost for the rest of the job (fenced: nothing of theirs is accepted again)."""
+        self.node_of_device = {d: layout.node_of(d) for d in range(layout.world_size)}
+        """device -> its node (devices are numbered as the ranks at launch)."""
         self.done_reason = ""
         self._begun = False
         self._started: dict[int, set[int]] = {}
@@ -160,11 +164,28 @@ class CoordinatorCore:
 
     def _hello(self, node: int, msg: Hello) -> None:
         self.events.emit("agent_joined", node=node, pid=msg.pid, host=msg.host)
-        if not self._begun and set(self.joined) >= set(self.layout.node_ids):
+        if not self._begun and set(self.joined) >= set(self.live_nodes):
             self._begun = True
             self.execute(self.fsm.begin())
 
+    @property
+    def live_nodes(self) -> tuple[int, ...]:
+        """The layout's nodes that are not lost."""
+        return tuple(n for n in self.layout.node_ids if n not in self.gone)
+
+    def give_up(self, reason: str) -> None:
+        self.execute(self.fsm.give_up(reason))
+
     def node_lost(self, node: int, reason: str, silent_s: float | None = None) -> None:
+        """`node` is gone with every process on it: its devices are lost hardware. A job that
+        re-plans (`adapt`) stops the generation on the other nodes and continues without it;
+        else the job fails. Its late messages are refused from now on (`gone`)."""
+        if node in self.gone:
+            return
+        self.gone.add(node)
+        if self.adapt is not None and node in self.layout.node_ids:
+            for rank in self.layout.ranks_of(node):
+                self.adapt.note_lost(self.devices[rank], f"node {node} lost: {reason}")
         self.emit(
             DetectionEvent(
                 kind=DetectionKind.FAIL_STOP,
@@ -193,14 +214,14 @@ class CoordinatorCore:
             self.events.emit("shadows_spawned", node=node, **fields)
         started = self._started.setdefault(msg.generation, set())
         started.add(node)
-        if started >= set(self.layout.node_ids):
+        if started >= set(self.live_nodes):
             self.fsm.on_started(msg.generation)
             self._log_transitions()
 
     def _stopped_on(self, node: int, msg: Stopped) -> None:
         stopped = self._stopped.setdefault(msg.generation, set())
         stopped.add(node)
-        if stopped >= set(self.layout.node_ids):
+        if stopped >= set(self.live_nodes):
             self.execute(self.fsm.on_stopped(msg.generation))
 
     def _live(self, generation: int) -> bool:
@@ -332,11 +353,18 @@ class CoordinatorCore:
         elif self.adapt is not None and self.fsm.state is RecoveryState.RUNNING:
             self.adapt.on_fail_slow(event, self._healthy_iter_s(event.iteration))
         action = self.fsm.on_startup_failure(startup) if startup else self.fsm.on_detection(event)
+        self.execute(action)  # to the live nodes only: a lost node's agent is gone
         if event.cause == FailStopCause.NODE_LOST:
-            self.done_reason = event.reason  # its agent is gone: nothing to tell it
-            self._log_transitions()
-        else:
-            self.execute(action)
+            self._stopped_without_lost()
+
+    def _stopped_without_lost(self) -> None:
+        """A node lost while the generation was stopping: the other nodes may all have
+        stopped already (the lost one never will)."""
+        gen = self.fsm.generation
+        if self.fsm.state is RecoveryState.STOPPING and self._stopped.get(gen, set()) >= set(
+            self.live_nodes
+        ):
+            self.execute(self.fsm.on_stopped(gen))
 
     def _injected_since_last_failure(self) -> tuple[float, str] | None:
         """(time, spec) of the newest scheduled fault that fired since the previous failure,
@@ -428,11 +456,11 @@ class CoordinatorCore:
         if isinstance(action, Start):
             self._start(action)
         elif isinstance(action, Stop):
-            for node in self.layout.node_ids:
+            for node in self.live_nodes:
                 self.send(node, StopGeneration(generation=action.generation))
         elif isinstance(action, Finish | Fail):
             self.done_reason = action.reason
-            for node in self.layout.node_ids:
+            for node in self.live_nodes:
                 self.send(node, Shutdown())
         self._log_transitions()
 
@@ -445,7 +473,7 @@ class CoordinatorCore:
         if world is None:
             return False
         self.devices = world.devices
-        self.layout = NodeLayout.single(len(world.devices))
+        self.layout = NodeLayout.for_devices(world.devices, self.node_of_device)
         self.fsm.resize(len(world.devices))
         self.monitor.slow_watch.reset(len(world.devices))
         return True
@@ -472,7 +500,7 @@ class CoordinatorCore:
             )
         sockets = self._state_sockets()
         rec = self.cfg.recovery
-        for node in self.layout.node_ids:
+        for node in self.live_nodes:
             ranks = self.layout.ranks_of(node)
             devices = {str(r): self.devices[r] for r in ranks}
             self.send(

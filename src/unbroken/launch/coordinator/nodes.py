@@ -1,7 +1,9 @@
 """Where a job's ranks run and how its services are reached — as data, never assumed.
 
-`NodeLayout` assigns ranks to nodes (today: every rank on node 0, the embedded default);
-`Endpoints` says where the job's store and control server listen. The coordinator's core sends
+`NodeLayout` assigns ranks to nodes (`even`: node n runs ranks n·k … n·k + k − 1; one node is
+the embedded default; `for_devices`: the layout of a world re-planned around lost devices, each
+rank on the node of its device); `Endpoints` says where the job's store and control server
+listen. The coordinator's core sends
 each node its own ranks and writes the endpoints into every generation's spec, so nothing
 below it hard-codes a host or a node count.
 """
@@ -37,6 +39,22 @@ class NodeLayout:
         """Every rank on node 0."""
         return cls((NodeSpec(0, tuple(range(world_size))),))
 
+    @classmethod
+    def even(cls, nodes: int, per_node: int) -> NodeLayout:
+        """`nodes` nodes of `per_node` ranks, node n running ranks n·per_node onwards."""
+        return cls(
+            tuple(NodeSpec(n, tuple(range(n * per_node, (n + 1) * per_node))) for n in range(nodes))
+        )
+
+    @classmethod
+    def for_devices(cls, devices: tuple[int, ...], node_of_device: dict[int, int]) -> NodeLayout:
+        """The layout of a world whose rank r runs on `devices[r]`: every rank on its device's
+        node; nodes left without a device are not in it."""
+        by_node: dict[int, list[int]] = {}
+        for rank, device in enumerate(devices):
+            by_node.setdefault(node_of_device[device], []).append(rank)
+        return cls(tuple(NodeSpec(n, tuple(r)) for n, r in sorted(by_node.items())))
+
     @property
     def world_size(self) -> int:
         return sum(len(n.ranks) for n in self.nodes)
@@ -65,3 +83,5 @@ class Endpoints:
     host: str = "127.0.0.1"
     """The address the store and the control server bind and advertise."""
     store_port: int = 0
+    control_port: int = 0
+    """The control server's port (0: any free one — a single-node job's agent is told it)."""

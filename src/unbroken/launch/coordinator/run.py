@@ -10,10 +10,15 @@ The parts: `ControlServer` (sockets, authentication, typed messages), `Coordinat
 recovery state machine and its actions), `RunMonitor` (progress, fail-slow watch, recovery
 breakdowns from the run's logs). Node identity and addresses are data (`NodeLayout`,
 `Endpoints`): the embedded default is one node on 127.0.0.1 whose agent this process starts.
+A multi-node job (`nodes.count` > 1) listens on its rendezvous endpoint; this process starts
+node 0's agent and the other nodes' agents join (`unbroken train --node-rank R`), proving the
+job secret on every frame. A node that is lost is fenced: its connection is closed, and if it
+comes back its frames are refused (`node_fenced`) — its agent then stops its processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -29,13 +34,11 @@ from unbroken.launch.coordinator.core import CoordinatorCore
 from unbroken.launch.coordinator.monitor import RunMonitor, run_info
 from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
 from unbroken.launch.coordinator.server import ControlServer, Dropped, Received
+from unbroken.messages import Shutdown
 from unbroken.metrics.log import JsonlLog
 from unbroken.metrics.observer import RunObserver
 
 __all__ = ["Coordinator", "RunOutcome"]
-
-HELLO_TIMEOUT_S = 60.0
-"""How long the nodes' agents have to connect."""
 
 
 @dataclass(slots=True)
@@ -62,7 +65,10 @@ class Coordinator:
         search_path: dirs trainers add to sys.path (user model/dataset modules).
         quiet: no terminal progress.
         debug: failed ranks' tracebacks on the terminal.
-        endpoints: where the job's services listen (default: loopback).
+        endpoints: where the job's services listen (default: loopback, any free ports; a
+            multi-node job gives its rendezvous host and control port).
+        secret: the job secret's text (`unbroken.launch.rendezvous`); default: a fresh random
+            one, which only a single-node job can use (its one agent is told it).
         observers: live observers of the run (`unbroken.metrics.observer`), told by its
             monitor of every iteration, event and recovery.
     """
@@ -78,19 +84,25 @@ class Coordinator:
         debug: bool = False,
         endpoints: Endpoints | None = None,
         observers: Sequence[RunObserver] = (),
+        secret: str | None = None,
     ) -> None:
         from unbroken.engine.build import job_plan
+        from unbroken.launch.rendezvous import secret_key
 
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_name = run_name
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = JsonlLog(self.run_dir / "events.jsonl", run=run_name)
-        self.layout = NodeLayout.single(cfg.parallel.world_size)
+        world = cfg.parallel.world_size
+        self.layout = NodeLayout.even(cfg.nodes.count, cfg.nodes.per_node(world))
         self.endpoints = endpoints or Endpoints()
         self.search_path = search_path or []
         self.debug = debug
-        self.secret = os.urandom(32)
+        if secret is None and cfg.nodes.count > 1:
+            raise ValueError("a multi-node job needs the job secret its nodes share")
+        self.secret_text = secret or os.urandom(32).hex()
+        self.secret = secret_key(self.secret_text)
         plan = job_plan(cfg, self.search_path)
         self.monitor = RunMonitor(
             self.run_dir,
@@ -111,8 +123,8 @@ class Coordinator:
     def _start_services(self) -> CoordinatorCore:
         host = self.endpoints.host
         store = JobStore.host(host, self.cfg.recovery.collective_timeout_s)
-        self.server = ControlServer(host, self.secret)
-        self.endpoints = Endpoints(host=host, store_port=store.port)
+        self.server = ControlServer(host, self.secret, self.endpoints.control_port)
+        self.endpoints = Endpoints(host=host, store_port=store.port, control_port=self.server.port)
         (self.run_dir / f"coordinator-{self.run_name}.json").write_text(
             f'{{"host": "{host}", "port": {self.server.port}, "pid": {os.getpid()}}}\n'
         )
@@ -131,7 +143,7 @@ class Coordinator:
         )
         self.store = store
         self.monitor.slow_watch.detector.sink = core
-        env = dict(os.environ, UNBROKEN_JOB_SECRET=self.secret.hex())
+        env = dict(os.environ, UNBROKEN_JOB_SECRET=self.secret_text)
         self.agent_proc = subprocess.Popen(
             [
                 sys.executable,
@@ -191,11 +203,14 @@ class Coordinator:
         )
 
     def _dispatch(self, core: CoordinatorCore, item: Received | Dropped) -> None:
+        if item.node is not None and item.node in core.gone:
+            self._fence(item.node, item)
+            return
         if isinstance(item, Dropped):
             self.events.emit("control_rejected", peer=item.peer, reason=item.reason)
             self.monitor.say(f"control channel: rejected {item.peer}: {item.reason}")
             if item.node is not None:
-                core.node_lost(item.node, item.reason)
+                self._lose(core, item.node, item.reason)
             return
         assert item.node is not None
         try:
@@ -203,23 +218,46 @@ class Coordinator:
         except ValueError as exc:  # a message that contradicts the job (an unknown node)
             self.events.emit("control_rejected", peer=f"node {item.node}", reason=str(exc))
 
+    def _lose(self, core: CoordinatorCore, node: int, reason: str, silent: float | None = None):
+        """`node` is lost: the core decides what follows; its connection, if still open, is
+        closed, so that its agent — should it run again — finds itself cut off and stops."""
+        core.node_lost(node, reason, silent)
+        self.server.disconnect(node)
+
+    def _fence(self, node: int, item: Received | Dropped) -> None:
+        """A frame from (or the end of) a node already lost: refused, its connection closed."""
+        if isinstance(item, Dropped):
+            return
+        what = item.message.OP
+        why = f"node {node} was declared lost earlier in this job; it may not rejoin it"
+        with contextlib.suppress(OSError):
+            self.server.send(node, Shutdown(fenced=why))
+        self.server.disconnect(node)
+        self.events.emit("node_fenced", node=node, message=what)
+        self.monitor.say(f"node {node}: lost earlier, refused its {what!r} and disconnected it")
+
     def _check_nodes(self, core: CoordinatorCore, t_hello: float) -> None:
         now = time.time()
         if core.fsm.over:
             return
-        missing = set(self.layout.node_ids) - set(core.joined)
-        if missing and now - t_hello > HELLO_TIMEOUT_S:
-            core.node_lost(min(missing), "no agent connected")
+        missing = set(core.live_nodes) - set(core.joined)
+        if missing and now - t_hello > self.cfg.nodes.join_timeout_s:
+            core.give_up(
+                f"node(s) {sorted(missing)} did not join within nodes.join_timeout_s = "
+                f"{self.cfg.nodes.join_timeout_s:g} s (started with --node-rank, the same "
+                f"--rdzv-endpoint {self.endpoints.host}:{self.server.port} and job secret?)"
+            )
             return
         for node, seen in list(core.joined.items()):
             silent = now - seen
             if node in self.server.nodes and silent > self.cfg.recovery.node_timeout_s:
-                self.agent_silent = True
-                core.node_lost(node, f"beats stopped (agent silent for {silent:.1f}s)", silent)
+                self.agent_silent = self.agent_silent or node == self.layout.node_ids[0]
+                self._lose(core, node, f"beats stopped (agent silent for {silent:.1f}s)", silent)
                 return
-        if self.agent_proc is not None and self.agent_proc.poll() is not None:
-            code = self.agent_proc.returncode
-            core.node_lost(self.layout.node_ids[0], f"agent exited with status {code}")
+        local = self.layout.node_ids[0]
+        proc = self.agent_proc
+        if proc is not None and local not in core.gone and proc.poll() is not None:
+            self._lose(core, local, f"agent exited with status {proc.returncode}")
 
     def _shutdown(self) -> None:
         if self.agent_proc is not None:

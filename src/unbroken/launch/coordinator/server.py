@@ -42,12 +42,15 @@ class _Conn:
 
 
 class ControlServer:
-    """Args: host (the address to bind), secret (the job's HMAC key)."""
+    """Args: host (the address to bind), secret (the job's HMAC key), port (0: any free one).
 
-    def __init__(self, host: str, secret: bytes) -> None:
+    Raises:
+        OSError: the port is taken (the caller names it to the user)."""
+
+    def __init__(self, host: str, secret: bytes, port: int = 0) -> None:
         self.secret = secret
         self.sel = selectors.DefaultSelector()
-        self.listener = socket.create_server((host, 0))
+        self.listener = socket.create_server((host, port))
         self.listener.setblocking(False)
         self.host, self.port = self.listener.getsockname()[:2]
         self.sel.register(self.listener, selectors.EVENT_READ, None)
@@ -74,6 +77,12 @@ class ControlServer:
             else:
                 out += self._read(key.data)
         return out
+
+    def disconnect(self, node: int) -> None:
+        """Close `node`'s connection (a lost or fenced node); nothing if it has none."""
+        conn = self._nodes.get(node)
+        if conn is not None:
+            self._close(conn)
 
     def _accept(self) -> None:
         try:

@@ -1,0 +1,225 @@
+"""Multi-node jobs on this machine as two hosts: node 0 on 127.0.0.1 runs the coordinator (and
+its own agent), node 1 is a separate `unbroken train --node-rank 1` command connecting from
+127.0.0.2, as a second host would start it. Each test asserts the training result bit for bit
+against the fault-free reference (which runs on node 0 alone: the same ranks, the same sums).
+
+- in-place recovery of a rank on node 1;
+- node 1 lost (SIGKILL of its whole process tree): the job re-plans onto node 0 and finishes
+  bit-exact without a checkpoint load; node 1 started again is refused (fenced) and stops;
+- node 1 partitioned (its agent stopped) and back: declared lost, fenced, its processes stop;
+- a bad job secret: refused with one line on each side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from unbroken.bench.soak_watch import descendants
+from unbroken.metrics.log import read_jsonl
+
+_CONFIG = """
+inject = {inject}
+[model]
+preset = "tiny"
+[data]
+tokens_per_microbatch = 64
+microbatches = 2
+max_documents = 200
+[train]
+iterations = {iterations}
+lr = 1e-3
+[parallel]
+world_size = 4
+[checkpoint]
+interval = 1000
+[recovery]
+heartbeat_interval_s = 0.1
+heartbeat_timeout_s = 1.5
+node_heartbeat_s = 0.2
+node_timeout_s = 2.0
+[protection]
+page_bytes = 8192
+stripe_pages = 2
+parity_pages = 3
+chunk_bytes = 2048
+[nodes]
+join_timeout_s = {join_timeout}
+[adapt]
+enabled = {adapt}
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+class _Job:
+    """A two-node job: a config, a secret file, and one `unbroken train` per node."""
+
+    def __init__(self, tmp: Path, *, iterations=12, inject=(), adapt=False, join_timeout=60):
+        self.tmp, self.out, self.port = tmp, tmp / "out", _free_port()
+        self.config = tmp / "job.toml"
+        self.config.write_text(
+            _CONFIG.format(
+                iterations=iterations,
+                inject=json.dumps(list(inject)),
+                adapt=str(adapt).lower(),
+                join_timeout=join_timeout,
+            )
+        )
+        self.secret = self.secret_file("s3cret-of-the-job")
+        self.procs: list[subprocess.Popen] = []
+
+    def secret_file(self, text: str, name: str = "secret") -> Path:
+        path = self.tmp / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+        return path
+
+    def node(self, rank: int, *extra: str, secret: Path | None = None) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "unbroken", "train", "--config", str(self.config)]
+        cmd += ["--out", str(self.out), "--nnodes", "2", "--node-rank", str(rank)]
+        cmd += ["--rdzv-endpoint", f"127.0.0.1:{self.port}"]
+        cmd += ["--secret-file", str(secret or self.secret), "--quiet", "--json", *extra]
+        if rank:
+            cmd += ["--local-addr", f"127.0.0.{rank + 1}"]
+        env = {k: v for k, v in os.environ.items() if k != "UNBROKEN_JOB_SECRET"}
+        p = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=env,
+        )
+        self.procs.append(p)
+        return p
+
+    def events(self, run: str = "faulty") -> list[dict]:
+        path = self.out / "events.jsonl"
+        return [e for e in read_jsonl(path) if e.get("run") == run] if path.exists() else []
+
+    def kinds(self, kind: str, run: str = "faulty") -> list[dict]:
+        return [e for e in self.events(run) if e["kind"] == kind]
+
+    def iterations_done(self, run: str = "faulty") -> int:
+        path = self.out / "metrics.jsonl"
+        rows = [m for m in read_jsonl(path) if m.get("run") == run] if path.exists() else []
+        return max((m["iter"] + 1 for m in rows), default=0)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+@pytest.fixture
+def job_of(tmp_path):
+    jobs: list[_Job] = []
+
+    def make(**kw) -> _Job:
+        jobs.append(_Job(tmp_path, **kw))
+        return jobs[-1]
+
+    yield make
+    for j in jobs:
+        j.close()
+
+
+def _summary(p: subprocess.Popen, timeout: float = 240) -> dict:
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, err[-3000:]
+    return json.loads(out)
+
+
+@pytest.mark.ci_required
+@pytest.mark.timeout(300)
+def test_two_nodes_train_and_recover_a_rank_of_node_1_in_place(job_of):
+    job = job_of(inject=["kill:rank=3,iter=6,phase=backward"])
+    node1 = job.node(1)  # before node 0: it waits for the coordinator to listen
+    summary = _summary(job.node(0, "--reference"))
+    _, err1 = node1.communicate(timeout=60)
+    assert node1.returncode == 0, err1
+    assert summary["bit_exact"] is True, summary
+    joined = {e["node"]: e["host"] for e in job.kinds("agent_joined")}
+    assert joined[1] == "127.0.0.2", joined
+    failure = job.kinds("failure_detected")
+    assert [(f["rank"], f["node"]) for f in failure] == [(3, 1)], failure
+    modes = [e["mode"] for e in job.kinds("recovery_start")]
+    assert modes == ["inplace"], modes
+
+
+@pytest.mark.ci_required
+@pytest.mark.timeout(300)
+def test_a_lost_node_is_planned_around_and_fenced_when_it_returns(job_of):
+    job = job_of(iterations=60, adapt=True)
+    node1 = job.node(1)
+    node0 = job.node(0, "--reference")
+    _wait(lambda: job.iterations_done() >= 5 or node0.poll() is not None, 200, "iteration 5")
+    assert node0.poll() is None, node0.communicate()[1][-3000:]
+    tree = descendants(node1.pid) | {node1.pid}
+    running = " ".join(Path(f"/proc/{p}/cmdline").read_text() for p in tree)
+    assert "unbroken.launch.trainer" in running and "unbroken.state.manager" in running
+    for pid in tree:  # the whole node at once, as a host that dies
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    lost = _wait(lambda: job.kinds("node_lost"), 30, "node 1 to be declared lost")
+    assert lost[0]["node"] == 1, lost
+    back = job.node(1)  # the node returns: it must not rejoin the job it was dropped from
+    _, err = back.communicate(timeout=60)
+    assert back.returncode == 1 and "cut off by the coordinator" in err, err
+    summary = _summary(node0)
+    assert summary["bit_exact"] is True, summary
+    assert job.kinds("node_fenced"), job.events()
+    replans = job.kinds("replan")
+    assert replans and replans[0]["trigger"]["kind"] == "device_lost", replans
+    assert sorted(replans[0]["trigger"]["devices"]) == [2, 3], replans
+    assert not job.kinds("checkpoint_loaded"), "the survivors' retained state, no checkpoint"
+    started = [e for e in job.kinds("recovery_start")]
+    assert [e["mode"] for e in started] == ["inplace"], started
+    assert summary["iterations"] == 60 and summary["state"] == "done", summary
+    last = max(
+        m["generation"] for m in read_jsonl(job.out / "metrics.jsonl") if m["run"] == "faulty"
+    )
+    assert last == 1, "the survivors finished in the generation after the loss"
+
+
+@pytest.mark.ci_required
+@pytest.mark.timeout(120)
+def test_a_node_with_another_secret_is_refused_with_one_line(job_of):
+    job = job_of(join_timeout=3)
+    node0 = job.node(0)
+    wrong = job.node(1, secret=job.secret_file("not-the-job-secret", "wrong"))
+    _, err1 = wrong.communicate(timeout=60)
+    out0, _ = node0.communicate(timeout=60)
+    assert wrong.returncode == 1
+    lines = [ln for ln in err1.splitlines() if "closed the connection before accepting" in ln]
+    assert len(lines) == 1 and "job secret" in lines[0], err1
+    rejected = job.kinds("control_rejected", run="train")
+    assert rejected and "127.0.0.2" in rejected[0]["peer"], rejected
+    assert node0.returncode == 1
+    assert "node(s) [1] did not join within nodes.join_timeout_s" in json.loads(out0)["reason"]
