@@ -24,7 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from unbroken.api import reference_config, run_job
 from unbroken.bench.soak_watch import descendants
+from unbroken.config import JobConfig, load_config
 from unbroken.metrics.log import read_jsonl
 
 _CONFIG = """
@@ -223,3 +225,39 @@ def test_a_node_with_another_secret_is_refused_with_one_line(job_of):
     assert rejected and "127.0.0.2" in rejected[0]["peer"], rejected
     assert node0.returncode == 1
     assert "node(s) [1] did not join within nodes.join_timeout_s" in json.loads(out0)["reason"]
+
+
+@pytest.mark.slow  # ~45 s; the CI tier fences a returning node in the node-loss test
+@pytest.mark.timeout(300)
+def test_a_partitioned_node_is_fenced_and_its_processes_stop_when_it_returns(job_of):
+    job = job_of(iterations=60, adapt=True)
+    node1 = job.node(1)
+    node0 = job.node(0)
+    _wait(lambda: job.iterations_done("train") >= 5 or node0.poll() is not None, 200, "iter 5")
+    assert node0.poll() is None, node0.communicate()[1][-3000:]
+    tree = descendants(node1.pid)
+    os.kill(node1.pid, signal.SIGSTOP)  # its agent goes silent, as behind a partition
+    lost = _wait(lambda: job.kinds("node_lost", run="train"), 30, "node 1 declared lost")
+    assert "beats stopped" in lost[0]["reason"], lost
+    # The survivors re-plan and go on while node 1 is away; then it returns.
+    done = _wait(lambda: job.kinds("recovery_done", run="train"), 60, "the recovery on node 0")
+    assert done[0]["mode"] == "inplace", done
+    os.kill(node1.pid, signal.SIGCONT)
+    _, err = node1.communicate(timeout=60)
+    assert node1.returncode == 1, err
+    assert "cut off by the coordinator" in err or "lost the coordinator" in err, err
+    left = [p for p in tree if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
+    assert not left, f"node 1's processes outlived its fencing: {left}"
+    summary = _summary(node0)
+    assert summary["state"] == "done" and summary["iterations"] == 60, summary
+    # No reference in this run: the final state is audited against a one-node fault-free run.
+    cfg = reference_config(load_config(JobConfig, job.config))
+    ref = run_job(cfg, job.tmp / "reference", quiet=True)
+    assert ref.final_state_hash == summary["final_state_hash"]
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"

@@ -100,6 +100,18 @@ def test_a_node_loss_fails_the_job_once_and_nothing_moves_after_it():
     assert m.state is RecoveryState.FAILED
 
 
+def test_a_job_that_replans_survives_a_node_loss_as_one_recovery():
+    m = _running(world=4, replans=True)
+    assert isinstance(m.on_node_lost("agent connection closed"), Stop)
+    assert m.on_node_lost("its ranks' peers failed too") is None  # already stopping
+    assert m.on_rank_exit(0, 0, 1) is None  # a survivor torn down with the generation
+    m.resize(2)
+    assert m.on_stopped(0) == Start(1, RestoreMode.IN_PLACE, "inplace")
+    m.on_started(1)
+    assert m.on_rank_exit(0, 1, 0) is None
+    assert isinstance(m.on_rank_exit(1, 1, 0), Finish)
+
+
 def test_the_transition_table_is_enforced():
     """Every pair of states: the machine's `_go` accepts exactly the listed transitions, and
     the terminal states have none."""

@@ -50,6 +50,8 @@ class RecoveryBreakdown:
     """How it was detected: exit, hang (`unbroken.detect.FailStopCause`)."""
     detected_t: float = 0.0
     """When it was detected (its `failure_detected` event's `t_detected`)."""
+    node: int | None = None
+    """The lost node, for a node loss (its ranks all failed at once)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,9 +91,12 @@ _HOF_FAULTS = ("kill", "hang", "exception", "pageloss", "ckptcorrupt")
 
 
 def _failures(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
-    """Each detected failure (`failure_detected`, one per recovery the state machine made) with
-    the injected fault that caused it, if one fired since the previous detection."""
-    detected = sorted((e for e in events if e["kind"] == "failure_detected"), key=lambda e: e["t"])
+    """Each detected failure (`failure_detected`, one per recovery the state machine made, or
+    `node_lost`: a whole node gone) with the injected fault that caused it, if one fired since
+    the previous detection."""
+    detected = sorted(
+        (e for e in events if e["kind"] in ("failure_detected", "node_lost")), key=lambda e: e["t"]
+    )
     injected = sorted(
         (e for e in events if e["kind"] == "failure_injected" and e.get("fault") != "slow"),
         key=lambda e: e["t"],
@@ -172,6 +177,13 @@ def _shadows(
     return promoted, again
 
 
+def _rank(det: dict[str, Any], inj: dict[str, Any] | None) -> int:
+    """The failed rank; -1 for a node lost with all its ranks."""
+    if det.get("rank") is not None:
+        return det["rank"]
+    return inj["rank"] if inj is not None and inj.get("rank") is not None else -1
+
+
 def analyze_run(
     metrics: list[dict[str, Any]],
     events: list[dict[str, Any]],
@@ -192,6 +204,8 @@ def analyze_run(
         t_j, recompute = resumed
         promoted, protected_again = _shadows(events, t_fault, ready)
         fault = inj.get("fault", "") if inj is not None else ""
+        if det["kind"] == "node_lost" and not fault:
+            fault = "node_lost"
         t_detected = det.get("t_detected", det["t"])
         out.append(
             RecoveryBreakdown(
@@ -200,7 +214,7 @@ def analyze_run(
                 injected=inj is not None,
                 cause=det.get("cause", ""),
                 mode=ready.get("recovery", "unknown") if ready else "unknown",
-                rank=det["rank"] if det.get("rank") is not None else inj["rank"],
+                rank=_rank(det, inj),
                 iteration=k,
                 phase=phase,
                 detect_s=t_detected - t_fault,
@@ -212,6 +226,7 @@ def analyze_run(
                 shadows_ready=promoted.get("ready", 0) if promoted else 0,
                 protected_again_s=protected_again,
                 detected_t=t_detected,
+                node=det.get("node") if det["kind"] == "node_lost" else None,
             )
         )
     return out

@@ -82,7 +82,7 @@ def build_summary(
         "reason": faulty.get("reason", ""),
         "final_state_hash": faulty["final_state_hash"],
         "failures_injected": len(injected),
-        "failures_detected": sum(e["kind"] == "failure_detected" for e in f_events),
+        "failures_detected": sum(e["kind"] in ("failure_detected", "node_lost") for e in f_events),
         "faults_not_fired": list(not_fired or []),
         "failures_recovered": len(recoveries),
         "recoveries": [r.as_dict() for r in recoveries],
@@ -223,9 +223,8 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{'recomp s':>10}{'total s':>9}{'shadows again s':>17}",
         ]
         for r in summary["recoveries"]:
-            what = (
-                f"{r.get('fault') or r['kind']} rank {r['rank']} it {r['iteration']} {r['phase']}"
-            )
+            who = f"node {r['node']}" if r.get("node") is not None else f"rank {r['rank']}"
+            what = f"{r.get('fault') or r['kind']} {who} it {r['iteration']} {r['phase']}"
             shadow = f"L{r['shadow_level']}" if r.get("shadow_level") else "-"
             again = r.get("protected_again_s")
             lines.append(

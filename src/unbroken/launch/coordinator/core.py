@@ -382,7 +382,16 @@ class CoordinatorCore:
         common = {"detection": event.kind.value, "cause": event.cause}
         if event.cause == FailStopCause.NODE_LOST:
             extra = {} if event.silent_s is None else {"silent_s": event.silent_s}
-            self.events.emit("node_lost", node=event.node, reason=event.reason, **common, **extra)
+            self.events.emit(
+                "node_lost",
+                node=event.node,
+                reason=event.reason,
+                t_detected=event.t,
+                **common,
+                **extra,
+            )
+            self.monitor.say(f"node {event.node} lost: {event.reason}")
+            self.monitor.failure_detected(event.t)
             return
         injected = self._injected_since_last_failure()
         detect_s = (event.t - injected[0]) if injected else None
