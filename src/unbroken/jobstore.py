@@ -15,11 +15,12 @@ job shares through the store is one of the typed entries below:
 Reading an entry another process has not written yet returns None, except where a method
 says it waits (`job_t0`, `wait_checkpoint_interval`). A placement is written before its epoch,
 so whoever reads an epoch finds its placement. The
-store has no authentication (see docs: who can reach it).
+store has no authentication; it listens on the job's address only (docs/security.md).
 """
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -43,18 +44,26 @@ class JobStore:
 
     def __init__(self, store: dist.Store) -> None:
         self.raw = store
+        self._listener: socket.socket | None = None
 
     @classmethod
     def host(cls, host: str, timeout_s: float, port: int = 0) -> JobStore:
-        """Start the job's store server (the coordinator does, once per run)."""
+        """Start the job's store server (the coordinator does, once per run), listening on
+        `host` only: torch's TCPStore, left to itself, listens on every interface whatever
+        host it is given — the socket is bound here and handed to it (`master_listen_fd`)."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.create_server((host.strip("[]"), port), family=family, backlog=1024)
         store = dist.TCPStore(
             host,
-            port,
+            listener.getsockname()[1],
             is_master=True,
             wait_for_workers=False,
             timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=listener.fileno(),
         )
-        return cls(store)
+        job = cls(store)
+        job._listener = listener  # the server's socket lives as long as the store
+        return job
 
     @classmethod
     def connect(cls, host: str, port: int, timeout_s: float) -> JobStore:

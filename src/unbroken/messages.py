@@ -336,6 +336,8 @@ def decode_json(data: bytes | str, accept: typing.Iterable[type[Message]]) -> Me
         obj = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise MessageError("malformed message (not JSON)") from None
+    except RecursionError:  # nesting deeper than the parser's stack: never a message of ours
+        raise MessageError("malformed message (nested too deep)") from None
     return decode(obj, accept)
 
 

@@ -32,6 +32,7 @@ from unbroken.messages import (
     RankExited,
     RankHung,
     RankStatus,
+    ReclaimRequest,
     ShadowLaunch,
     ShadowPlan,
     Shutdown,
@@ -39,6 +40,7 @@ from unbroken.messages import (
     StartGeneration,
     StopGeneration,
     Stopped,
+    encode_json,
 )
 
 FAKE_TRAINER = str(Path(__file__).with_name("fake_trainer.py"))
@@ -248,3 +250,21 @@ def test_an_allocation_failure_reclaims_the_shadows_and_relaunches_them(node):
     assert {t.generation for t in list(pool.shadows.values())} == {1}
     pids = node.shutdown()
     assert len(pids) >= 4 and all(_gone(p) for p in pids)
+
+
+def test_hostile_datagrams_do_not_take_the_agent_down(node):
+    """Any process in the network namespace can reach the agent's abstract sockets
+    (docs/security.md): nested-too-deep JSON and a reply address no socket can have are
+    ignored, and the agent still serves its coordinator."""
+    sup = node.agent.supervisor
+    out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    for addr in (sup.heartbeat_addr, sup.reclaim_addr):
+        out.sendto(b"[" * 100_000, addr.replace("@", "\0", 1))
+    bad_reply = ReclaimRequest(rank=0, generation=0, reply="@\ud800", reason="x", t=time.time())
+    out.sendto(encode_json(bad_reply), sup.reclaim_addr.replace("@", "\0", 1))
+    # A generation started after them proves the loop went past both datagrams.
+    spec = node.spec(0, {0: {"exit": 3}})
+    node.start(0, spec, [0])
+    node.coordinator.expect(RankExited, rank=0, returncode=3)
+    assert node.thread.is_alive()
+    node.shutdown()

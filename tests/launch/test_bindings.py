@@ -5,10 +5,9 @@ control server, node 0's agent), with the default `Endpoints`; the listening TCP
 process owns are read from /proc (its fds' socket inodes matched against /proc/PID/net/tcp and
 tcp6). The control server must listen on loopback only, and the agent on no TCP port at all.
 
-The job store is held by a strict xfail: torch's TCPStore server listens on every interface
-([::] or 0.0.0.0) whatever host it is given, so today an unauthenticated listener of a
-single-node job is reachable from other hosts. When the store binds its host the xfail turns
-into a failure, and the marker goes.
+The job store included: torch's TCPStore server, left to itself, listens on every interface
+([::] or 0.0.0.0) whatever host it is given; `JobStore.host` binds the socket itself and hands
+it over, and this test is what keeps it so.
 
 A frame signed with another key is dropped by the control server without harm: covered in
 tests/foundation/test_control.py (`test_wrong_secret_is_rejected` for the channel,
@@ -20,6 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -137,12 +137,6 @@ def test_the_metrics_server_listens_on_loopback_only():
     assert len(opened) == 1 and _loopback(opened[0][0]), opened
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="torch's TCPStore server listens on every interface whatever host it is given "
-    "(docs/security.md, 'What is not protected')",
-)
 def test_every_tcp_listener_of_a_single_node_job_is_on_loopback(services):
     store_port = services.coordinator.endpoints.store_port
     ports = {port for _, port in services.opened.values()}
@@ -150,3 +144,35 @@ def test_every_tcp_listener_of_a_single_node_job_is_on_loopback(services):
         pytest.fail(f"not the job's listeners: {services.opened}")  # not the expected failure
     off = [a for a in services.opened.values() if not _loopback(a[0])]
     assert not off, f"listening beyond loopback: {off}"
+
+
+def test_connections_that_never_say_hello_cannot_pile_up(monkeypatch):
+    """A peer without the secret may open connections and send nothing: beyond
+    `MAX_STRANGERS` the oldest are closed, and none outlives `HELLO_S`."""
+    from unbroken.launch.coordinator import server as srv
+
+    monkeypatch.setattr(srv, "MAX_STRANGERS", 3)
+    server = srv.ControlServer("127.0.0.1", b"k" * 32)
+    clients = []
+    try:
+        for _ in range(5):
+            clients.append(socket.create_connection(("127.0.0.1", server.port)))
+            me = str(clients[-1].getsockname())
+            deadline = time.monotonic() + 10
+            while me not in [c.peer for c in server._strangers()]:
+                assert time.monotonic() < deadline, "the server never accepted"
+                server.poll(0.05)
+        assert len(server._strangers()) == 3
+        for c in clients[:2]:  # the two oldest were closed to make room
+            c.settimeout(10)
+            assert c.recv(1) == b""
+        monkeypatch.setattr(srv, "HELLO_S", 0.0)
+        server.poll(0.0)
+        assert server._strangers() == []
+        for c in clients[2:]:
+            c.settimeout(10)
+            assert c.recv(1) == b""
+    finally:
+        for c in clients:
+            c.close()
+        server.close()

@@ -146,7 +146,7 @@ def _checked(join: NodeJoin) -> NodeJoin:
 
 def secret_key(text: str) -> bytes:
     """The control channel's HMAC key for a job secret: SHA-256 of its text (any text works;
-    `unbroken secret` writes 64 random hex digits)."""
+    docs/security.md says how to make a good one)."""
     return hashlib.sha256(text.strip().encode()).digest()
 
 

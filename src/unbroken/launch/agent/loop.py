@@ -205,7 +205,9 @@ class Agent:
 
     def on_reclaim_request(self, req: ReclaimRequest) -> None:
         answer = self.reclaimer.on_request(req, self.trainers.keys())
-        with contextlib.suppress(OSError):  # a trainer that died meanwhile needs no answer
+        # A trainer that died meanwhile needs no answer; a reply address that is no socket
+        # name (it cannot be encoded) gets none either — the datagram was not a trainer's.
+        with contextlib.suppress(OSError, UnicodeError, ValueError):
             self.rc.sendto(encode_json(answer), req.reply.replace("@", "\0", 1))
 
     # -- supervision ----------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import selectors
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +35,20 @@ class Dropped:
     reason: str
 
 
+HELLO_S = 10.0
+"""How long a connection may stay without introducing itself (an agent says hello at once)."""
+
+MAX_STRANGERS = 64
+"""Connections without a hello kept at once; beyond, the oldest is closed (a peer without the
+secret cannot exhaust the coordinator's file descriptors)."""
+
+
 class _Conn:
     def __init__(self, sock: socket.socket, peer: Any, secret: bytes) -> None:
         self.channel = Channel(sock, secret, FROM_AGENT)
         self.peer = str(peer)
         self.node: int | None = None
+        self.t_accept = time.monotonic()
 
 
 class ControlServer:
@@ -76,7 +86,20 @@ class ControlServer:
                 self._accept()
             else:
                 out += self._read(key.data)
+        self._close_strangers()
         return out
+
+    def _strangers(self) -> list[_Conn]:
+        conns = [k.data for k in self.sel.get_map().values() if k.data is not None]
+        return sorted((c for c in conns if c.node is None), key=lambda c: c.t_accept)
+
+    def _close_strangers(self) -> None:
+        """Close connections that did not say hello in time, and the oldest beyond the cap."""
+        strangers = self._strangers()
+        now = time.monotonic()
+        for i, conn in enumerate(strangers):
+            if now - conn.t_accept > HELLO_S or len(strangers) - i > MAX_STRANGERS:
+                self._close(conn)
 
     def disconnect(self, node: int) -> None:
         """Close `node`'s connection (a lost or fenced node); nothing if it has none."""
@@ -88,6 +111,11 @@ class ControlServer:
         try:
             sock, peer = self.listener.accept()
         except BlockingIOError:
+            return
+        except OSError:  # out of file descriptors (EMFILE, ENFILE), a connection reset first
+            strangers = self._strangers()
+            if strangers:  # make room: the oldest connection that never introduced itself
+                self._close(strangers[0])
             return
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
