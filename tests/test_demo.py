@@ -83,3 +83,25 @@ def test_demo_quick_recovers_in_place_exactly_and_finds_the_slow_rank(tmp_path):
         assert (out / name).stat().st_size > 0
     assert "bit-exact: True" in r.stdout
     assert f"report: {out / 'report.html'}" in r.stdout
+
+
+@pytest.mark.slow  # ~80 s: the multi-node paths run in the CI tier in tests/launch/test_multinode.py
+@pytest.mark.timeout(600)
+def test_demo_on_two_nodes_survives_the_loss_of_node_1(tmp_path):
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "unbroken", "demo", "--quick", "--nodes", "2", "--no-report"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out), "--json"], capture_output=True, text=True, timeout=580
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["bit_exact"] is True
+    node = [r for r in summary["recoveries"] if r.get("node") is not None]
+    assert [(r["fault"], r["node"], r["mode"]) for r in node] == [("nodeloss", 1, "inplace")]
+    assert summary["failures_recovered"] == summary["failures_detected"] == 4
+    joined = [
+        e
+        for e in map(json.loads, (out / "events.jsonl").read_text().splitlines())
+        if e["kind"] == "agent_joined" and e["run"] == "faulty"
+    ]
+    assert sorted((e["node"], e["host"] == "127.0.0.2") for e in joined) == [(0, False), (1, True)]

@@ -7,7 +7,8 @@ lost retained pages during the parity write-back, an exception in the backward p
 inside a progress-marker write — recovered in place, and a table comparing the two. With
 --adapt a data-parallel demo re-plans around its slow rank once the detector reports it
 (`adapt.enabled`): the re-plan is printed when it happens and in the final table. The run's
-HTML report (`report.html`, `unbroken.cli.report`) is written next to its logs. Exit status 0
+HTML report (`report.html`, `unbroken.cli.report`) is written next to its logs. With --nodes 2
+the ranks run on two local "hosts" and node 1 is lost near the end (`unbroken.cli.demo_nodes`). Exit status 0
 only when every injected failure was recovered and the final state is bit-identical to the
 reference.
 """
@@ -20,6 +21,7 @@ import json
 import sys
 import time
 
+from unbroken.cli.demo_nodes import SecondNode, two_nodes
 from unbroken.cli.train import add_metrics_flags, metrics_config
 from unbroken.config import ParallelConfig
 from unbroken.config.demo import demo_config
@@ -46,6 +48,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--adapt",
         action="store_true",
         help="re-plan around lost and slow devices (adapt.enabled; data-parallel runs)",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="2: run the ranks on two local 'hosts' (node 1 connects from 127.0.0.2) and lose "
+        "node 1 near the end; the job re-plans onto node 0 (implies --adapt)",
     )
     p.add_argument(
         "--report",
@@ -85,10 +95,26 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    adapt = dataclasses.replace(cfg.adapt, enabled=args.adapt and not parallel.planned)
+    if args.nodes > 1 and parallel.planned:
+        raise UserError("--nodes 2 runs the data-parallel demo (a node loss re-plans DP jobs)")
+    enabled = (args.adapt or args.nodes > 1) and not parallel.planned
+    adapt = dataclasses.replace(cfg.adapt, enabled=enabled)
     cfg = metrics_config(dataclasses.replace(cfg, parallel=parallel, adapt=adapt), args)
     t0 = time.time()
-    summary = run_job(cfg, args.out, reference=True, debug=args.debug, source="unbroken demo")
+    if args.nodes > 1:
+        cfg = two_nodes(cfg)
+        with SecondNode() as node1:
+            summary = run_job(
+                cfg,
+                args.out,
+                reference=True,
+                debug=args.debug,
+                source="unbroken demo",
+                join=node1.join,
+                secret=node1.secret,
+            )
+    else:
+        summary = run_job(cfg, args.out, reference=True, debug=args.debug, source="unbroken demo")
     report = _report(args.out) if args.report else None
     if args.json:
         print(json.dumps(summary.to_dict(), indent=1))

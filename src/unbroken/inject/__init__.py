@@ -13,6 +13,8 @@ Spec syntax (config `inject = [...]`, CLI `--inject`, tests):
     memspike:rank=R,iter=I,mb=M               M MiB more memory for iteration I
     lose:rank=R,iter=I[,phase=P]              the device of rank R (numbered as at launch) is
                                               gone for the rest of the job
+    nodeloss:rank=R,iter=I[,phase=P]          the node that runs rank R dies at once (its
+                                              agent and every process under it)
 KIND ∈ kill (SIGKILL), hang (SIGSTOP), exception (raise), oom (a failed device allocation),
 slow, pageloss, ckptcorrupt (damage the newest checkpoint on disk, then SIGKILL), memspike,
 lose (a device lost for good, recorded in the job's device registry, `devices`) (see

@@ -49,6 +49,10 @@ class FaultKind(enum.StrEnum):
     GPU probe would report), its state manager shut down so its retained memory is destroyed,
     then SIGKILL the trainer. The agent's health check finds the device lost and never starts
     anything on it again."""
+    NODELOSS = "nodeloss"
+    """The whole node that runs the rank is gone at once (a host that dies): SIGKILL of its
+    agent (`UNBROKEN_AGENT_PID`) and of the trainer; the node's other trainers, shadows and
+    state managers die with their agent. The coordinator sees the node's connection close."""
     MEMSPIKE = "memspike"
     """Allocate and touch `mb` MiB more for the rest of the iteration (a memory peak such as a
     long-sequence batch or uneven expert routing): no failure unless memory runs out."""

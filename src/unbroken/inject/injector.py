@@ -367,11 +367,17 @@ class Injector:
             pages=destroyed,
             damaged=damaged,
         )
+        if fault.kind is FaultKind.NODELOSS:
+            agent = os.environ.get("UNBROKEN_AGENT_PID")
+            if agent is None:
+                raise InjectedFault(f"{fault.text()}: no agent to take down (run under one)")
+            os.kill(int(agent), signal.SIGKILL)  # the node's processes die with their agent
         if fault.kind in (
             FaultKind.KILL,
             FaultKind.PAGELOSS,
             FaultKind.CKPTCORRUPT,
             FaultKind.LOSE,
+            FaultKind.NODELOSS,
         ):
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind is FaultKind.HANG:

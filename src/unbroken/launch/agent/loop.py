@@ -375,6 +375,8 @@ def serve_node(
     from unbroken.launch.rendezvous import SECRET_ENV, load_secret, secret_key
 
     who = f"unbroken: node {node}"
+    # The node's processes inherit it: a `nodeloss` fault takes the node down through it.
+    os.environ["UNBROKEN_AGENT_PID"] = str(os.getpid())
     try:
         text = load_secret(secret_file, os.environ)
     except UserError as exc:
