@@ -173,6 +173,8 @@ def test_two_nodes_train_and_recover_a_rank_of_node_1_in_place(job_of):
     assert [(f["rank"], f["node"]) for f in failure] == [(3, 1)], failure
     modes = [e["mode"] for e in job.kinds("recovery_start")]
     assert modes == ["inplace"], modes
+    (stats,) = [s for s in job.kinds("coordinator_stats") if s["final"]]
+    assert stats["store_keys"] > 0 and stats["messages"] > 0, stats
 
 
 @pytest.mark.ci_required

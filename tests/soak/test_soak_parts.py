@@ -12,6 +12,7 @@ import pytest
 
 from unbroken.bench.soak_checks import (
     BOUNDS,
+    coordinator_checks,
     disturbed,
     ends_ratio,
     fit_slope,
@@ -19,6 +20,7 @@ from unbroken.bench.soak_checks import (
     leak_checks,
     recovery_ratio,
     steady_iterations,
+    with_recoveries,
 )
 from unbroken.bench.soak_schedule import KINDS, draw_schedule
 from unbroken.bench.soak_watch import CLASSES, classify, sample_processes
@@ -200,3 +202,37 @@ def test_the_command_refuses_a_non_positive_length():
     add_arguments(parser)
     with pytest.raises(UserError, match="--minutes"):
         run(parser.parse_args(["--minutes", "0"]))
+
+
+def _stats_events(keys_per_window, recovery_times):
+    events = [{"kind": "recovery_done", "t": t} for t in recovery_times]
+    for i, (keys, handle) in enumerate(keys_per_window):
+        events.append(
+            {
+                "kind": "coordinator_stats",
+                "t": 10.0 * i + 5,
+                "store_keys": keys,
+                "handle_ms_p50": handle,
+                "final": False,
+            }
+        )
+    events.append({"kind": "coordinator_stats", "t": 1e9, "store_keys": 10**6, "final": True})
+    return events
+
+
+def test_store_keys_that_pile_up_per_recovery_fail_and_flat_ones_pass():
+    recoveries = [10.0 * i + 1 for i in range(12)]  # one recovery per 10 s window
+    flat = with_recoveries(_stats_events([(40, 0.1)] * 12, recoveries))
+    assert [s["recoveries"] for s in flat][:3] == [1, 2, 3]  # the final one is left out
+    keys, timing = coordinator_checks(flat)
+    assert keys.passed is True and timing.passed is True
+    piling = with_recoveries(_stats_events([(40 + 9 * i, 0.1) for i in range(12)], recoveries))
+    keys, _ = coordinator_checks(piling)
+    assert keys.passed is False and keys.value == 9.0
+
+
+def test_coordinator_handling_time_that_triples_fails():
+    recoveries = [10.0 * i + 1 for i in range(20)]
+    slowing = [(40, 0.1)] * 10 + [(40, 0.35)] * 10
+    _, timing = coordinator_checks(with_recoveries(_stats_events(slowing, recoveries)))
+    assert timing.passed is False and timing.value == 3.5

@@ -41,11 +41,14 @@ from typing import Any
 
 from unbroken.bench.soak_checks import (
     Check,
+    coordinator_checks,
     ends_ratio,
     fit_slope,
     leak_checks,
     recovery_ratio,
+    stats_points,
     steady_iterations,
+    with_recoveries,
 )
 from unbroken.bench.soak_schedule import ScheduledFault, draw_schedule
 from unbroken.bench.soak_watch import CLASSES, ResourceSampler, descendants
@@ -177,6 +180,7 @@ def soak(
     _say(f"seed {seed}: {len(faults)} faults over {iterations} iterations ({minutes:g} min)")
     summary, samples, orphans = _watched_run(cfg, out, interval_s)
     metrics = [m for m in read_jsonl(out / "job" / "metrics.jsonl") if m["run"] == "faulty"]
+    events = [e for e in read_jsonl(out / "job" / "events.jsonl") if e["run"] == "faulty"]
     result = _result(
         summary.to_dict(),
         samples,
@@ -185,6 +189,7 @@ def soak(
         orphans,
         settle=settle,
         tolerances=(iter_tolerance, recovery_tolerance),
+        stats=with_recoveries(events),
     )
     result.update(
         seed=seed,
@@ -228,6 +233,7 @@ def _result(
     *,
     settle: int,
     tolerances: tuple[float, float],
+    stats: list[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     """Every check and the figures behind them."""
     failstop = sum(f.failstop for f in faults)
@@ -240,6 +246,7 @@ def _result(
         _ends_check("recovery time (per kind)", recovery_ratio(recoveries), tolerances[1])
     )
     events = [(s["recoveries"], s["events_bytes"] / 1024) for s in samples]
+    checks += coordinator_checks(stats)
     return {
         "passed": all(c.passed for c in checks),
         "checks": [c.as_dict() for c in checks],
@@ -254,6 +261,8 @@ def _result(
         "steady_iterations": len(steady),
         "steady_iter_s_median": _median([s for _, s in steady]),
         "events_kib_per_recovery": fit_slope(events) if len(events) > 1 else None,
+        "coordinator_stats": len(stats),
+        "store_keys": [(r, k) for r, k, _ in stats_points(stats)],
         "samples": len(samples),
         "first_sample": samples[0] if samples else None,
         "last_sample": samples[-1] if samples else None,

@@ -29,6 +29,14 @@ The coordinator also keeps every event and metrics row of the run in memory by d
 summary is built from them): growth per iteration, which is far below 2 MiB per recovery at
 one failure per 10-30 s.
 
+The coordinator's own load (`coordinator_stats` events, `unbroken.launch.coordinator.load`):
+- job-store keys per recovery, fitted like a resource: at most `STORE_KEYS_BOUND`. Every
+  generation rendezvouses under its own prefix; keys that outlive their generation pile up
+  with the recoveries;
+- message handling time: the median of the windows' per-message p50 in the first and last tenth
+  of the windows, at most `HANDLE_TOLERANCE` above (sub-millisecond figures on a shared VM:
+  only a doubling is a trend, not noise).
+
 Timing checks (one-sided: the soak looks for decay, a faster end is not a failure):
 - steady iteration time: the median of `iter_s - ckpt_s` of the iterations in the first and
   in the last tenth of the run, leaving out every iteration from one before a failure to
@@ -48,12 +56,17 @@ from typing import Any
 
 __all__ = [
     "BOUNDS",
+    "HANDLE_TOLERANCE",
+    "STORE_KEYS_BOUND",
     "Check",
+    "coordinator_checks",
     "ends_ratio",
     "fit_slope",
     "leak_checks",
     "recovery_ratio",
+    "stats_points",
     "steady_iterations",
+    "with_recoveries",
 ]
 
 BOUNDS = {
@@ -211,3 +224,61 @@ def recovery_ratio(recoveries: Sequence[dict[str, Any]]) -> list[float]:
     return [
         r["total_s"] / medians[_recovery_key(r)] for r in ordered if medians[_recovery_key(r)] > 0
     ]
+
+
+STORE_KEYS_BOUND = 0.5
+"""Largest slope of the job store's key count per recovery ([Note: soak bounds])."""
+
+HANDLE_TOLERANCE = 1.0
+
+
+def with_recoveries(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run's `coordinator_stats` events (the final one left out), each with the number of
+    recoveries finished before it (`recoveries`)."""
+    done = sorted(e["t"] for e in events if e["kind"] == "recovery_done")
+    out = []
+    for e in events:
+        if e["kind"] == "coordinator_stats" and not e.get("final"):
+            out.append({**e, "recoveries": sum(t < e["t"] for t in done)})
+    return out
+
+
+def stats_points(stats: Sequence[dict[str, Any]]) -> list[tuple[int, int, float | None]]:
+    return [
+        (s["recoveries"], s["store_keys"], s.get("handle_ms_p50"))
+        for s in stats
+        if s.get("store_keys") is not None
+    ]
+
+
+def coordinator_checks(stats: Sequence[dict[str, Any]]) -> list[Check]:
+    """The store's keys per recovery and the coordinator's handling time over the run."""
+    points = stats_points(stats)
+    by_count: dict[int, list[float]] = {}
+    for r, keys, _ in points:
+        by_count.setdefault(r, []).append(keys)
+    groups = [(r, statistics.median(v)) for r, v in sorted(by_count.items()) if r >= 1]
+    slope = fit_slope(groups) if len(groups) >= MIN_GROUPS else None
+    keys = Check(
+        "job-store keys per recovery",
+        None if slope is None else slope <= STORE_KEYS_BOUND,
+        "-" if slope is None else round(slope, 3),
+        STORE_KEYS_BOUND,
+        f"{points[0][1]} -> {points[-1][1]} keys" if points else "no coordinator_stats",
+    )
+    handle = [h for _, _, h in points if h is not None]
+    ends = ends_ratio(handle)
+    if ends is None or ends[2] is None:
+        timing = Check(
+            "coordinator handling time", None, "-", f"<={1 + HANDLE_TOLERANCE:.2f}", "too few"
+        )
+    else:
+        first, last, ratio = ends
+        timing = Check(
+            "coordinator handling time",
+            ratio <= 1 + HANDLE_TOLERANCE,
+            round(ratio, 3),
+            f"<={1 + HANDLE_TOLERANCE:.2f}",
+            f"per message p50 {first:.3f} -> {last:.3f} ms (of {len(handle)} windows)",
+        )
+    return [keys, timing]

@@ -63,6 +63,16 @@ HISTORY = 8
 """Healthy iterations remembered to calibrate a comm slow-down ([Note: slow-fault])."""
 
 
+_KILLED = (
+    FaultKind.KILL,
+    FaultKind.PAGELOSS,
+    FaultKind.CKPTCORRUPT,
+    FaultKind.LOSE,
+    FaultKind.NODELOSS,
+)
+"""Faults whose trainer is SIGKILLed once they have acted."""
+
+
 class Injector:
     """A phase hook that fires this rank's faults.
 
@@ -331,6 +341,17 @@ class Injector:
             byte=offset,
         )
 
+    @staticmethod
+    def _die(fault: FaultSpec) -> None:
+        """SIGKILL this trainer — after its node's agent, for a `nodeloss` (the node's other
+        processes die with their agent)."""
+        if fault.kind is FaultKind.NODELOSS:
+            agent = os.environ.get("UNBROKEN_AGENT_PID")
+            if agent is None:
+                raise InjectedFault(f"{fault.text()}: no agent to take down (run under one)")
+            os.kill(int(agent), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def _fire(self, fault: FaultSpec, phase: Phase, iteration: int, step: int) -> None:
         self.store.mark_fault_fired(fault.key, time.time())
         if fault.kind is FaultKind.MEMSPIKE:
@@ -367,19 +388,8 @@ class Injector:
             pages=destroyed,
             damaged=damaged,
         )
-        if fault.kind is FaultKind.NODELOSS:
-            agent = os.environ.get("UNBROKEN_AGENT_PID")
-            if agent is None:
-                raise InjectedFault(f"{fault.text()}: no agent to take down (run under one)")
-            os.kill(int(agent), signal.SIGKILL)  # the node's processes die with their agent
-        if fault.kind in (
-            FaultKind.KILL,
-            FaultKind.PAGELOSS,
-            FaultKind.CKPTCORRUPT,
-            FaultKind.LOSE,
-            FaultKind.NODELOSS,
-        ):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind in _KILLED:
+            self._die(fault)
         elif fault.kind is FaultKind.HANG:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.kind is FaultKind.EXCEPTION:

@@ -407,26 +407,29 @@ def serve_node(
         print(f"{who}: lost the coordinator: {exc}", file=sys.stderr)
         agent.shutdown_all()
         return 1
+    return _farewell(agent, who, coordinator)
+
+
+def _farewell(agent: Agent, who: str, coordinator: str) -> int:
+    """How the node's service ended: 0 after the job's `Shutdown`, else 1 and why."""
     if agent.fenced:
+        why = f"{agent.fenced}; every process of this node is stopped"
+        print(f"{who}: cut off by the coordinator at {coordinator}: {why}", file=sys.stderr)
+        return 1
+    if not agent.running:
+        return 0
+    # The coordinator closed the connection without a Shutdown.
+    if not agent.heard:
         print(
-            f"{who}: cut off by the coordinator at {coordinator}: {agent.fenced}; every "
-            "process of this node is stopped",
+            f"{who}: the coordinator at {coordinator} closed the connection before accepting "
+            "this node: is the job secret the same on every node? (node 0's events.jsonl says "
+            "why: control_rejected)",
             file=sys.stderr,
         )
-        return 1
-    if agent.running:  # the coordinator closed the connection without a Shutdown
-        if not agent.heard:
-            print(
-                f"{who}: the coordinator at {coordinator} closed the connection before "
-                "accepting this node: is the job secret the same on every node? (node 0's "
-                "events.jsonl says why: control_rejected)",
-                file=sys.stderr,
-            )
-        else:
-            print(
-                f"{who}: cut off by the coordinator at {coordinator} (this node was declared "
-                "lost, or the job ended); every process of this node is stopped",
-                file=sys.stderr,
-            )
-        return 1
-    return 0
+    else:
+        print(
+            f"{who}: cut off by the coordinator at {coordinator} (this node was declared lost, "
+            "or the job ended); every process of this node is stopped",
+            file=sys.stderr,
+        )
+    return 1

@@ -31,6 +31,7 @@ from typing import Any
 from unbroken.config import JobConfig
 from unbroken.jobstore import JobStore
 from unbroken.launch.coordinator.core import CoordinatorCore
+from unbroken.launch.coordinator.load import LoadStats
 from unbroken.launch.coordinator.monitor import RunMonitor, run_info
 from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
 from unbroken.launch.coordinator.server import ControlServer, Dropped, Received
@@ -142,6 +143,7 @@ class Coordinator:
             debug=self.debug,
         )
         self.store = store
+        self.load = LoadStats(self.events, store.raw.num_keys)
         self.monitor.slow_watch.detector.sink = core
         env = dict(os.environ, UNBROKEN_JOB_SECRET=self.secret_text)
         self.agent_proc = subprocess.Popen(
@@ -174,11 +176,17 @@ class Coordinator:
         try:
             while not core.fsm.over:
                 for item in self.server.poll(timeout=0.05):
+                    t = time.perf_counter()
                     self._dispatch(core, item)
+                    self.load.handled(time.perf_counter() - t)
+                t = time.perf_counter()
                 self.monitor.poll()
+                self.load.polled(time.perf_counter() - t)
                 core.tick(time.time())
                 self._check_nodes(core, t_hello)
+                self.load.tick()
             self.monitor.poll()
+            self.load.tick(final=True)
         finally:
             self._shutdown()
         self.monitor.finish(core.fsm.state.value, core.done_reason)
