@@ -25,7 +25,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["JobStore"]
+__all__ = ["JobStore", "RendezvousStore"]
 
 _T0 = "job/t0"
 _CKPT_COST = "ckpt/cost_s"
@@ -75,12 +75,15 @@ class JobStore:
     def port(self) -> int:
         return self.raw.port
 
-    def generation_store(self, generation: int, shadow_attempt: int | None = None) -> dist.Store:
+    def generation_store(
+        self, generation: int, shadow_attempt: int | None = None
+    ) -> RendezvousStore:
         """The prefix under which generation `generation`'s process group rendezvouses. A set of
         shadows (attempt a) rendezvouses under its own, so fresh processes started instead of
-        them never meet their keys."""
+        them never meet their keys. The keys this process writes there are recorded, so it can
+        delete them once its group is formed (`RendezvousStore.forget`)."""
         prefix = f"gen{generation}" + ("" if shadow_attempt is None else f"-shadow{shadow_attempt}")
-        return dist.PrefixStore(prefix, self.raw)
+        return RendezvousStore(dist.PrefixStore(prefix, self.raw))
 
     def num_keys(self) -> int:
         return self.raw.num_keys()
@@ -143,3 +146,68 @@ class JobStore:
         first, then the epoch that points to it."""
         self.raw.set(f"{_PLAN}{epoch}", placement_json)
         self.raw.set(_PLAN_EPOCH, str(epoch))
+
+
+class RendezvousStore(dist.Store):
+    """A generation's rendezvous prefix that remembers the keys this process wrote.
+
+    Every generation (and every set of shadows) forms its process group under a prefix of its
+    own; the keys it writes there (each rank's address for gloo, the NCCL unique id) are read
+    once, while the group forms. Left in place they pile up with every recovery (the soak
+    measured 5.7 keys per recovery). Once the group is formed and every rank is past it (a
+    barrier), each rank deletes what it wrote (`forget`) and the store stays the same size over
+    a job's life. The store interface is delegated as is; torch calls it from C++.
+    """
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__()
+        self.inner = inner
+        self.written: set[str] = set()
+
+    def set(self, key: str, value) -> None:
+        self.written.add(key)
+        self.inner.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        self.written.add(key)
+        return self.inner.add(key, amount)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        self.written.add(key)
+        return self.inner.compare_set(key, expected, desired)
+
+    def append(self, key: str, value) -> None:
+        self.written.add(key)
+        self.inner.append(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def wait(self, keys, *timeout) -> None:
+        self.inner.wait(keys, *timeout)
+
+    def check(self, keys) -> bool:
+        return self.inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        self.written.discard(key)
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.inner.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        return self.inner.timeout
+
+    def forget(self) -> int:
+        """Delete every key this process wrote here (call once every rank of the group has
+        formed it); returns how many."""
+        keys = sorted(self.written)
+        for key in keys:
+            self.inner.delete_key(key)
+        self.written.clear()
+        return len(keys)

@@ -42,6 +42,7 @@ iterations = {iterations}
 lr = 1e-3
 [parallel]
 world_size = 4
+pp = {pp}
 [checkpoint]
 interval = 1000
 [recovery]
@@ -79,7 +80,7 @@ def _wait(cond, timeout: float, what: str):
 class _Job:
     """A two-node job: a config, a secret file, and one `unbroken train` per node."""
 
-    def __init__(self, tmp: Path, *, iterations=12, inject=(), adapt=False, join_timeout=60):
+    def __init__(self, tmp: Path, *, iterations=12, inject=(), adapt=False, join_timeout=60, pp=1):
         self.tmp, self.out, self.port = tmp, tmp / "out", _free_port()
         self.config = tmp / "job.toml"
         self.config.write_text(
@@ -88,6 +89,7 @@ class _Job:
                 inject=json.dumps(list(inject)),
                 adapt=str(adapt).lower(),
                 join_timeout=join_timeout,
+                pp=pp,
             )
         )
         self.secret = self.secret_file("s3cret-of-the-job")
@@ -272,3 +274,19 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+@pytest.mark.slow  # ~40 s; the CI tier runs the data-parallel two-node job
+@pytest.mark.timeout(300)
+def test_a_pipeline_across_the_nodes_recovers_a_rank_of_node_1_in_place(job_of):
+    """PP=2 × DP=2 on 2 nodes × 2 ranks: one pipeline replica per node (ranks 0-1 and 2-3),
+    so each stage's gradient reduction crosses the hosts; rank 2 (node 1, stage 0) is killed."""
+    job = job_of(pp=2, inject=["kill:rank=2,iter=5,phase=backward"])
+    node1 = job.node(1)
+    summary = _summary(job.node(0, "--reference"))
+    _, err1 = node1.communicate(timeout=60)
+    assert node1.returncode == 0, err1
+    assert summary["bit_exact"] is True, summary
+    failure = job.kinds("failure_detected")
+    assert [(f["rank"], f["node"]) for f in failure] == [(2, 1)], failure
+    assert [e["mode"] for e in job.kinds("recovery_start")] == ["inplace"]

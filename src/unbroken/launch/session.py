@@ -92,6 +92,8 @@ class RankSession:
     device: Any = None
     store: Any = None
     group: Any = None
+    rendezvous: Any = None
+    """The generation's rendezvous store (`JobStore.generation_store`)."""
     t_group: float = 0.0
     retained: Any = None
     injector: Any = None
@@ -199,15 +201,20 @@ class RankSession:
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
         attempt = self.args.attempt if self.args.shadow else None
+        self.rendezvous = rendezvous = self.store.generation_store(spec.generation, attempt)
         dist.init_process_group(
             backend,
-            store=self.store.generation_store(spec.generation, attempt),
+            store=rendezvous,
             rank=self.rank,
             world_size=spec.world_size,
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
         self.group = dist.group.WORLD
+        # Every rank has read its peers' rendezvous keys once all are past the barrier: each
+        # then deletes its own, so the job's store does not grow with every generation.
+        dist.barrier(self.group)
+        rendezvous.forget()
         self.t_group = self.steps["communicators"] = time.time()
         self._enter(SessionStage.GROUPED)
 
@@ -262,6 +269,12 @@ class RankSession:
             from unbroken.inject import DeviceRegistry
 
             self.injector.devices = DeviceRegistry(spec.device_registry)
+        # The executor's own groups (a plan's stage and DP groups) rendezvoused here too: once
+        # every rank is past them, their keys go as well (every rank, even one in none of them).
+        import torch.distributed as dist
+
+        dist.barrier(self.group)
+        self.rendezvous.forget()
         self._enter(SessionStage.ATTACHED)
 
     def restore(self) -> int | None:
