@@ -236,3 +236,13 @@ def test_coordinator_handling_time_that_triples_fails():
     slowing = [(40, 0.1)] * 10 + [(40, 0.35)] * 10
     _, timing = coordinator_checks(with_recoveries(_stats_events(slowing, recoveries)))
     assert timing.passed is False and timing.value == 3.5
+
+
+def test_fired_fault_markers_are_not_counted_as_store_growth():
+    recoveries = [10.0 * i + 1 for i in range(12)]
+    events = with_recoveries(_stats_events([(40 + i, 0.1) for i in range(12)], recoveries))
+    assert coordinator_checks(events)[0].passed is False  # one key more per recovery
+    for i, e in enumerate(events):
+        e["fault_markers"] = i  # ... each the marker of the fault behind that recovery
+    keys, _ = coordinator_checks(events)
+    assert keys.passed is True and keys.value == 0.0

@@ -366,6 +366,12 @@ class CoordinatorCore:
         ):
             self.execute(self.fsm.on_stopped(gen))
 
+    def faults_fired(self) -> int:
+        """How many scheduled faults have fired (each left its marker in the store)."""
+        if self.store is None:
+            return 0
+        return sum(self.store.fault_fired_at(f.key) is not None for f in self._faults)
+
     def _injected_since_last_failure(self) -> tuple[float, str] | None:
         """(time, spec) of the newest scheduled fault that fired since the previous failure,
         from the job store (the injector marks a fault there before it acts)."""

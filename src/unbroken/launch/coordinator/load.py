@@ -6,6 +6,8 @@ holds. Every `STATS_S` seconds, and once at the end, a `coordinator_stats` event
     handle_ms_p50/max per message: decoding done, the core's decision and its sends
     poll_ms_p50/max   per poll of the run's logs (metrics, timings, events) by the monitor
     store_keys        keys in the job store now (every generation's rendezvous keys included)
+    fault_markers     of them, the injected faults' fired-markers (`inject/<fault>`: one per
+                      scheduled fault that fired, bounded by the schedule, not by recoveries)
 
 A coordinator that slows as the job ages (a growing event log read whole, a table scanned per
 message) shows as handling time rising over the run; a store whose keys pile up per
@@ -26,10 +28,16 @@ STATS_S = 30.0
 
 
 class LoadStats:
-    """Args: events (the run's log), store_keys (the store's key count now; None: unknown)."""
+    """Args: events (the run's log), store_keys (the store's key count now), fault_markers
+    (how many of them are fired-fault markers)."""
 
-    def __init__(self, events: JsonlLog, store_keys: Callable[[], int | None]) -> None:
-        self.events, self.store_keys = events, store_keys
+    def __init__(
+        self,
+        events: JsonlLog,
+        store_keys: Callable[[], int | None],
+        fault_markers: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.events, self.store_keys, self.fault_markers = events, store_keys, fault_markers
         self.handle_s: list[float] = []
         self.poll_s: list[float] = []
         self.t_window = time.monotonic()
@@ -52,6 +60,7 @@ class LoadStats:
             **_ms("handle", self.handle_s),
             **_ms("poll", self.poll_s),
             store_keys=self.store_keys(),
+            fault_markers=self.fault_markers(),
             final=final,
         )
         self.handle_s, self.poll_s, self.t_window = [], [], now

@@ -143,7 +143,7 @@ class Coordinator:
             debug=self.debug,
         )
         self.store = store
-        self.load = LoadStats(self.events, store.raw.num_keys)
+        self.load = LoadStats(self.events, store.raw.num_keys, core.faults_fired)
         self.monitor.slow_watch.detector.sink = core
         env = dict(os.environ, UNBROKEN_JOB_SECRET=self.secret_text)
         self.agent_proc = subprocess.Popen(
