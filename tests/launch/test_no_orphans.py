@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from unbroken.bench.soak_watch import alive
 from unbroken.bench.soak_watch import descendants as _descendants
 
 _CONFIG = """
@@ -46,14 +47,6 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie has exited; only its parent's reaping is left
 
 
 def _wait(cond, timeout: float, what: str) -> None:
@@ -94,12 +87,12 @@ def test_no_process_of_the_job_outlives_it(tmp_path, end):
         launcher.wait(timeout=120)
         if end == "normal":
             assert launcher.returncode == 0, launcher.stderr.read().decode()
-        _wait(lambda: not [p for p in job if _alive(p)], 30, f"the job's processes to exit {job}")
+        _wait(lambda: not [p for p in job if alive(p)], 30, f"the job's processes to exit {job}")
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
         for pid in job:  # never leave a failed test's leftovers running
-            if _alive(pid):
+            if alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)

@@ -51,7 +51,7 @@ from unbroken.bench.soak_checks import (
     with_recoveries,
 )
 from unbroken.bench.soak_schedule import ScheduledFault, draw_schedule
-from unbroken.bench.soak_watch import CLASSES, ResourceSampler, descendants
+from unbroken.bench.soak_watch import CLASSES, ResourceSampler, alive, descendants
 
 __all__ = ["add_arguments", "run", "soak"]
 
@@ -133,17 +133,10 @@ def _wait_orphans(timeout_s: float = 30.0) -> list[int]:
     """Processes below this one still alive (not zombies) `timeout_s` after the job ended."""
     deadline = time.monotonic() + timeout_s
     while True:
-        alive = [p for p in descendants(os.getpid()) if _state(p) not in ("Z", "")]
-        if not alive or time.monotonic() > deadline:
-            return alive
+        left = [p for p in descendants(os.getpid()) if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
         time.sleep(0.5)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return ""
 
 
 def soak(

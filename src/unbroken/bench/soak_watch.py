@@ -25,7 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CLASSES", "ResourceSampler", "classify", "descendants", "sample_processes"]
+__all__ = [
+    "CLASSES",
+    "ResourceSampler",
+    "alive",
+    "classify",
+    "descendants",
+    "process_state",
+    "sample_processes",
+]
 
 CLASSES = ("coordinator", "agent", "state_manager", "trainer", "shadow", "zombie", "other")
 
@@ -71,6 +79,19 @@ def descendants(pid: int) -> set[int]:
                 out.add(child)
                 todo.append(child)
     return out
+
+
+def process_state(pid: int) -> str:
+    """The process's state letter from /proc (R, S, Z, ...); "" when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """Running or sleeping: not gone, and not a zombie (exited, only its reaping left)."""
+    return process_state(pid) not in ("", "Z")
 
 
 def _read_process(pid: int) -> dict[str, Any] | None:

@@ -84,6 +84,11 @@ def _int(env: Mapping[str, str], key: str) -> int:
         raise UserError(f"{key}={env[key]!r}: not a whole number") from None
 
 
+def _master_port(env: Mapping[str, str]) -> int:
+    """`MASTER_PORT`, else `DEFAULT_PORT` (torchrun-style and SLURM launches alike)."""
+    return _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT
+
+
 def resolve_join(
     nnodes: int | None,
     node_rank: int | None,
@@ -109,7 +114,7 @@ def resolve_join(
         host, port = parse_endpoint(str(endpoint))
         return _checked(NodeJoin(int(str(nnodes)), int(str(node_rank)), host, port, "command line"))
     if "NNODES" in env and "MASTER_ADDR" in env:
-        port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT
+        port = _master_port(env)
         join = NodeJoin(
             _int(env, "NNODES"),
             _int(env, "NODE_RANK") if "NODE_RANK" in env else 0,
@@ -128,7 +133,7 @@ def resolve_join(
             hosts = hostlist.expand_hostlist(env["SLURM_JOB_NODELIST"])
         except hostlist.BadHostlist as exc:
             raise UserError(f"SLURM_JOB_NODELIST={env['SLURM_JOB_NODELIST']!r}: {exc}") from None
-        port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT
+        port = _master_port(env)
         rank = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
         return _checked(NodeJoin(nnodes, rank, hosts[0], port, "SLURM"))
     return None

@@ -216,7 +216,7 @@ class Coordinator:
             return
         if isinstance(item, Dropped):
             self.events.emit("control_rejected", peer=item.peer, reason=item.reason)
-            if item.node is None or "closed" not in item.reason:  # a node's end says it below
+            if not (item.closed and item.node is not None):  # a node's end is said below
                 self.monitor.say(f"control channel: rejected {item.peer}: {item.reason}")
             if item.node is not None:
                 self._lose(core, item.node, item.reason)

@@ -33,6 +33,8 @@ class Dropped:
     node: int | None
     peer: str
     reason: str
+    closed: bool = False
+    """The peer closed the connection (nothing it sent was refused)."""
 
 
 HELLO_S = 10.0
@@ -127,9 +129,9 @@ class ControlServer:
         if conn.node is not None and self._nodes.get(conn.node) is conn:
             del self._nodes[conn.node]
 
-    def _drop(self, conn: _Conn, reason: str) -> Dropped:
+    def _drop(self, conn: _Conn, reason: str, closed: bool = False) -> Dropped:
         self._close(conn)
-        return Dropped(conn.node, conn.peer, reason)
+        return Dropped(conn.node, conn.peer, reason, closed)
 
     def _read(self, conn: _Conn) -> list[Received | Dropped]:
         try:
@@ -142,7 +144,7 @@ class ControlServer:
             if conn.node is None:
                 self._close(conn)  # a peer that never introduced itself left: nothing lost
                 return []
-            return [self._drop(conn, "agent connection closed")]
+            return [self._drop(conn, "agent connection closed", closed=True)]
         out: list[Received | Dropped] = []
         try:
             for msg in conn.channel.feed(data):
