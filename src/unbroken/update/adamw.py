@@ -1,7 +1,8 @@
 """AdamW as a `ChunkRule`: the arithmetic of `unbroken.train.optim.AdamW` (torch's AdamW term by
 term) on the CPU, and the fused Triton kernel (`unbroken.update.fused_adamw`) on a CUDA device
-for chunks whose elements all decay or all do not, with nothing frozen — exactly the dispatch
-`ChunkStep` made before the rule protocol, so runs keep their bits."""
+for every chunk with nothing frozen whose decay is all, none, or a prefix of the flat state (the
+plain updater's condition for its one launch), so chunked and whole-state updates keep the same
+bits."""
 
 from __future__ import annotations
 
@@ -49,12 +50,20 @@ class AdamWRule:
 
     def apply(self, pass_: int, p, g, slots, ctx: ChunkContext) -> None:
         m, v = slots
-        if p.is_cuda and ctx.frozen is False and isinstance(ctx.decay, bool) and fused_available():
-            # One launch per chunk (see fused_adamw): decay_end below or above every element.
-            coeffs = AdamWCoefficients.of(
-                self.opt, step=ctx.step, lr=ctx.lr, grad_scale=ctx.grad_scale
-            )
-            end = self.padded_numel if ctx.decay else 0
-            fused_adamw_(p, g, m, v, coeffs, first_index=ctx.first_index, decay_end=end)
-            return
+        if p.is_cuda and ctx.frozen is False and fused_available():
+            # One launch per chunk (see fused_adamw), which decides decay per element from
+            # `decay_end`: every chunk then computes the bits of the plain updater's one launch
+            # over the whole state, a chunk across the decay boundary included.
+            if ctx.decay_end is not None:
+                end = ctx.decay_end
+            elif isinstance(ctx.decay, bool):
+                end = self.padded_numel if ctx.decay else 0
+            else:
+                end = None
+            if end is not None:
+                coeffs = AdamWCoefficients.of(
+                    self.opt, step=ctx.step, lr=ctx.lr, grad_scale=ctx.grad_scale
+                )
+                fused_adamw_(p, g, m, v, coeffs, first_index=ctx.first_index, decay_end=end)
+                return
         adamw_chunk(self.opt, p, g, m, v, ctx)

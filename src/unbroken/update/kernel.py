@@ -156,6 +156,7 @@ class ChunkStep:
             first_index=ref.group * g.stripe_pages * g.elems_per_page + ref.byte_lo // 4,
             masks=masks,
             derived=None if derived is None else g.chunk_view(derived, ref),
+            decay_end=self.decay_end,
         )
         kept = None
         if isinstance(frozen, torch.Tensor):

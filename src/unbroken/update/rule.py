@@ -62,6 +62,10 @@ class ChunkContext:
     """The rule's `ranges()` as masks of this chunk."""
     derived: torch.Tensor | None = None
     """This pass's derived buffer, viewed like the chunk (None when the rule derives none)."""
+    decay_end: int | None = None
+    """When the decay ranges are one prefix [0, end) and nothing is frozen: that end (flat
+    elements below it decay), else None. A fused kernel decides decay per element from it, so
+    a chunk across the boundary computes the bits of the whole-state launch."""
 
     def scaled(self, g: torch.Tensor) -> torch.Tensor:
         """The clipped gradient (a new tensor when clipping applies; `g` is never written)."""
