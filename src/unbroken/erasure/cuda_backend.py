@@ -200,6 +200,34 @@ class TritonCodec(Codec):
                     accumulate,
                 )
 
+    def update_from_old_new_ptrs(
+        self, old_ptrs, new_ptrs, parity_ptrs, *, length: int, offset: int = 0
+    ) -> None:
+        """`update_from_old_new` over all k data pages, the pages given as device-resident
+        pointer tables (int64 CUDA tensors of k, k and m addresses) that the caller built once:
+        no page table is resolved or copied per call (the stream updater's hot path).
+
+        Raises:
+            ValueError: more than 16 parity pages, or a range not 4-byte aligned.
+        """
+        from unbroken.erasure import _triton_kernels as kernels
+
+        if self.parity_pages > 16 or (length | offset) % 4:
+            raise ValueError(f"{self.name}: pointer updates need m <= 16 and 4-byte ranges")
+        coefficients = np.ascontiguousarray(self.matrix, dtype=np.uint8)
+        self._launch_xor(
+            kernels,
+            coefficients,
+            old_ptrs,
+            new_ptrs,
+            parity_ptrs,
+            length,
+            offset,
+            self.data_pages,
+            True,
+            True,
+        )
+
     def _launch(
         self, kernels, kernel, block, src, src2, dst, length, dest_offset, cols, fused, accumulate
     ) -> None:

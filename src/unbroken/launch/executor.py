@@ -60,9 +60,9 @@ def _make_updater(retained, cfg: JobConfig):
     def make(state, geometry, step) -> Updater:
         if retained is None:
             return PlainUpdater(state, geometry, step)
-        from unbroken.update.rmu import ResumableUpdater
+        from unbroken.update.stream import resumable_updater
 
-        return ResumableUpdater(state, geometry, step, retained.tensors(), cfg.protection)
+        return resumable_updater(state, geometry, step, retained.tensors(), cfg.protection)
 
     return make
 

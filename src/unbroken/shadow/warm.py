@@ -88,9 +88,21 @@ def _warm_update(cfg: JobConfig, geometry: StateGeometry, device: torch.device) 
     fused_adamw_(*bufs, coeffs, first_index=0, decay_end=n // 2)
 
 
+def _warm_marker(device: torch.device) -> None:
+    """The stream-ordered marker write (`unbroken.update.device_marker`): its Triton kernel and
+    CRC table, into pinned scratch pages (the promoted trainer registers its own region)."""
+    from unbroken.update.device_marker import DeviceMarker
+    from unbroken.update.layout import MARKER_PAGE
+    from unbroken.update.marker import MarkerState
+
+    pages = torch.zeros((3, MARKER_PAGE), dtype=torch.uint8, pin_memory=True)
+    DeviceMarker(pages, device).write(MarkerState(seq=1))
+
+
 def warm_cuda(cfg: JobConfig, device: torch.device) -> float:
     """Load cuBLAS and the model's kernels (`_warm_model`), the codec kernels for the job's
-    model and gradient groups and the update's kernel (`_warm_update`) on `device`; returns
+    model and gradient groups, the update's kernel (`_warm_update`) and the stream's marker
+    write (`_warm_marker`) on `device`; returns
     the seconds taken."""
     t0 = time.perf_counter()
     if not cfg.model.factory:
@@ -105,6 +117,10 @@ def warm_cuda(cfg: JobConfig, device: torch.device) -> float:
         _warm_codec(layout.erasure(kind), p.chunk_bytes, device)
     if device.type == "cuda":
         _warm_update(cfg, geometry, device)
+        from unbroken.update.fused_adamw import fused_available
+
+        if fused_available():  # Triton: the stream updater runs (unbroken.update.stream)
+            _warm_marker(device)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # keep the loaded code and handles, not the scratch pages
     return time.perf_counter() - t0

@@ -121,10 +121,17 @@ class ProgressMarker:
         seq = self._state.seq if self._state is not None else 0
         return (seq % 2) * SLOT_BYTES, SLOT_BYTES
 
+    def advance(self, **changes) -> MarkerState:
+        """The next state (fields not given keep their values), taken as the current one
+        without storing it: for a writer that stores it itself (the CUDA stream,
+        `unbroken.update.device_marker`)."""
+        base = self._state or MarkerState()
+        self._state = replace(base, seq=base.seq + 1, **changes)
+        return self._state
+
     def write(self, **changes) -> MarkerState:
         """Record a new state (fields not given keep their values): the body, then its CRC."""
-        base = self._state or MarkerState()
-        new = replace(base, seq=base.seq + 1, **changes)
+        new = self.advance(**changes)
         slot = self._slots[new.seq % 2]
         body = _BODY.pack(
             new.seq,
@@ -140,7 +147,6 @@ class ProgressMarker:
         )
         slot[:_CRC_SPAN] = np.frombuffer(body, np.uint8)
         slot[_CRC_SPAN : _DTYPE.itemsize] = np.frombuffer(_CRC.pack(zlib.crc32(body)), np.uint8)
-        self._state = new
         return new
 
 

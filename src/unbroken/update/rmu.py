@@ -120,7 +120,7 @@ class ResumableUpdater:
         self.grad_groups = [
             self._group(layout, "grads", i, self.grad_pages, gpar, backend) for i in range(g.groups)
         ]
-        mk = regions["marker"][: 3 * MARKER_PAGE].view(3, MARKER_PAGE)
+        self.marker_pages = mk = regions["marker"][: 3 * MARKER_PAGE].view(3, MARKER_PAGE)
         self.marker_group = MarkerReplicas(mk)
         self.marker = ProgressMarker(mk[0][:MARKER_BYTES])
         c, dd = g.chunk_bytes, layout.data_pages("model")

@@ -1,0 +1,192 @@
+"""Progress-marker writes made by the CUDA stream, ordered with the work they record (Leto §5.2:
+the marker is written by the device, after the kernels before it on the stream).
+
+A host write of the marker (`ProgressMarker.write`) happens when the host *enqueues* the
+chunk's kernels, not when the GPU has run them: a crash between the two leaves a marker that
+claims an undo copy or a commit the device never executed. Here the marker's slot is written by
+a kernel on the same stream as the transaction's other kernels, into the marker region (host
+memory the state manager owns, registered with CUDA so the device can store to it). Stream
+order makes every kernel before the write complete before the write starts.
+
+One launch writes one slot in all three marker pages (the marker and its two protection copies,
+`MarkerReplicas`): the 80-byte body first, then — after a system-scope memory barrier in every
+thread and a barrier across the block — the CRC-32 field. A crash inside the launch therefore
+leaves a slot whose CRC does not match its body, which `ProgressMarker.read` ignores (it takes
+the other slot: the previous write), exactly as for a torn host write. The bytes are those of
+`ProgressMarker.write`: the same layout, the same zlib CRC-32.
+
+[Note: CRC in the kernel] CRC-32 of a fixed-length message is affine over GF(2): with z the CRC
+of 80 zero bytes and T[i][b] = crc32(b at position i, zeros elsewhere) ^ z, crc32(m) = z ^
+XOR_i T[i][m_i]. The kernel gathers 80 table entries (80 x 256 x 8 bytes on the device) and
+XOR-reduces them: one load per byte, no serial bit loop. Hand-written because no library writes
+a CRC-stamped record from a GPU stream into host memory.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from functools import cache
+
+import numpy as np
+import torch
+
+from unbroken.update.layout import MARKER_PAGE
+from unbroken.update.marker import SLOT_BYTES, MarkerState
+
+__all__ = ["DeviceMarker", "register_host"]
+
+_BODY_BYTES = 80
+_WORDS = struct.Struct("<qqqqqqdddd")
+_AS_INT = struct.Struct("<qqqqqqqqqq")
+
+
+@cache
+def _crc_tables() -> tuple[np.ndarray, int]:
+    """(T[80, 256] as int64, z): see [Note: CRC in the kernel]."""
+    zero = bytes(_BODY_BYTES)
+    z = zlib.crc32(zero)
+    table = np.zeros((_BODY_BYTES, 256), dtype=np.int64)
+    msg = bytearray(_BODY_BYTES)
+    for i in range(_BODY_BYTES):
+        for b in range(256):
+            msg[i] = b
+            table[i, b] = zlib.crc32(msg) ^ z
+        msg[i] = 0
+    return table, z
+
+
+def crc_of(body: bytes) -> int:
+    """The CRC the kernel computes, on the host (equal to zlib.crc32; a test holds it)."""
+    table, z = _crc_tables()
+    out = z
+    for i, b in enumerate(body):
+        out ^= int(table[i, b])
+    return out
+
+
+@cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    words = [f"w{i}" for i in range(10)]
+
+    @triton.jit(do_not_specialize=["slot", "crc0", *words])
+    def marker_write(
+        pages, table, slot, crc0, w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, PAGE: tl.constexpr
+    ):
+        i = tl.arange(0, 128)
+        w = i // 8
+        zero = tl.zeros([128], dtype=tl.int64)
+        word = tl.where(w == 0, zero + w0, zero)
+        word = tl.where(w == 1, zero + w1, word)
+        word = tl.where(w == 2, zero + w2, word)
+        word = tl.where(w == 3, zero + w3, word)
+        word = tl.where(w == 4, zero + w4, word)
+        word = tl.where(w == 5, zero + w5, word)
+        word = tl.where(w == 6, zero + w6, word)
+        word = tl.where(w == 7, zero + w7, word)
+        word = tl.where(w == 8, zero + w8, word)
+        word = tl.where(w == 9, zero + w9, word)
+        shift = ((i % 8) * 8).to(tl.int64)
+        byte = (word >> shift) & 255
+        body = i < 80
+        part = tl.load(table + i * 256 + byte, mask=body, other=0)
+        crc = tl.xor_sum(part, 0) ^ crc0
+        for p in tl.static_range(3):
+            tl.store(pages + p * PAGE + slot + i, byte.to(tl.uint8), mask=body)
+        # Every thread's body bytes reach memory (system scope) before any CRC byte is stored.
+        fenced = tl.inline_asm_elementwise(
+            "membar.sys;\n\tmov.b32 $0, $1;", "=r,r", [i], dtype=tl.int32, is_pure=False, pack=1
+        )
+        tl.debug_barrier()
+        tail = (i >= 80) & (i < 88) & (fenced >= 0)
+        crc_byte = (crc >> (((i - 80) % 8) * 8).to(tl.int64)) & 255
+        for p in tl.static_range(3):
+            tl.store(pages + p * PAGE + slot + i, crc_byte.to(tl.uint8), mask=tail)
+
+    return marker_write
+
+
+class _Pointer:
+    """A raw device-accessible address in the form Triton takes a pointer argument."""
+
+    dtype = torch.uint8
+
+    def __init__(self, address: int) -> None:
+        self._address = address
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+def register_host(t: torch.Tensor) -> bool:
+    """Make host tensor `t` addressable by CUDA kernels (pinned and mapped: the default flags
+    under unified addressing). Returns False when it already was (nothing registered here).
+
+    Raises:
+        RuntimeError: the driver refused.
+    """
+    if t.is_pinned():
+        return False
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister of the marker region failed (error {int(rc)})")
+    return True
+
+
+class DeviceMarker:
+    """Enqueues marker writes on the current stream of `device`.
+
+    Args:
+        pages: the marker region's three pages, a uint8 host tensor [3, MARKER_PAGE].
+        device: the CUDA device whose stream carries the transaction.
+    """
+
+    def __init__(self, pages: torch.Tensor, device: torch.device) -> None:
+        if pages.device.type != "cpu" or pages.dtype != torch.uint8 or pages.dim() != 2:
+            raise ValueError("the device marker writes a uint8 host tensor of 3 pages")
+        self.pages = pages
+        self.device = device
+        table, z = _crc_tables()
+        self._table = torch.from_numpy(table).to(device)
+        self._crc0 = z
+        self._registered = False
+        self._owned = False
+
+    def write(self, state: MarkerState) -> None:
+        """Enqueue the write of `state` into slot `state.seq % 2` of every marker page."""
+        if not self._registered:
+            self._owned = register_host(self.pages)
+            self._registered = True
+        words = _AS_INT.unpack(
+            _WORDS.pack(
+                state.seq,
+                state.iteration,
+                int(state.stage),
+                state.group,
+                state.chunk,
+                state.done_iter,
+                state.loss,
+                state.grad_norm,
+                state.grad_scale,
+                state.lr,
+            )
+        )
+        with torch.cuda.device(self.device):
+            _kernel()[(1,)](
+                _Pointer(self.pages.data_ptr()),
+                self._table,
+                (state.seq % 2) * SLOT_BYTES,
+                self._crc0,
+                *words,
+                PAGE=MARKER_PAGE,
+                num_warps=4,
+            )
+
+    def reregister(self) -> None:
+        """Register the pages again at the next write (after the manager remapped them)."""
+        if self._owned:
+            torch.cuda.cudart().cudaHostUnregister(self.pages.data_ptr())
+        self._registered = self._owned = False

@@ -1,0 +1,151 @@
+"""The resumable updater on a CUDA stream: the same chunk transactions, markers and recovery as
+`ResumableUpdater`, with every marker write made by the stream (`DeviceMarker`) and the
+transaction's work enqueued without a host round trip.
+
+Why a subclass and not a flag: the host-written marker of `ResumableUpdater` is correct on the
+CPU (a host write follows the host's own completed work) and wrong on a GPU, where the host
+writes it while the kernels it describes may still be queued (issue 16, item 3). Here:
+
+- every `_mark` (initialize, protect, record_sync, each chunk's three stages, repair's fixups)
+  computes the next state on the host (`ProgressMarker.advance`) and enqueues its write: the
+  write lands after every kernel enqueued before it, and a crash inside it leaves a torn slot
+  that `read` ignores (see `unbroken.update.device_marker`);
+- a chunk's undo copy is one launch over the three segments' strided views;
+- the parity deltas run the codec's kernel over pointer tables built once per chunk at start-up
+  (`TritonCodec.update_from_old_new_ptrs`) instead of resolving page tables per call;
+- the host mirror of the marker (`ProgressMarker.state`) runs ahead of the device; nothing on
+  the host reads the marker's memory while this trainer lives, and `repair`, `initialize` and
+  the end of `update` wait for the stream so the state they report has landed.
+
+Crash semantics are those of Pseudocode 1: a kill at any moment (the host anywhere, the device
+anywhere in its queue) leaves the last completed marker write, whose stage's fix-up `repair`
+applies. The arithmetic is the same kernels' as the host-marked updater's, so the two compute
+identical bits (a GPU test holds it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from unbroken.train.phases import Phase
+from unbroken.update.device_marker import DeviceMarker
+from unbroken.update.layout import SEGMENTS
+from unbroken.update.marker import MarkerState, Stage
+from unbroken.update.rmu import RepairReport, ResumableUpdater
+
+__all__ = ["StreamUpdater", "resumable_updater", "stream_capable"]
+
+
+def stream_capable(updater: ResumableUpdater) -> bool:
+    """Whether `updater`'s state and codecs allow the stream path: CUDA state, Triton codecs on
+    both tiers, at most 16 pages per tier, a CUDA undo buffer and a host marker region."""
+    if not (updater.state.params.is_cuda and updater.undo.is_cuda):
+        return False
+    from unbroken.erasure.cuda_backend import TritonCodec  # imports Triton: CUDA only
+
+    codecs = [g.first_tier_codec for g in updater.groups]
+    codecs += [g.second_tier_codec for g in updater.groups if g.second_tier_codec is not None]
+    return updater.h1 <= 16 and updater.h2 <= 16 and all(isinstance(c, TritonCodec) for c in codecs)
+
+
+def resumable_updater(state, geometry, step, regions, prot, **kw) -> ResumableUpdater:
+    """The stream updater where it applies (see `stream_capable`), else the host-marked one."""
+    plain = ResumableUpdater(state, geometry, step, regions, prot, **kw)
+    if not stream_capable(plain):
+        return plain
+    return StreamUpdater(state, geometry, step, regions, prot, **kw)
+
+
+def _device_ptrs(rows: list, device: torch.device) -> torch.Tensor:
+    """[n, k] int64 device tensor of n page tables' addresses."""
+    host = torch.tensor([[int(p) for p in r] for r in rows], dtype=torch.int64)
+    return host.to(device)
+
+
+class StreamUpdater(ResumableUpdater):
+    """`ResumableUpdater` with stream-ordered markers (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        dev = self.state.params.device
+        self.device = dev
+        self.dmarker = DeviceMarker(self.marker_pages, dev)
+        g = self.geometry
+        self._model3 = self.model_pages.view(SEGMENTS, g.segment_pages, g.page_bytes)
+        c = g.chunk_bytes
+        self._undo_ptrs = _device_ptrs([self.undo_table.ptrs], dev)[0]
+        self._s1_ptrs = _device_ptrs([self.s1_table.ptrs], dev)[0]
+        self._s2_ptrs = _device_ptrs([self.s2_table.ptrs], dev)[0] if self.h2 else None
+        new_rows, t1_rows = [], []
+        for ref in self.chunks:
+            group = self.groups[ref.group]
+            new_rows.append(group.data.slice(ref.byte_lo, c).ptrs)
+            t1_rows.append(group.first_tier.slice(ref.byte_lo, c).ptrs)
+        self._new_ptrs = _device_ptrs(new_rows, dev)
+        self._t1_ptrs = _device_ptrs(t1_rows, dev)
+
+    def _sync(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+
+    # -- marker -------------------------------------------------------------------------------
+    def _mark(self, **changes) -> MarkerState:
+        new = self.marker.advance(**changes)
+        self.dmarker.write(new)
+        self.hook(Phase.MARKER, new.iteration, int(new.stage), len(Stage))
+        return new
+
+    # -- steady state -------------------------------------------------------------------------
+    def initialize(self, done_iter: int) -> None:
+        for group in self.groups:
+            group.encode()
+        self.marker.read()
+        self._mark(stage=Stage.IDLE, iteration=done_iter + 1, done_iter=done_iter, group=0, chunk=0)
+        self._sync()
+        self.marker_group.encode()
+
+    def update(self, iteration: int, *, lr: float, grad_scale: float, hook) -> None:
+        super().update(iteration, lr=lr, grad_scale=grad_scale, hook=hook)
+        self._sync()  # the next iteration's compute reads the parameters anyway
+
+    def _transaction(self, iteration: int, k: int, lr: float, grad_scale: float) -> None:
+        pass_, chunk = divmod(k, len(self.chunks))
+        ref, n = self.chunks[chunk], self.transactions
+        x, c, d = ref.byte_lo, self.geometry.chunk_bytes, self.d
+        rows = slice(ref.group * d, (ref.group + 1) * d)
+        self.undo.copy_(self._model3[:, rows, x : x + c])
+        self._mark(stage=Stage.CHUNK_UPDATING, **self._position(k))
+        self.hook(Phase.UPDATE, iteration, k, n)
+        s = self.state
+        self.step(
+            ref,
+            s.params,
+            s.grads,
+            s.exp_avg,
+            s.exp_avg_sq,
+            step=iteration + 1,
+            lr=lr,
+            grad_scale=grad_scale,
+            pass_=pass_,
+        )
+        self.hook(Phase.PARITY, iteration, k, n)
+        group = self.groups[ref.group]
+        self.scratch.copy_(self.model_parity[ref.group][:, x : x + c])
+        group.first_tier_codec.update_from_old_new_ptrs(
+            self._undo_ptrs, self._new_ptrs[chunk], self._s1_ptrs, length=c
+        )
+        if self._s2_ptrs is not None:
+            group.second_tier_codec.update_from_old_new_ptrs(
+                self._t1_ptrs[chunk], self._s1_ptrs, self._s2_ptrs, length=c
+            )
+        self._mark(stage=Stage.PARITY_READY)
+        self._write_back(ref, iteration, k)
+        self._commit(iteration, k)
+
+    # -- recovery -----------------------------------------------------------------------------
+    def repair(self, lost: dict[str, list[int]]) -> RepairReport:
+        """`ResumableUpdater.repair`, the marker pages registered again (the manager may have
+        given lost pages new memory) and the fix-ups' writes landed before it returns."""
+        self.dmarker.reregister()
+        report = super().repair(lost)
+        self._sync()
+        return report

@@ -1,0 +1,162 @@
+"""The stream-ordered resumable updater (issue 16, items 2-3): markers written by the CUDA
+stream carry the host writer's bytes, the update computes the plain updater's bits, and a
+transaction interrupted anywhere is repaired and resumed to the same bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unbroken.config import DataConfig, JobConfig, ModelConfig, ProtectionConfig, TrainConfig
+from unbroken.engine.replica import build_training
+from unbroken.train.phases import Phase
+from unbroken.update import PlainUpdater
+from unbroken.update.layout import MARKER_PAGE, RetainedLayout
+from unbroken.update.marker import MARKER_BYTES, ProgressMarker, Stage
+from unbroken.update.rmu import ResumableUpdater, state_from_regions
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+PROT = ProtectionConfig(
+    page_bytes=1 << 16, stripe_pages=4, chunk_bytes=1 << 14, parity_pages=3, second_tier_pages=1
+)
+CFG = JobConfig(
+    model=ModelConfig(preset="small"),
+    data=DataConfig(tokens_per_microbatch=256, microbatches=1, max_documents=50),
+    train=TrainConfig(iterations=4, device="cuda", precision="fp32"),
+    protection=PROT,
+)
+LR, SCALE = 1e-3, 0.7
+
+
+def _noop(*args) -> None:
+    return None
+
+
+def _build(protected: bool):
+    dev = torch.device("cuda")
+    regions: dict[str, torch.Tensor] = {}
+
+    def allocate(layout, geometry, d):
+        for spec in RetainedLayout.of(geometry, PROT).regions():
+            where = "cpu" if spec.name == "marker" else d
+            regions[spec.name] = torch.zeros(spec.nbytes, dtype=torch.uint8, device=where)
+        return state_from_regions(layout, geometry, regions), True
+
+    b = build_training(CFG, n_shards=1, device=dev, allocate=allocate if protected else None)
+    return b, regions
+
+
+def _grads(b, iteration: int) -> None:
+    gen = torch.Generator().manual_seed(100 + iteration)
+    b.state.grads.copy_(torch.randn(b.state.grads.numel(), generator=gen) * 1e-2)
+
+
+def _iterate(b, upd, iteration: int, hook=_noop) -> None:
+    _grads(b, iteration)
+    upd.protect(iteration)
+    upd.record_sync(iteration, loss=2.5, grad_norm=1.25, grad_scale=SCALE, lr=LR)
+    upd.update(iteration, lr=LR, grad_scale=SCALE, hook=hook)
+
+
+def _parity_consistent(upd: ResumableUpdater) -> bool:
+    for group in upd.groups:
+        before = [p.clone() for p in upd.model_parity]
+        group.encode()
+        if not all(torch.equal(a, b) for a, b in zip(before, upd.model_parity, strict=True)):
+            return False
+    return True
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_marker_written_by_the_stream_has_the_host_writers_bytes_in_all_three_pages():
+    from unbroken.update.device_marker import DeviceMarker
+
+    host = torch.zeros(MARKER_BYTES, dtype=torch.uint8)
+    pages = torch.zeros((3, MARKER_PAGE), dtype=torch.uint8, pin_memory=True)
+    dm = DeviceMarker(pages, torch.device("cuda"))
+    writer = ProgressMarker(host)
+    fields = [
+        dict(stage=Stage.IDLE, iteration=0, done_iter=-1),
+        dict(stage=Stage.SYNCED, iteration=7, loss=3.25, grad_norm=0.5, grad_scale=0.9, lr=3e-4),
+        dict(stage=Stage.CHUNK_UPDATING, group=123456, chunk=7),
+        dict(stage=Stage.IDLE, done_iter=2**40, loss=-1.5e300),
+    ]
+    for f in fields:
+        state = writer.write(**f)
+        dm.write(state)
+        torch.cuda.synchronize()
+        assert torch.equal(pages[0, :MARKER_BYTES], host)
+        assert torch.equal(pages[1], pages[0]) and torch.equal(pages[2], pages[0])
+        assert ProgressMarker(pages[0, :MARKER_BYTES]).read() == state
+
+
+@pytest.mark.gpu
+@cuda
+def test_stream_updater_is_chosen_on_the_gpu_and_computes_the_plain_updaters_bits():
+    from unbroken.update.stream import StreamUpdater, resumable_updater
+
+    plain, _ = _build(protected=False)
+    pu = PlainUpdater(plain.state, plain.geometry, plain.step)
+    prot, regions = _build(protected=True)
+    su = resumable_updater(prot.state, prot.geometry, prot.step, regions, PROT)
+    assert isinstance(su, StreamUpdater)
+    su.initialize(-1)
+    for it in range(3):
+        _iterate(plain, pu, it)
+        _iterate(prot, su, it)
+        assert prot.state.state_hash() == plain.state.state_hash(), it
+    torch.cuda.synchronize()
+    on_disk = ProgressMarker(regions["marker"][:MARKER_BYTES]).read()
+    assert on_disk == su.marker.state
+    assert (on_disk.stage, on_disk.done_iter) == (Stage.IDLE, 2)
+    assert _parity_consistent(su)
+
+
+class _Crash(Exception):
+    pass
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("phase", [Phase.UPDATE, Phase.PARITY, Phase.WRITEBACK, Phase.MARKER])
+def test_an_update_interrupted_at_any_stage_is_repaired_and_resumed_to_the_same_bits(phase):
+    """The host stops mid-transaction with its work still queued (as a crashed trainer's
+    device finishes or drops its queue); a fresh updater over the same memory repairs from
+    the marker the stream wrote and resumes to the uninterrupted run's bits."""
+    from unbroken.update.stream import resumable_updater
+
+    ref, ref_regions = _build(protected=True)
+    ru = resumable_updater(ref.state, ref.geometry, ref.step, ref_regions, PROT)
+    ru.initialize(-1)
+    for it in range(2):
+        _iterate(ref, ru, it)
+
+    b, regions = _build(protected=True)
+    su = resumable_updater(b.state, b.geometry, b.step, regions, PROT)
+    su.initialize(-1)
+    _iterate(b, su, 0)
+    n = su.transactions
+    target = n // 2 + 1
+
+    seen = []
+
+    def crash(p, iteration, step, n_steps):
+        if p is phase:
+            seen.append(step)
+            # UPDATE/PARITY/WRITEBACK pass the transaction; MARKER passes the stage written.
+            hit = len(seen) == 3 * target + 2 if p is Phase.MARKER else step == target
+            if hit:
+                raise _Crash
+
+    with pytest.raises(_Crash):
+        _iterate(b, su, 1, hook=crash)
+    torch.cuda.synchronize()  # what a dead process's queue leaves: all of it, here
+    again = resumable_updater(b.state, b.geometry, b.step, regions, PROT)
+    report = again.repair({})
+    st = again.marker.state
+    assert st.stage in (Stage.SYNCED, Stage.IDLE), report
+    if st.stage is Stage.SYNCED:
+        again.update(1, lr=LR, grad_scale=SCALE, hook=_noop)
+    assert b.state.state_hash() == ref.state.state_hash()
+    assert _parity_consistent(again)
