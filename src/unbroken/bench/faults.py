@@ -95,6 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="instead: SIGKILL an active trainer from outside the job at a uniformly random "
         "time in each trial (unbroken.bench.kills)",
     )
+    p.add_argument(
+        "--kills-per-run",
+        type=int,
+        default=1,
+        help="with --external: kills in each run, each after the previous one's recovery",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -104,7 +110,9 @@ def _external(args: argparse.Namespace, cfg: JobConfig, root: Path) -> int:
     def say(text: str) -> None:
         print(f"[kills] {text}", file=sys.stderr, flush=True)
 
-    result = run_campaign(cfg, root, trials=args.trials, seed=args.seed, say=say)
+    result = run_campaign(
+        cfg, root, trials=args.trials, seed=args.seed, kills_per_run=args.kills_per_run, say=say
+    )
     result["config"] = {"preset": args.preset, "world_size": args.world_size, "seed": args.seed}
     if args.json:
         print(json.dumps(result, indent=1))

@@ -90,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kill-preset, in place through an L3 shadow",
     )
     p.add_argument("--kill-preset", default="125m", help="model of the kill campaign")
+    p.add_argument(
+        "--kills-per-run",
+        type=int,
+        default=1,
+        help="kills in each run of the campaign, each after the previous one's recovery",
+    )
     p.add_argument("--kill-seed", type=int, default=0, help="seed of the kill times")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -189,20 +195,28 @@ def _kills(args: argparse.Namespace) -> dict[str, Any]:
     cfg = dataclasses.replace(
         cfg,
         data=dataclasses.replace(cfg.data, tokens_per_microbatch=2048),
-        train=dataclasses.replace(cfg.train, iterations=12),
+        train=dataclasses.replace(cfg.train, iterations=12 + 6 * (args.kills_per_run - 1)),
         checkpoint=CheckpointConfig(interval=4),
         recovery=RecoveryConfig(mode="inplace", shadow_level=3),
     )
     root = Path(tempfile.mkdtemp(prefix="unbroken-kills-"))
-    return run_campaign(cfg, root, trials=args.kill_trials, seed=args.kill_seed, say=_say)
+    return run_campaign(
+        cfg,
+        root,
+        trials=args.kill_trials,
+        seed=args.kill_seed,
+        kills_per_run=args.kills_per_run,
+        say=_say,
+    )
 
 
 def _job(args: argparse.Namespace, microbatches: int):
-    from unbroken.config import DataConfig, JobConfig, ModelConfig, TrainConfig
+    from unbroken.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
 
     cuda = args.device == "cuda"
     return JobConfig(
         model=ModelConfig(preset=args.preset),
+        parallel=ParallelConfig(world_size=1),  # one rank on this GPU
         data=DataConfig(
             tokens_per_microbatch=args.tokens,
             microbatches=microbatches,
@@ -262,7 +276,8 @@ def _build(cfg, device, *, protected: bool, init_from=None, compiled: bool = Fal
     from unbroken.train import Trainer
     from unbroken.update import PlainUpdater
     from unbroken.update.layout import RetainedLayout
-    from unbroken.update.rmu import ResumableUpdater, state_from_regions
+    from unbroken.update.rmu import state_from_regions
+    from unbroken.update.stream import resumable_updater
 
     regions: dict[str, torch.Tensor] = {}
 
@@ -288,7 +303,7 @@ def _build(cfg, device, *, protected: bool, init_from=None, compiled: bool = Fal
         built.state.params[:n].copy_(init_from[:n])
     prot = cfg.protection.resolved(device.type == "cuda")
     if protected:
-        inner = ResumableUpdater(built.state, built.geometry, built.step, regions, prot)
+        inner = resumable_updater(built.state, built.geometry, built.step, regions, prot)
         inner.initialize(-1)
     else:
         inner = PlainUpdater(built.state, built.geometry, built.step)

@@ -113,48 +113,74 @@ def _first_iteration_done(run_dir: Path, stop: threading.Event) -> bool:
     return False
 
 
-def _killer(run_dir: Path, rec: KillRecord, rng: random.Random, stop: threading.Event) -> None:
-    if not _first_iteration_done(run_dir, stop) or stop.wait(rec.delay_s):
-        return
-    pids = active_trainers()
-    if not pids:
-        return
-    pid = rng.choice(pids)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    rec.killed_pid, rec.t_kill = pid, time.time()
+def _resumed_after(run_dir: Path, t: float, stop: threading.Event) -> bool:
+    """Wait until an iteration has started after time `t` (the job recovered from a kill)."""
+    from unbroken.metrics.log import read_jsonl
+
+    metrics = run_dir / "metrics.jsonl"
+    while not stop.is_set():
+        if metrics.exists() and any(m["t_start"] >= t for m in read_jsonl(metrics)):
+            return True
+        stop.wait(0.05)
+    return False
 
 
-def _trial(cfg: JobConfig, run_dir: Path, rec: KillRecord, rng: random.Random) -> None:
-    """One job with the killer beside it; fills `rec` from the job's summary and logs."""
+def _killer(
+    run_dir: Path, recs: list[KillRecord], rng: random.Random, stop: threading.Event
+) -> None:
+    """Kill once per record: the first after its delay from the first completed iteration,
+    each later one after its delay from the previous kill's recovery (an iteration started
+    after it), so every kill lands in training, not in a recovery."""
+    if not _first_iteration_done(run_dir, stop):
+        return
+    for rec in recs:
+        if stop.wait(rec.delay_s):
+            return
+        pids = active_trainers()
+        if not pids:
+            return
+        pid = rng.choice(pids)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        rec.killed_pid, rec.t_kill = pid, time.time()
+        if not _resumed_after(run_dir, rec.t_kill, stop):
+            return
+
+
+def _trial(cfg: JobConfig, run_dir: Path, recs: list[KillRecord], rng: random.Random) -> None:
+    """One job with the killer beside it; fills `recs` from the job's summary and logs."""
     from unbroken.api import run_job
     from unbroken.metrics.log import read_jsonl
 
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a reused dir's old progress
     stop = threading.Event()
-    killer = threading.Thread(target=_killer, args=(run_dir, rec, rng, stop), daemon=True)
+    killer = threading.Thread(target=_killer, args=(run_dir, recs, rng, stop), daemon=True)
     killer.start()
     try:
         s = run_job(cfg, run_dir, quiet=True)
     finally:
         stop.set()
         killer.join()
-    rec.state = s["state"]
-    rec.final_hash = s["final_state_hash"]
-    kill_t = rec.t_kill if rec.t_kill is not None else float("inf")
-    after = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("t", 0) >= kill_t]
-    rec.detected = any(e.get("kind") == "failure_detected" for e in after)
-    # Leto's initialization time I: the kill -> the first iteration started after it.
+    events = read_jsonl(run_dir / "events.jsonl")
     starts = [m["t_start"] for m in read_jsonl(run_dir / "metrics.jsonl")]
-    resumed = [t for t in starts if t >= kill_t]
-    rec.recovery_s = (min(resumed) - kill_t) if resumed else None
-    rec.events = [
-        {k: e.get(k) for k in ("kind", "reason", "mode", "rank")}
-        for e in after
-        if e.get("kind") in ("failure_detected", "recovery_start", "recovery_done")
-    ]
+    kills = sorted(r.t_kill for r in recs if r.t_kill is not None)
+    for rec in recs:
+        rec.state = s["state"]
+        rec.final_hash = s["final_state_hash"]
+        kill_t = rec.t_kill if rec.t_kill is not None else float("inf")
+        until = min((t for t in kills if t > kill_t), default=float("inf"))
+        after = [e for e in events if kill_t <= e.get("t", 0) < until]
+        rec.detected = any(e.get("kind") == "failure_detected" for e in after)
+        # Leto's initialization time I: the kill -> the first iteration started after it.
+        resumed = [t for t in starts if t >= kill_t]
+        rec.recovery_s = (min(resumed) - kill_t) if resumed else None
+        rec.events = [
+            {k: e.get(k) for k in ("kind", "reason", "mode", "rank")}
+            for e in after
+            if e.get("kind") in ("failure_detected", "recovery_start", "recovery_done")
+        ]
 
 
 _RECORD_FIELDS = (
@@ -186,13 +212,22 @@ def _figures(records: list[KillRecord]) -> dict[str, Any]:
 
 
 def run_campaign(
-    cfg: JobConfig, root: Path, *, trials: int, seed: int, say=lambda text: None
+    cfg: JobConfig,
+    root: Path,
+    *,
+    trials: int,
+    seed: int,
+    kills_per_run: int = 1,
+    say=lambda text: None,
 ) -> dict[str, Any]:
-    """Run the fault-free reference, then `trials` runs each killed once at a random time.
+    """Run the fault-free reference, then `trials` kills at random times, `kills_per_run` in
+    each run (the default, one, makes every trial its own run).
 
-    Returns the campaign's figures: trials that were killed, how many ended bit-exact, and
-    every trial's record (kill delay, pid, detection, and `recovery_s`: the kill to the start
-    of the first iteration after it — Leto's initialization time).
+    A run with several kills recovers from each before the next (see `_killer`), and its final
+    state must still equal the reference's: each of its kills counts as exact only when the
+    whole run is. Returns the campaign's figures: trials that were killed, how many ended
+    bit-exact, and every trial's record (kill delay, pid, detection, and `recovery_s`: the kill
+    to the start of the first iteration after it — Leto's initialization time).
     """
     from unbroken.api import run_job
     from unbroken.metrics.log import read_jsonl
@@ -200,22 +235,32 @@ def run_campaign(
     t0 = time.time()
     reference_hash = run_job(cfg, root / "reference", quiet=True)["final_state_hash"]
     # Kill times are drawn over the reference's training after its first iteration (start-up
-    # excluded: the killer starts counting at the first completed iteration).
+    # excluded: the killer starts counting at the first completed iteration), split evenly
+    # between a run's kills.
     rows = read_jsonl(root / "reference" / "metrics.jsonl")
     span = rows[-1]["t_end"] - rows[0]["t_end"] if len(rows) > 1 else 1.0
+    per = max(1, kills_per_run)
     rng = random.Random(seed)
     records: list[KillRecord] = []
-    for trial in range(trials):
-        rec = KillRecord(trial, rng.uniform(0.0, span))
-        _trial(cfg, root / f"trial{trial:03d}", rec, random.Random(rng.random()))
-        rec.exact = rec.final_hash == reference_hash
-        records.append(rec)
-        say(
-            f"trial {trial + 1}/{trials}: kill after {rec.delay_s:.2f} s "
-            f"(pid {rec.killed_pid}) -> {rec.state}, "
-            f"{'exact' if rec.exact else 'DIVERGED'}"
-            + (f", recovered in {rec.recovery_s:.2f} s" if rec.recovery_s else "")
-        )
+    for run in range(-(-trials // per)):
+        recs = [
+            KillRecord(len(records) + j, rng.uniform(0.0, span / per))
+            for j in range(min(per, trials - len(records)))
+        ]
+        _trial(cfg, root / f"trial{run:03d}", recs, random.Random(rng.random()))
+        for rec in recs:
+            rec.exact = rec.final_hash == reference_hash
+            say(
+                f"trial {rec.trial + 1}/{trials} (run {run + 1}): kill after "
+                f"{rec.delay_s:.2f} s (pid {rec.killed_pid}) -> {rec.state}, "
+                f"{'exact' if rec.exact else 'DIVERGED'}"
+                + (f", recovered in {rec.recovery_s:.2f} s" if rec.recovery_s else "")
+            )
+        records.extend(recs)
     figures = _figures(records)
-    figures.update(reference_state_hash=reference_hash, seconds=time.time() - t0)
+    figures.update(
+        reference_state_hash=reference_hash,
+        kills_per_run=per,
+        seconds=time.time() - t0,
+    )
     return figures
