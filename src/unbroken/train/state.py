@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from unbroken.model.flat import FlatLayout
+from unbroken.train.digest import device_digest
 
 __all__ = ["TrainState"]
 
@@ -41,8 +42,13 @@ class TrainState:
         return {"params": self.params, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
     def state_hash(self) -> str:
-        """sha256 over the bytes of parameters and moments, in a fixed order (hex, 16 chars)."""
+        """sha256 over the bytes of parameters and moments, in a fixed order (hex, 16 chars).
+        State on a GPU is fingerprinted there first (`unbroken.train.digest`) instead of being
+        copied to the host every hashed iteration; a CPU state's hash is sha256 of its bytes."""
         h = hashlib.sha256()
         for t in self.persistent().values():
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().data)
+            if t.is_cuda:
+                h.update(device_digest(t))
+            else:
+                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().data)
         return h.hexdigest()[:16]
