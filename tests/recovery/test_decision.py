@@ -68,6 +68,33 @@ def test_inconsistent_or_lost_progress_falls_back_to_checkpoints(rows, reason):
     assert d.path is RestorePath.FALLBACK and reason in d.reason
 
 
+def test_a_rank_beyond_repair_or_empty_is_filled_from_its_replica_while_the_rest_resume():
+    """With data-parallel replicas a broken or empty rank no longer costs the job a checkpoint
+    restart: the others decide as without it, and it takes a replica's state at the boundary."""
+    synced = _rank(Stage.SYNCED, loss=2.5, grad_norm=1.25, grad_scale=0.5, lr=1e-3)
+    rows = [BROKEN, synced, NOTHING, _rank(Stage.IDLE, 6, 5)]
+    d = decide_restore(rows, [(0, 1, 2, 3)])
+    assert (d.path, d.finish, d.next_iteration) == (RestorePath.RESUME, 5, 6)
+    assert d.actions == (
+        RankAction.FILL,
+        RankAction.FINISH_UPDATE,
+        RankAction.FILL,
+        RankAction.UPDATE_DONE,
+    )
+    assert d.fill == ((0, 1), (2, 1)) and "take a replica's state" in d.reason
+
+
+def test_a_rank_without_a_healthy_replica_still_falls_back():
+    """Replica sets of a plan: rank 1's only replica (rank 3) is broken too; rank 0 could be
+    filled from rank 2, but the job can only resume if every lacking rank can."""
+    d = decide_restore([BROKEN, BROKEN, _rank(), BROKEN], [(0, 2), (1, 3)])
+    assert d.path is RestorePath.FALLBACK and d.fill == ()
+    assert decide_restore([_rank(), BROKEN]).path is RestorePath.FALLBACK  # no replica sets
+    d = decide_restore([BROKEN, _rank(), _rank(), _rank()], [(0, 2), (1, 3)])
+    assert d.path is RestorePath.RESUME and d.fill == ((0, 2),)
+    assert decide_restore([BROKEN, NOTHING], [(0, 1)]).path is RestorePath.FALLBACK
+
+
 def test_nothing_retained_and_no_progress_starts_over_in_this_generation():
     fresh_start = _rank(Stage.IDLE, 0, -1)
     d = decide_restore([NOTHING, fresh_start])

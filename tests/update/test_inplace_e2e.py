@@ -1,7 +1,8 @@
 """In-place recovery end to end: real processes, state managers holding memfd regions, crashes
 at every operation of the update phase and real page loss (holes punched in the memfds) —
 recovered without a checkpoint, bit-identical to the fault-free reference. Loss beyond parity
-tolerance falls back to checkpoint-restart, still exact."""
+tolerance is filled from a data-parallel replica, or without one falls back to
+checkpoint-restart, still exact."""
 
 from __future__ import annotations
 
@@ -46,10 +47,31 @@ def test_crash_at_every_update_operation_recovers_in_place_bit_exact(tmp_path):
             assert r["recompute_s"] == 0.0 and r["restored_iter"] == r["iteration"] + 1
 
 
-def test_loss_beyond_tolerance_falls_back_to_checkpoint_exactly(tmp_path):
+def test_loss_beyond_tolerance_on_one_replica_is_filled_from_another_exactly(tmp_path):
+    """Two data-parallel replicas: rank 0 loses more pages of one group than parity covers.
+    Its peer repairs, and rank 0 takes its state at the boundary — no checkpoint is loaded."""
     faults = ["pageloss:rank=0,iter=5,phase=update,pages=5"]  # 5 > H1 = 3 in one group
     s = run_job(
         tiny_job(iterations=8, inject=faults, interval=2), tmp_path, reference=True, quiet=True
+    )
+    assert s["failures_recovered"] == 1
+    assert s["recoveries"][0]["mode"] == "inplace"
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    assert _events(tmp_path, "inplace_unrecoverable")
+    assert _events(tmp_path, "checkpoint_loaded") == []
+    fills = [
+        r for r in _events(tmp_path, "inplace_repair") if r["fixup"] == "filled from a replica"
+    ]
+    assert [r["rank"] for r in fills] == [0] and "take a replica's state" in fills[0]["action"]
+
+
+def test_loss_beyond_tolerance_without_a_replica_falls_back_to_checkpoint_exactly(tmp_path):
+    faults = ["pageloss:rank=0,iter=5,phase=update,pages=5"]
+    s = run_job(
+        tiny_job(world_size=1, iterations=8, inject=faults, interval=2),
+        tmp_path,
+        reference=True,
+        quiet=True,
     )
     assert s["failures_recovered"] == 1
     assert s["recoveries"][0]["mode"] == "ckpt_restart"

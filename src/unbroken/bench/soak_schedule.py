@@ -49,7 +49,8 @@ KINDS = (
     "slow",
 )
 """The soak's fault kinds; `pageloss` is within the first tier's tolerance (recovered in
-place), `pageloss_beyond` more pages than it tolerates (checkpoint fallback)."""
+place), `pageloss_beyond` more pages than it tolerates (its rank is filled from a data-parallel
+replica; checkpoint fallback without one)."""
 
 WEIGHTS = {
     "kill": 4,
@@ -78,7 +79,8 @@ RECOVERY_COST_S = {
 }
 """Wall seconds a failure of each kind adds before training runs on (estimates on the 2-core
 VM: a hang waits for the heartbeat timeout, 3 s, then recovers; a page loss beyond tolerance
-restarts from a checkpoint and recomputes); every other kind `DEFAULT_COST_S`. Only the
+restarted from a checkpoint and recomputed before its rank was filled from a replica, which is
+faster: an overestimate only spaces the schedule wider); every other kind `DEFAULT_COST_S`. Only the
 spacing of the schedule depends on them, never a check."""
 
 DEFAULT_COST_S = 3.0

@@ -3,7 +3,7 @@
 The small reference model on 4 local CPU ranks (gloo): first a fault-free reference run, then
 the same job with injected failures — a crash in the middle of the optimizer update, a crash with
 lost retained pages during the parity write-back, an exception in the backward pass and, without
---quick, a hung rank, a page loss beyond parity tolerance (checkpoint fallback) and a crash
+--quick, a hung rank, a page loss beyond parity tolerance (filled from a data-parallel replica) and a crash
 inside a progress-marker write — recovered in place, and a table comparing the two. With
 --adapt a data-parallel demo re-plans around its slow rank once the detector reports it
 (`adapt.enabled`): the re-plan is printed when it happens and in the final table. The run's

@@ -73,6 +73,20 @@ def finish_update(upd: ResumableUpdater, decision: RestoreDecision, rank: int, h
     upd.update(decision.finish, lr=marker.lr, grad_scale=marker.grad_scale, hook=hook)
 
 
+def fill_from_replicas(state, decision: RestoreDecision, rank: int, group) -> None:
+    """Send or receive the persistent state (parameters and optimizer slots) of each
+    (rank, donor) pair of `decision.fill`, point to point: the donor has reached the boundary
+    (after `finish_update`), the filled rank takes its bytes. Other ranks do nothing."""
+    for target, donor in decision.fill:
+        if rank not in (target, donor):
+            continue
+        for t in state.persistent().values():
+            if rank == donor:
+                dist.send(t, dst=dist.get_global_rank(group, target), group=group)
+            else:
+                dist.recv(t, src=dist.get_global_rank(group, donor), group=group)
+
+
 def agree_and_resume(
     upd: ResumableUpdater, report: RepairReport | None, group, hook
 ) -> tuple[int, RestoreDecision]:
@@ -125,15 +139,22 @@ def restore_state(
         return start
     t0 = time.perf_counter()
     summary, report = retained.repair_locally(updater, rank, events)
-    decision = decide_restore(gather_summaries(summary, group))
+    rows = gather_summaries(summary, group)
+    decision = decide_restore(rows, executor.replica_sets)
     if decision.path is RestorePath.FALLBACK:
         if rank == 0 or not summary.held:
             events.emit("inplace_fallback", rank=rank, reason=decision.reason)
         return None
     if decision.path is RestorePath.RESUME:
-        assert report is not None  # every rank repaired, or the path would be FALLBACK
         finish_update(updater, decision, rank, hook)
-        start, fixup, action = decision.next_iteration, report.fixup, decision.reason
+        fill_from_replicas(executor.state, decision, rank, group)
+        start, action = decision.next_iteration, decision.reason
+        if decision.actions[rank] is RankAction.FILL:
+            updater.initialize(done_iter=start - 1)  # parity and marker of the received state
+            report, fixup = report or RepairReport(), "filled from a replica"
+        else:
+            assert report is not None  # it repaired, or it would be filled or fall back
+            fixup = report.fixup
     else:
         # A trainer died before its state held anything (in its start-up): every rank begins
         # where the job stands, the initial state or a checkpoint (from a restart whose

@@ -16,7 +16,11 @@ Two levels, both pure functions:
   the recorded statistics); otherwise the iteration after the last completed one is (re)done.
   When some rank retained nothing (new regions, or a marker never written: its trainer died in
   its start-up) the ranks start over from where the job stands if no rank completed an
-  iteration, else fall back to a checkpoint.
+  iteration, else fall back to a checkpoint — unless every such rank, and every rank whose
+  repair failed (loss beyond parity tolerance), has a data-parallel replica that repaired: then
+  the others resume as above and each of those ranks is *filled* with its replica's state at
+  the agreed boundary (`RankAction.FILL`; Leto §2.2's fallback avoided by the replica ResiHP's
+  Figure 8 moves state from).
 
 `unbroken.launch.restore` runs the collectives and executes the decision.
 """
@@ -146,6 +150,7 @@ class RankAction(enum.StrEnum):
     UPDATE_DONE = "its update is already complete"
     REDO = "redo the interrupted iteration"
     AT_BOUNDARY = "resume at the boundary"
+    FILL = "receive a replica's state at the boundary"
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +166,9 @@ class RestoreDecision:
     recorded them), for ranks that had not recorded them yet."""
     actions: tuple[RankAction, ...] = ()
     """RESUME: each rank's action, by rank."""
+    fill: tuple[tuple[int, int], ...] = ()
+    """RESUME: (rank, donor) for every rank filled from a replica, the donor a rank of its
+    replica set that reaches the boundary itself."""
 
 
 def _fallback(reason: str) -> RestoreDecision:
@@ -177,9 +185,47 @@ def _finish_action(m: MarkerState, t: int) -> RankAction | None:
     return None
 
 
-def decide_restore(rows: Sequence[RetainedSummary]) -> RestoreDecision:
+def decide_restore(
+    rows: Sequence[RetainedSummary], replica_sets: Sequence[Sequence[int]] = ()
+) -> RestoreDecision:
     """The path every rank takes after an in-place restart, from every rank's summary (in rank
-    order). Pure: every rank computes it from the same gathered table."""
+    order) and the job's sets of ranks holding identical state. Pure: every rank computes it
+    from the same gathered table."""
+    lacking = [r for r, s in enumerate(rows) if not s.held or not s.repaired]
+    if lacking and len(lacking) < len(rows):
+        donors = _donors(lacking, replica_sets)
+        if donors is not None:
+            keep = [r for r in range(len(rows)) if r not in donors]
+            inner = _decide([rows[r] for r in keep])
+            if inner.path is RestorePath.RESUME:
+                actions = dict(zip(keep, inner.actions, strict=True))
+                actions.update({r: RankAction.FILL for r in donors})
+                fills = ", ".join(f"{r} from {d}" for r, d in donors.items())
+                return RestoreDecision(
+                    RestorePath.RESUME,
+                    f"{inner.reason}; rank(s) {fills} take a replica's state",
+                    next_iteration=inner.next_iteration,
+                    finish=inner.finish,
+                    stats=inner.stats,
+                    actions=tuple(actions[r] for r in range(len(rows))),
+                    fill=tuple(sorted(donors.items())),
+                )
+    return _decide(rows)
+
+
+def _donors(lacking: list[int], replica_sets: Sequence[Sequence[int]]) -> dict[int, int] | None:
+    """rank -> donor (the lowest rank of its replica set that is not lacking), or None when a
+    lacking rank has no such replica."""
+    out = {}
+    for r in lacking:
+        peers = [d for ranks in replica_sets if r in ranks for d in ranks if d not in lacking]
+        if not peers:
+            return None
+        out[r] = min(peers)
+    return out
+
+
+def _decide(rows: Sequence[RetainedSummary]) -> RestoreDecision:
     nothing = [r for r, s in enumerate(rows) if not s.held]
     if nothing:
         if any(s.progress for s in rows):
