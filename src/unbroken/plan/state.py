@@ -133,6 +133,11 @@ class ClusterState:
         """The state after `ranks` fail-stop."""
         return self._update({r: {"status": DeviceStatus.LOST} for r in ranks})
 
+    def with_healthy(self, *ranks: int) -> ClusterState:
+        """The state after `ranks` (lost or slow) are whole again (a node came back)."""
+        healthy = {"status": DeviceStatus.HEALTHY, "speed": 1.0, "link_speed": 1.0}
+        return self._update({r: healthy for r in ranks})
+
     def with_slow(
         self, rank: int, *, speed: float | None = None, link_speed: float | None = None
     ) -> ClusterState:

@@ -8,6 +8,7 @@ and typed actions for the coordinator to execute.
     RESTARTING --every node started its trainers-->      RUNNING
     any live state --restart budget spent, crash loop, node lost, no plan--> FAILED
     STARTING/RUNNING/RESTARTING --a device or node lost--> STOPPING when the job re-plans
+    RUNNING    --a lost node returned (re-plans)-->    STOPPING (planned: no restart counted)
                                                          (`replans`), else FAILED
 
 Any other transition raises `IllegalTransition` (`ALLOWED` lists them): the machine cannot
@@ -142,6 +143,8 @@ class RecoveryMachine:
     finished_ranks: set[int] = field(default_factory=set)
     fallback: bool = False
     stalled_failures: int = 0
+    planned: bool = False
+    """The generation is stopping for a re-plan that adds devices, not after a failure."""
     transitions: list[tuple[str, str, str]] = field(default_factory=list)
 
     def _go(self, new: RecoveryState, reason: str) -> None:
@@ -228,7 +231,9 @@ class RecoveryMachine:
     def on_stopped(self, generation: int) -> Start | None:
         if self.state is not _S.STOPPING or generation != self.generation:
             return None
-        self.restarts += 1
+        if not self.planned:
+            self.restarts += 1
+        self.planned = False
         self.generation += 1
         self.finished_ranks.clear()
         mode = restore_mode(self.retains_state, self.generation, self.fallback)
@@ -256,6 +261,16 @@ class RecoveryMachine:
         if self.state is _S.STOPPING:
             return None
         return self._failure(f"node lost: {reason}")
+
+    def on_grow(self, reason: str) -> Stop | None:
+        """Devices came back (a lost node rejoined): a job that re-plans stops the running
+        generation to start the next one on the larger world, in place. Not a failure: no
+        restart is counted. None when not running (the caller retries once it is)."""
+        if not self.replans or self.state is not _S.RUNNING:
+            return None
+        self.planned = True
+        self._go(_S.STOPPING, reason)
+        return Stop(self.generation, reason)
 
     def give_up(self, reason: str) -> Fail | None:
         """Nothing can run the job any more (no device left to re-plan on): FAILED."""

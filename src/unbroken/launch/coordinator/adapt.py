@@ -11,6 +11,11 @@ Two reports change it:
   survivors get ranks 0..n-1 in device order, the new `DataPlacement` gives them the lost
   replica's micro-batches, and the generation starts in place on their retained replicas — no
   checkpoint;
+- devices back (`note_returned`, a lost node's agent joined again): once every device the job
+  launched with is usable, the next generation (`next_world`) runs the launch world again with
+  the launch placement; the returned ranks start with empty retained state and are filled from
+  a data-parallel replica (`RankAction.FILL`). A partial return waits (its devices are kept as
+  standbys);
 - a validated fail-slow report with its measured factor (`on_fail_slow`): the planner's plan is
   published in the job store (`JobStore.publish_placement`) when it is predicted at least
   `adapt.min_gain` faster and the job has re-planned fewer than `adapt.max_replans` times; the
@@ -115,6 +120,8 @@ class Adaptation:
         """Re-plans for slow devices so far (capped by `adapt.max_replans`)."""
         self.lost: dict[int, str] = {}
         """device -> why it is lost."""
+        self.returned: dict[int, str] = {}
+        """device -> why it is usable again (lost before; not yet back in the world)."""
         self.healthy_s = plan_for_state(self.state, PlannerConfig()).current_s
 
     # -- reports ----------------------------------------------------------------------------
@@ -127,15 +134,29 @@ class Adaptation:
             self.lost[device] = reason
             self.state = self.state.with_lost(device)
 
+    def note_returned(self, devices: list[int], reason: str) -> None:
+        """`devices` (lost before) are usable again: offered to the next world."""
+        for d in devices:
+            if self.lost.pop(d, None) is not None:
+                self.returned[d] = reason
+        self.state = self.state.with_healthy(*devices)
+
+    @property
+    def grows(self) -> bool:
+        """Whether the next world will be larger: every launch device is usable again and some
+        of them are outside the running world."""
+        return bool(self.returned) and not self.lost
+
     def next_world(self, iter_s: float | None = None) -> NewWorld | None:
-        """At a generation start: the world without the lost devices (None: unchanged).
+        """At a generation start: the world without the lost devices, or the launch world once
+        returned devices complete it (None: unchanged).
 
         Raises:
             NoPlanError: no device is left.
         """
         gone = [d for d in self.devices if d in self.lost]
         if not gone:
-            return None
+            return self._grow() if self.grows else None
         before = self.placement
         result = plan_for_state(self.state, PlannerConfig())
         plan = result.plan()
@@ -144,6 +165,45 @@ class Adaptation:
         trigger = {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
         self._adopt(result, plan, devices, placement, trigger, before, iter_s)
         return NewWorld(devices, placement, self.epoch)
+
+    def _grow(self) -> NewWorld:
+        """The launch world again (every device back): its plan and placement, a `replan`
+        event whose trigger names the returned devices."""
+        shards = self.cfg.parallel.dp
+        back = sorted(self.returned)
+        reason = self.returned[back[0]]
+        self.returned.clear()
+        before, devices_before = self.placement, self.devices
+        self.state = self.state.with_plan(make_plan(shards, 1, 1, 1, self.microbatches))
+        self.devices = tuple(range(shards))
+        self.placement = DataPlacement.identity(shards, self.microbatches)
+        self.epoch += 1
+        if self.store is not None:
+            self.store.publish_placement(self.epoch, json.dumps(self.placement.to_dict()))
+        trigger = {"kind": "devices_returned", "devices": back, "reason": reason}
+        self.events.emit(
+            "replan",
+            epoch=self.epoch,
+            trigger=trigger,
+            devices_before=list(devices_before),
+            devices_after=list(self.devices),
+            before=before.to_dict(),
+            after=self.placement.to_dict(),
+            counts_before=list(before.counts()),
+            counts_after=list(self.placement.counts()),
+            predicted_before=None,
+            predicted_after=None,
+            predicted_before_s=None,
+            predicted_after_s=None,
+            plan_s=0.0,
+            explain="every device the job launched with is back: the launch plan",
+        )
+        self.say(
+            f"re-plan (devices returned {back}): devices {list(devices_before)} -> "
+            f"{list(self.devices)}, micro-batches per rank {list(before.counts())} -> "
+            f"{list(self.placement.counts())}"
+        )
+        return NewWorld(self.devices, self.placement, self.epoch)
 
     def on_fail_slow(self, event: DetectionEvent, iter_s: float | None = None) -> bool:
         """A validated fail-slow report (rank in the running world, measured factor): publish

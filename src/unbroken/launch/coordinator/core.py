@@ -124,7 +124,11 @@ class CoordinatorCore:
         self.joined: dict[int, float] = {}
         """node -> when it was last heard from."""
         self.gone: set[int] = set()
-        """Nodes lost for the rest of the job (fenced: nothing of theirs is accepted again)."""
+        """Nodes lost (fenced: nothing of theirs is accepted, unless a fresh agent of the node
+        joins again and the job re-plans: `readmit`)."""
+        self.launch_nodes = layout.node_ids
+        """The nodes the job launched with (the layout shrinks with lost nodes)."""
+        self._grow_pending = False
         self.node_of_device = {d: layout.node_of(d) for d in range(layout.world_size)}
         """device -> its node (devices are numbered as the ranks at launch)."""
         self.done_reason = ""
@@ -144,8 +148,8 @@ class CoordinatorCore:
         Raises:
             ValueError: `node` is not in the job's layout.
         """
-        if node not in self.layout.node_ids:
-            raise ValueError(f"node {node} is not in the job's layout {self.layout.node_ids}")
+        if node not in self.launch_nodes:
+            raise ValueError(f"node {node} is not in the job's layout {self.launch_nodes}")
         self.joined[node] = time.time()
         if isinstance(msg, Hello):
             self._hello(node, msg)
@@ -197,6 +201,35 @@ class CoordinatorCore:
             )
         )
 
+    def readmit(self, node: int, hello: Hello) -> bool:
+        """A fresh agent of lost node `node` joined (its host came back, or it was restarted):
+        with `adapt` its devices are offered to the scheduler, which grows the world back at
+        the next generation — started now by a planned stop when the job is running, else as
+        soon as it is. Returns False (the caller fences it) when the job does not re-plan or
+        is over."""
+        if self.adapt is None or node not in self.launch_nodes or self.fsm.over:
+            return False
+        self.gone.discard(node)
+        self.joined[node] = time.time()
+        devices = sorted(d for d, n in self.node_of_device.items() if n == node)
+        self.adapt.note_returned(devices, f"node {node} returned")
+        self.events.emit(
+            "node_returned", node=node, pid=hello.pid, host=hello.host, devices=devices
+        )
+        self.monitor.say(f"node {node} returned ({hello.host}): devices {devices} offered")
+        self._grow_pending = self.adapt.grows
+        self._grow()
+        return True
+
+    def _grow(self) -> None:
+        """Stop the running generation for the larger world, once it runs."""
+        if not self._grow_pending:
+            return
+        action = self.fsm.on_grow("devices returned: re-plan onto the larger world")
+        if action is not None:
+            self._grow_pending = False
+            self.execute(action)
+
     def _started_on(self, node: int, msg: Started) -> None:
         if msg.promoted:
             self.events.emit(
@@ -217,6 +250,9 @@ class CoordinatorCore:
         if started >= set(self.live_nodes):
             self.fsm.on_started(msg.generation)
             self._log_transitions()
+            if self.adapt is not None and not self.adapt.grows:
+                self._grow_pending = False  # this generation already runs the larger world
+            self._grow()
 
     def _stopped_on(self, node: int, msg: Stopped) -> None:
         stopped = self._stopped.setdefault(msg.generation, set())

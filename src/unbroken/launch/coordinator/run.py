@@ -13,7 +13,10 @@ breakdowns from the run's logs). Node identity and addresses are data (`NodeLayo
 A multi-node job (`nodes.count` > 1) listens on its rendezvous endpoint; this process starts
 node 0's agent and the other nodes' agents join (`unbroken train --node-rank R`), proving the
 job secret on every frame. A node that is lost is fenced: its connection is closed, and if it
-comes back its frames are refused (`node_fenced`) — its agent then stops its processes.
+comes back its frames are refused (`node_fenced`) — its agent then stops its processes. A
+*fresh* agent of a lost node (a new connection that opens with a `Hello`: the host came back,
+or its command was started again) is re-admitted instead when the job re-plans
+(`CoordinatorCore.readmit`): its devices join the next generation.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from unbroken.launch.coordinator.load import LoadStats
 from unbroken.launch.coordinator.monitor import RunMonitor, run_info
 from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
 from unbroken.launch.coordinator.server import ControlServer, Dropped, Received
-from unbroken.messages import Shutdown
+from unbroken.messages import Hello, Shutdown
 from unbroken.metrics.log import JsonlLog
 from unbroken.metrics.observer import RunObserver
 
@@ -212,7 +215,9 @@ class Coordinator:
 
     def _dispatch(self, core: CoordinatorCore, item: Received | Dropped) -> None:
         if item.node is not None and item.node in core.gone:
-            self._fence(item.node, item)
+            fresh = isinstance(item, Received) and isinstance(item.message, Hello)
+            if not (fresh and core.readmit(item.node, item.message)):
+                self._fence(item.node, item)
             return
         if isinstance(item, Dropped):
             self.events.emit("control_rejected", peer=item.peer, reason=item.reason)

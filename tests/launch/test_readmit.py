@@ -1,0 +1,122 @@
+"""A lost node that comes back (issue 19, item 3), decided by the coordinator's core: with
+`adapt` a fresh agent of the node is re-admitted and the job stops its running generation (a
+planned stop, no restart counted) to start the next one on the launch world, its returned
+ranks filled from a replica; without `adapt` it is refused, the caller fences it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from unbroken.config import AdaptConfig
+from unbroken.launch.coordinator.core import CoordinatorCore
+from unbroken.launch.coordinator.monitor import RunMonitor
+from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
+from unbroken.messages import Hello, Started, StartGeneration, StopGeneration, Stopped
+from unbroken.metrics.log import JsonlLog, read_jsonl
+from unbroken.recovery import RecoveryState
+
+from ..foundation.conftest import tiny_job
+
+
+class TwoNodes:
+    """The core of a 2 nodes x 2 ranks job; what it sends is recorded per node."""
+
+    def __init__(self, tmp_path, adapt: bool) -> None:
+        cfg = tiny_job(world_size=4)
+        cfg = dataclasses.replace(cfg, adapt=AdaptConfig(enabled=adapt))
+        self.log = tmp_path / "events.jsonl"
+        events = JsonlLog(self.log, run="train")
+        monitor = RunMonitor(tmp_path, "train", 4, cfg.train.iterations, events, quiet=True)
+        self.sent: list[tuple[int, object]] = []
+        self.core = CoordinatorCore(
+            cfg,
+            tmp_path,
+            "train",
+            layout=NodeLayout.even(2, 2),
+            endpoints=Endpoints(store_port=1),
+            send=lambda node, msg: self.sent.append((node, msg)),
+            events=events,
+            monitor=monitor,
+            store=None,
+        )
+
+    def take(self) -> list[tuple[int, object]]:
+        out, self.sent[:] = list(self.sent), []
+        return out
+
+    def started(self, generation: int, nodes) -> None:
+        for node in nodes:
+            self.core.handle(
+                node, Started(generation=generation, t=1.0, promoted=False, shadows_ready=0)
+            )
+
+    def stopped(self, generation: int, nodes) -> None:
+        for node in nodes:
+            self.core.handle(node, Stopped(generation=generation, t=2.0, took_s=0.1))
+
+    def records(self, kind: str) -> list[dict]:
+        return [e for e in read_jsonl(self.log) if e["kind"] == kind]
+
+
+def _running_without_node_1(job: TwoNodes) -> None:
+    for node in (0, 1):
+        job.core.handle(node, Hello(node=node, pid=os.getpid()))
+    assert {n for n, m in job.take() if isinstance(m, StartGeneration)} == {0, 1}
+    job.started(0, (0, 1))
+    job.core.node_lost(1, "its connection closed")
+    assert job.take() == [(0, StopGeneration(generation=0))]
+    job.stopped(0, (0,))
+    (start,) = job.take()
+    assert start[0] == 0 and start[1].ranks == [0, 1] and start[1].generation == 1
+    job.started(1, (0,))
+    assert job.core.fsm.state is RecoveryState.RUNNING and job.core.fsm.restarts == 1
+
+
+def test_a_fresh_agent_of_a_lost_node_is_readmitted_and_the_launch_world_returns(tmp_path):
+    job = TwoNodes(tmp_path, adapt=True)
+    _running_without_node_1(job)
+    assert job.core.readmit(1, Hello(node=1, pid=4242, host="127.0.0.2")) is True
+    assert job.take() == [(0, StopGeneration(generation=1))]  # only node 0 runs trainers
+    assert job.core.fsm.state is RecoveryState.STOPPING
+    job.core.handle(1, Hello(node=1, pid=4242))  # its later messages are accepted
+    job.stopped(1, (0,))
+    starts = {n: m for n, m in job.take() if isinstance(m, StartGeneration)}
+    assert sorted(starts) == [0, 1]
+    assert starts[0].ranks == [0, 1] and starts[1].ranks == [2, 3]
+    assert starts[1].devices == {"2": 2, "3": 3} and starts[1].world_changed is True
+    assert job.core.devices == (0, 1, 2, 3)
+    assert job.core.fsm.restarts == 1, "the planned stop is not a restart"
+    (ret,) = job.records("node_returned")
+    assert ret["node"] == 1 and ret["devices"] == [2, 3]
+    replans = job.records("replan")
+    assert [r["trigger"]["kind"] for r in replans] == ["device_lost", "devices_returned"]
+    assert replans[1]["devices_after"] == [0, 1, 2, 3] and replans[1]["counts_after"] == [2] * 4
+    job.started(2, (0, 1))
+    assert job.core.fsm.state is RecoveryState.RUNNING and job.take() == []
+
+
+def test_a_node_returning_while_a_generation_starts_grows_once_it_runs(tmp_path):
+    job = TwoNodes(tmp_path, adapt=True)
+    for node in (0, 1):
+        job.core.handle(node, Hello(node=node, pid=os.getpid()))
+    job.take()
+    job.started(0, (0, 1))
+    job.core.node_lost(1, "closed")
+    job.stopped(0, (0,))
+    job.take()  # generation 1 starting on node 0
+    assert job.core.readmit(1, Hello(node=1, pid=1)) is True
+    assert job.take() == [] and job.core.fsm.state is RecoveryState.RESTARTING
+    job.started(1, (0,))  # now it runs: the planned stop follows
+    assert job.take() == [(0, StopGeneration(generation=1))]
+
+
+def test_without_adapt_a_returning_node_is_refused(tmp_path):
+    job = TwoNodes(tmp_path, adapt=False)
+    for node in (0, 1):
+        job.core.handle(node, Hello(node=node, pid=os.getpid()))
+    job.take()
+    job.started(0, (0, 1))
+    job.core.node_lost(1, "closed")
+    assert job.core.fsm.state is RecoveryState.FAILED
+    assert job.core.readmit(1, Hello(node=1, pid=1)) is False and 1 in job.core.gone
