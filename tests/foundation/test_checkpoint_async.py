@@ -159,3 +159,32 @@ def test_two_ranks_save_asynchronously_beside_their_collectives_and_load_back(tm
     )
     assert [(out / f"rank{r}.txt").read_text() for r in range(2)] == ["ok", "ok"]
     assert [c.iteration for c in list_checkpoints(root)] == [3, 6]
+
+
+@pytest.mark.ci_required
+def test_a_job_with_asynchronous_checkpoints_restarts_from_them_bit_exact(tmp_path):
+    """`checkpoint.asynchronous` in a real job (2 ranks, gloo): every save is staged and sealed
+    in the background, the generation waits for the last one before it exits, and the
+    checkpoint-restart after a kill loads one of them — bit-exact against the reference."""
+    import dataclasses
+
+    from unbroken.api import run_job
+    from unbroken.metrics.log import read_jsonl
+
+    from .conftest import tiny_job
+
+    cfg = tiny_job(iterations=8, inject=["kill:rank=1,iter=5,phase=backward"], interval=2)
+    cfg = dataclasses.replace(
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, asynchronous=True)
+    )
+    cfg = dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, mode="ckpt_restart"))
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["bit_exact"] is True and s["failures_recovered"] == 1, s
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    saved = [e for e in events if e["kind"] == "checkpoint_saved"]
+    assert saved and all(e.get("asynchronous") for e in saved), saved
+    assert [e for e in events if e["kind"] == "checkpoint_sealed"]
+    (loaded,) = [e for e in events if e["kind"] == "checkpoint_loaded"]
+    assert loaded["iter"] == 4
+    infos = list_checkpoints(tmp_path / "checkpoints" / "faulty")
+    assert infos and all(verify_checkpoint(i) is None for i in infos), infos

@@ -174,6 +174,17 @@ class CheckpointStager:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._pending: PendingSave | None = None
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        """The gloo groups of the background writes, by ranks (see `_checkpoint_group`)."""
+
+    def wait(self) -> float | None:
+        """Wait for the save in flight, if any; its seconds from start to completion.
+
+        Raises:
+            RuntimeError: it failed (the checkpoint stays invalid).
+        """
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else None
 
     def reserve(self, state: TrainState, shard: str = "") -> None:
         """Allocate the buffers ahead of the first save (pinning many GiB takes seconds)."""
@@ -236,19 +247,19 @@ class PendingSave:
         return self._total_s[0] if self._total_s else self.blocking_s
 
 
-_CKPT_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
-def _checkpoint_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+def _checkpoint_group(
+    group: dist.ProcessGroup | None, stager: CheckpointStager
+) -> dist.ProcessGroup | None:
     """The process group the background thread's DCP collectives use: none for one rank;
-    else a gloo group of the same ranks, made once, so that they never interleave with the
-    training loop's collectives on `group` (every rank makes it at its first async save)."""
+    else a gloo group of the same ranks, made once per stager (every rank makes it at its
+    first async save), so that they never interleave with the training loop's collectives on
+    `group`."""
     if group is None or dist.get_world_size(group) == 1:
         return None
     ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _CKPT_GROUPS:
-        _CKPT_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo")
-    return _CKPT_GROUPS[ranks]
+    if ranks not in stager._groups:
+        stager._groups[ranks] = dist.new_group(list(ranks), backend="gloo")
+    return stager._groups[ranks]
 
 
 def save_checkpoint_async(
@@ -276,7 +287,7 @@ def save_checkpoint_async(
     path = checkpoint_path(root, iteration)
     if stager._pending is not None:
         stager._pending.wait()
-    ckpt_group = _checkpoint_group(group)
+    ckpt_group = _checkpoint_group(group, stager)
     if rank == 0 and path.exists():
         shutil.rmtree(path)  # a torn save of the same iteration from an earlier generation
     if group is not None:

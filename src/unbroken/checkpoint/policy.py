@@ -29,10 +29,12 @@ import torch.distributed as dist
 
 from unbroken.checkpoint.dcp import (
     CheckpointInfo,
+    CheckpointStager,
     checkpoint_path,
     find_latest_valid,
     load_checkpoint,
     save_checkpoint,
+    save_checkpoint_async,
     verify_checkpoint,
 )
 from unbroken.checkpoint.interval import young_interval
@@ -84,6 +86,9 @@ class CheckpointPolicy:
     cost_s: float | None = None
     """The checkpoint cost this generation measured (its iteration-0 save)."""
     _healthy: list[float] = field(default_factory=list)
+    stager: CheckpointStager | None = None
+    """Host buffers and the save in flight (`checkpoint.asynchronous`), made at the first
+    save of the generation."""
 
     def __post_init__(self) -> None:
         self.interval = self.cfg.interval or None
@@ -99,24 +104,49 @@ class CheckpointPolicy:
         return verify_checkpoint(info) is None
 
     def save(self, state: TrainState, iteration: int, **event: Any) -> float:
-        """Checkpoint `state` before `iteration` (collective); returns the seconds taken."""
-        seconds = save_checkpoint(
-            self.root,
-            state,
-            iteration,
-            group=self.group,
-            rank=self.rank,
-            keep=self.cfg.keep,
-            shard=self.shard,
-            rng_seed=self.rng_seed,
-        )
+        """Checkpoint `state` before `iteration` (collective); returns the seconds the caller
+        was blocked (with `asynchronous`, the staging copy: the rest runs in the background)."""
+        common = {
+            "group": self.group,
+            "rank": self.rank,
+            "keep": self.cfg.keep,
+            "shard": self.shard,
+            "rng_seed": self.rng_seed,
+        }
+        if self.cfg.asynchronous:
+            pending = save_checkpoint_async(
+                self.root, state, iteration, stager=self._stager(state), **common
+            )
+            seconds = pending.blocking_s
+            event["asynchronous"] = True
+        else:
+            seconds = save_checkpoint(self.root, state, iteration, **common)
         if self.rank == 0:
             self.emit("checkpoint_saved", iter=iteration, seconds=seconds, **event)
         return seconds
 
+    def _stager(self, state: TrainState) -> CheckpointStager:
+        if self.stager is None:
+            self.stager = CheckpointStager()
+            self.stager.reserve(state, self.shard)
+        return self.stager
+
+    def flush(self) -> None:
+        """Wait for a background save in flight (before a load, and before the generation's
+        trainers exit: a save they leave unsealed is skipped by every reader).
+
+        Raises:
+            RuntimeError: it failed.
+        """
+        if self.stager is not None:
+            total = self.stager.wait()
+            if total is not None and self.rank == 0:
+                self.emit("checkpoint_sealed", seconds=total)
+
     def load_latest(self, state: TrainState) -> int | None:
         """Load the newest complete checkpoint into `state` (collective); returns the next
         iteration to run, or None when there is none."""
+        self.flush()
         holder: list[Any] = [None]
         if self.rank == 0:
 

@@ -63,6 +63,7 @@ class TrainingLoop:
                 self.heartbeat.completed(it)
             if self.switch is not None and it + 1 < self.cfg.train.iterations:
                 self.switch.at_boundary(it)
+        self.checkpoints.flush()  # a background save the generation started is sealed
 
     def _hash(self, it: int) -> Audit | None:
         """The audit at hashed iterations (`train.hash_every`; the last one always): every
