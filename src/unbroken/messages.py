@@ -292,6 +292,12 @@ class Promote(Message):
 
     OP: ClassVar[str] = "promote"
     spec: str
+    rank: int | None = None
+    """Its rank in the final spec's world when the world changed since it was prepared (the
+    same device, another rank number); None: the rank it was started for."""
+    regroup: bool = False
+    """The world changed: a shadow that formed its shadow set's group leaves it and joins the
+    generation's own rendezvous with the final spec's world."""
 
 
 # -- codec -------------------------------------------------------------------------------------

@@ -225,6 +225,9 @@ def test_a_lost_node_is_planned_around_and_readmitted_when_it_returns(job_of):
     assert sorted(r["rank"] for r in fills) == [2, 3], job.kinds("inplace_repair")
     assert not job.kinds("checkpoint_loaded"), "retained state and replicas, no checkpoint"
     assert [e["mode"] for e in job.kinds("recovery_start")] == ["inplace", "inplace"]
+    # Node 0's shadows took over in both changed worlds, under their new world's ranks.
+    promoted = {(e["node"], e["generation"]) for e in job.kinds("shadows_promoted")}
+    assert {(0, 1), (0, 2)} <= promoted, job.kinds("shadows_promoted")
     assert summary["iterations"] == 60 and summary["state"] == "done", summary
     rows = [m for m in read_jsonl(job.out / "metrics.jsonl") if m["run"] == "faulty"]
     last = max(m["generation"] for m in rows)

@@ -145,3 +145,33 @@ def test_a_promoted_shadow_returns_to_the_jobs_priority_not_to_zero():
         os.setpriority(os.PRIO_PROCESS, 0, before)
         shadow.kill()
         shadow.wait()
+
+
+def test_shadows_are_found_by_device_and_promoted_under_their_new_rank():
+    """A world change (devices lost or back): a shadow prepared for rank 2 on device 2 takes
+    rank 1 of the new world on the same device, told to regroup with it."""
+    import io
+
+    from unbroken.messages import Promote, decode_json
+
+    sup = FakeSupervisor()
+    pool = ShadowPool(sup)  # type: ignore[arg-type]
+    plan = StartGeneration(
+        generation=4,
+        spec="gen4.json",
+        ranks=[0, 1, 2],
+        heartbeat_timeout_s=2.0,
+        node_heartbeat_s=0.5,
+        shadows=ShadowPlan(level=3, start="exec", next_spec="gen5.json"),
+        devices={"0": 0, "1": 1, "2": 2},
+    )
+    pool.prepare(plan, level=3)
+    assert pool.by_device(5) == {0: 0, 1: 1, 2: 2} and pool.by_device(4) == {}
+    sup.procs[1].kill()  # device 1's shadow died with it
+    assert pool.by_device(5) == {0: 0, 2: 2}
+    stdin = io.BytesIO()
+    pool.shadows[2].proc.stdin = stdin  # type: ignore[attr-defined]
+    t = pool.promote(2, "gen5.json", now=1.0, as_rank=1)
+    assert t.rank == 1 and 2 not in pool.shadows
+    msg = decode_json(stdin.getvalue().decode().strip(), (Promote,))
+    assert msg == Promote(spec="gen5.json", rank=1, regroup=True)

@@ -64,8 +64,11 @@ class Heartbeat:
         self.footprint = {str(k): int(v) for k, v in footprint.items()}
         self.beat()
 
-    def promoted(self, generation: int) -> None:
+    def promoted(self, generation: int, rank: int | None = None) -> None:
+        """The shadow became the trainer of `generation` (as `rank` when the world changed)."""
         self.status, self.generation = RankStatus.STARTING, generation
+        if rank is not None:
+            self.rank = rank
         self.beat()
 
     def completed(self, iteration: int) -> None:

@@ -187,27 +187,33 @@ class RankSession:
     def join_group(self) -> None:
         """L3: the job store and this generation's process group (a shadow set's own: a mirror
         world, so fresh processes started instead of it never meet its keys)."""
+        from unbroken.jobstore import JobStore
+
+        spec, cfg = self.spec, self.cfg
+        timeout_s = cfg.recovery.collective_timeout_s
+        self.store = JobStore.connect(spec.store_host, spec.store_port, timeout_s)
+        self.steps["store"] = time.time()
+        self._form_group(spec, self.args.attempt if self.args.shadow else None)
+        self._enter(SessionStage.GROUPED)
+
+    def _form_group(self, spec: GenerationSpec, attempt: int | None) -> None:
+        """Join `spec`'s generation's process group (a shadow set's mirror world when
+        `attempt` is given) as this session's rank."""
         from datetime import timedelta
 
         import torch.distributed as dist
 
-        from unbroken.jobstore import JobStore
-
-        spec, cfg, device = self.spec, self.cfg, self.device
-        timeout_s = cfg.recovery.collective_timeout_s
-        self.store = JobStore.connect(spec.store_host, spec.store_port, timeout_s)
-        self.steps["store"] = time.time()
+        cfg, device = self.cfg, self.device
         backend = cfg.parallel.backend
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
-        attempt = self.args.attempt if self.args.shadow else None
         self.rendezvous = rendezvous = self.store.generation_store(spec.generation, attempt)
         dist.init_process_group(
             backend,
             store=rendezvous,
             rank=self.rank,
             world_size=spec.world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=cfg.recovery.collective_timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
         self.group = dist.group.WORLD
@@ -216,7 +222,6 @@ class RankSession:
         dist.barrier(self.group)
         rendezvous.forget()
         self.t_group = self.steps["communicators"] = time.time()
-        self._enter(SessionStage.GROUPED)
 
     def attach(self) -> None:
         """The retained state (in-place recovery), the fault injector, and the executor built
@@ -431,8 +436,20 @@ class RankSession:
             raise RuntimeError(
                 f"promoted into generation {final.generation}, prepared {spec.generation}"
             )
+        if promote.rank is not None:  # the world changed: the same device, its new rank
+            import dataclasses
+
+            self.args = dataclasses.replace(self.args, rank=promote.rank)
         if self.hb is not None:
-            self.hb.promoted(final.generation)
+            self.hb.promoted(final.generation, promote.rank)
+        if promote.regroup and self.group is not None:
+            # Its shadow set's group was formed for the world it was prepared for: the
+            # generation's own rendezvous now, with the final world (fresh trainers join it too).
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.group = None
+            self._form_group(final, None)
         self.events.emit(
             "shadow_promoted",
             rank=self.rank,

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         kind = "error" if isinstance(exc, UserError) else type(exc).__name__
         traceback.print_exc(file=sys.stderr)  # always in the rank's log
         print(
-            f"unbroken-trainer[rank {args.rank}] in {session.doing}: {kind}: {exc}",
+            f"unbroken-trainer[rank {session.rank}] in {session.doing}: {kind}: {exc}",
             file=sys.stderr,
         )
         sys.stderr.flush()

@@ -126,16 +126,19 @@ class Agent:
         self._setup_memory(msg)
         self._last_start = msg
         gen, ranks = msg.generation, msg.ranks
-        # Shadows prepared for another world (a device was lost since) cannot take over.
-        promoted = not msg.world_changed and self.pool.alive_for(gen, ranks)
-        ready = self.pool.ready_count(ranks) if promoted else 0
-        if promoted:
-            for r in ranks:
-                self.trainers[r] = self.pool.promote(r, msg.spec, time.time())
+        if msg.world_changed:
+            promoted = self._promote_into_new_world(msg)
+            ready = 0
         else:
-            self.pool.reclaim()
-            for r in ranks:
-                self.trainers[r] = self.supervisor.spawn(msg, r, gen, msg.spec)
+            promoted = self.pool.alive_for(gen, ranks)
+            ready = self.pool.ready_count(ranks) if promoted else 0
+            if promoted:
+                for r in ranks:
+                    self.trainers[r] = self.pool.promote(r, msg.spec, time.time())
+            else:
+                self.pool.reclaim()
+                for r in ranks:
+                    self.trainers[r] = self.supervisor.spawn(msg, r, gen, msg.spec)
         level = self.reclaimer.level_at_recovery(msg, len(ranks))
         launched = self.pool.prepare(msg, level)
         self.channel.send(
@@ -147,6 +150,22 @@ class Agent:
                 shadows=launched,
             )
         )
+
+    def _promote_into_new_world(self, msg: StartGeneration) -> bool:
+        """The world changed (devices lost or back): each rank whose device has a live shadow
+        gets it, under its new rank number, regrouping with the new world (its imports, device
+        runtime and warm-up are kept); the others start fresh. Returns whether any shadow was
+        promoted."""
+        shadow_of = self.pool.by_device(msg.generation)
+        mine = {r: shadow_of.get(msg.devices.get(str(r), r)) for r in msg.ranks}
+        for r, old in mine.items():
+            if old is not None:
+                self.trainers[r] = self.pool.promote(old, msg.spec, time.time(), as_rank=r)
+        self.pool.reclaim()  # the shadows of devices no longer in the world
+        for r, old in mine.items():
+            if old is None:
+                self.trainers[r] = self.supervisor.spawn(msg, r, msg.generation, msg.spec)
+        return any(old is not None for old in mine.values())
 
     def _refuse(self, msg: StartGeneration) -> bool:
         """Start nothing of a generation that would put a rank on a lost device; each such rank
@@ -194,11 +213,13 @@ class Agent:
 
     # -- what the node's processes send -----------------------------------------------------------
     def on_beat(self, beat: RankBeat) -> None:
-        """A heartbeat: it belongs to the rank's trainer of its generation, else to its shadow."""
+        """A heartbeat: it belongs to the rank's trainer of its generation, else to its shadow
+        — the process that sent it (a shadow promoted under another rank may still have sent
+        one beat under its old rank)."""
         t = self.trainers.get(beat.rank)
-        if t is None or beat.generation != t.generation:
+        if t is None or beat.generation != t.generation or beat.pid != t.proc.pid:
             t = self.pool.find(beat.rank)
-        if t is not None and beat.generation == t.generation:
+        if t is not None and beat.generation == t.generation and beat.pid == t.proc.pid:
             t.beat = beat
             t.liveness = t.liveness.beat(time.time(), beat.status)
         self.pool.on_beat(beat, self.trainers.keys())

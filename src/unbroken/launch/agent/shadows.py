@@ -108,17 +108,32 @@ class ShadowPool:
         return self.shadows.get(rank)
 
     # -- transitions ----------------------------------------------------------------------------
-    def promote(self, rank: int, spec: str, now: float) -> RankProc:
+    def promote(self, rank: int, spec: str, now: float, *, as_rank: int | None = None) -> RankProc:
         """Turn `rank`'s shadow into the trainer of the generation whose final spec is `spec`
-        (check `alive_for` first)."""
+        (check `alive_for` first); `as_rank`: its rank in a changed world (it regroups)."""
         t = self.shadows.pop(rank)
         with contextlib.suppress(OSError):  # the job's priority now (needs privilege)
             os.setpriority(os.PRIO_PROCESS, t.proc.pid, self.job_nice)
         assert t.proc.stdin is not None
-        t.proc.stdin.write(encode_json(Promote(spec=spec)) + b"\n")
+        msg = Promote(spec=spec, rank=as_rank, regroup=as_rank is not None)
+        t.proc.stdin.write(encode_json(msg) + b"\n")
         t.proc.stdin.flush()
         t.liveness = t.liveness.promoted(now)
+        if as_rank is not None:
+            t.rank = as_rank
         return t
+
+    def by_device(self, generation: int) -> dict[int, int]:
+        """device -> the rank of its live shadow prepared for `generation` (the devices of the
+        generation start the shadows were prepared under)."""
+        if self.plan is None:
+            return {}
+        devices = self.plan.devices
+        return {
+            devices.get(str(r), r): r
+            for r, t in self.shadows.items()
+            if t.generation == generation and t.alive()
+        }
 
     def reclaim(self) -> None:
         """Kill every shadow and wait until each is gone; pending ones are dropped."""
