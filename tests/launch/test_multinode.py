@@ -156,7 +156,7 @@ def job_of(tmp_path):
 
 def _summary(p: subprocess.Popen, timeout: float = 240) -> dict:
     out, err = p.communicate(timeout=timeout)
-    assert p.returncode == 0, err[-3000:]
+    assert p.returncode == 0, (err[-3000:], out[-3000:])
     return json.loads(out)
 
 
