@@ -188,6 +188,10 @@ class ShadowPlan:
     """"fork" or "exec" (recovery.shadow_start)."""
     next_spec: str
     """The spec file of the generation they will join."""
+    attempt: int = 0
+    """The shadow set's number, the same on every node (their mirror world's rendezvous:
+    shadows of several nodes meet only under one number, so an agent that joined later — a
+    returned node — must not count its own); 0: the agent counts."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -175,3 +175,25 @@ def test_shadows_are_found_by_device_and_promoted_under_their_new_rank():
     assert t.rank == 1 and 2 not in pool.shadows
     msg = decode_json(stdin.getvalue().decode().strip(), (Promote,))
     assert msg == Promote(spec="gen5.json", rank=1, regroup=True)
+
+
+def test_the_coordinators_set_number_is_used_on_every_node_and_a_relaunch_gets_its_own():
+    """A node that joined later (its agent counts from 0) must still meet the other nodes'
+    shadows: the set number comes from the coordinator; a node-local relaunch stays clear of
+    it."""
+    sup = FakeSupervisor()
+    pool = ShadowPool(sup)  # type: ignore[arg-type]
+    plan = _plan()
+    plan = StartGeneration(
+        generation=plan.generation,
+        spec=plan.spec,
+        ranks=plan.ranks,
+        heartbeat_timeout_s=plan.heartbeat_timeout_s,
+        node_heartbeat_s=plan.node_heartbeat_s,
+        shadows=ShadowPlan(level=3, start="exec", next_spec="gen5.json", attempt=5),
+    )
+    pool.prepare(plan, level=3)
+    assert sup.spawned == [(0, 5, 3, 5), (1, 5, 3, 5)]
+    pool.reclaim()
+    pool.relaunch(2, 5, [0, 1])
+    assert sup.spawned[2:] == [(0, 5, 2, 1_000_001), (1, 5, 2, 1_000_001)]

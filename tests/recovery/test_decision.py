@@ -118,3 +118,18 @@ def test_the_coordinator_restore_mode():
     assert restore_mode(True, 3, False) is RestoreMode.IN_PLACE
     assert restore_mode(True, 3, True) is RestoreMode.CHECKPOINT
     assert restore_mode(False, 3, False) is RestoreMode.CHECKPOINT
+
+
+def test_a_filled_rank_does_not_finish_an_update_it_never_held():
+    """With a peer past the sync, the decision carries `finish`; the rank to be filled has no
+    marker to finish from and must leave its updater alone (it takes the donor's state after)."""
+    from unbroken.launch.restore import finish_update
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"the filled rank's updater was used: {name}")
+
+    synced = _rank(Stage.SYNCED, loss=2.5, grad_norm=1.25, grad_scale=0.5, lr=1e-3)
+    d = decide_restore([synced, NOTHING], [(0, 1)])
+    assert d.finish == 5 and d.actions[1] is RankAction.FILL
+    finish_update(Untouchable(), d, 1, hook=None)

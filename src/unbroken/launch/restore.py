@@ -57,8 +57,8 @@ def gather_summaries(summary: RetainedSummary, group) -> list[RetainedSummary]:
 def finish_update(upd: ResumableUpdater, decision: RestoreDecision, rank: int, hook) -> None:
     """This rank's part of a RESUME decision: bring its state to the agreed boundary."""
     action = decision.actions[rank]
-    if decision.finish is None or action is RankAction.UPDATE_DONE:
-        return
+    if decision.finish is None or action in (RankAction.UPDATE_DONE, RankAction.FILL):
+        return  # a filled rank takes its replica's state once the donor has finished
     if action is RankAction.FINISH_WITH_PEER_STATS:
         stats = decision.stats
         assert stats is not None

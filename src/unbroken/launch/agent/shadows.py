@@ -49,6 +49,13 @@ class PendingShadows:
     generation: int
     level: int
     ranks: tuple[int, ...]
+    relaunch: bool = False
+    """A node-local relaunch after a reclamation (a set number of its own)."""
+
+
+RELAUNCH_BASE = 1_000_000
+"""Shadow sets a node relaunches on its own number from here (the coordinator numbers the
+others by generation)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,8 +177,12 @@ class ShadowPool:
         if pending is None or self.supervisor.forkserver_starting():
             return
         self.pending = None
-        self.attempt += 1
         assert pending.plan.shadows is not None
+        given = pending.plan.shadows.attempt
+        if given and not pending.relaunch:
+            self.attempt = given
+        else:  # counted here; a relaunch's numbers stay clear of the coordinator's
+            self.attempt = max(self.attempt, RELAUNCH_BASE) + 1 if given else self.attempt + 1
         spec = pending.plan.shadows.next_spec
         for r in pending.ranks:
             self.shadows[r] = self.supervisor.spawn(
@@ -184,7 +195,9 @@ class ShadowPool:
         self.level_now = level
         if level:
             assert self.plan is not None
-            self.pending = PendingShadows(self.plan, generation, level, tuple(sorted(ranks)))
+            self.pending = PendingShadows(
+                self.plan, generation, level, tuple(sorted(ranks)), relaunch=True
+            )
             self.spawn_pending()
 
     def on_beat(self, beat: RankBeat, ranks: Collection[int]) -> None:

@@ -548,6 +548,7 @@ class CoordinatorCore:
                 level=self.cfg.recovery.shadow_level,
                 start=self.cfg.recovery.shadow_start,
                 next_spec=str(nxt),
+                attempt=action.generation + 1,
             )
         sockets = self._state_sockets()
         rec = self.cfg.recovery
