@@ -186,7 +186,9 @@ def test_a_lost_node_is_planned_around_and_readmitted_when_it_returns(job_of):
     checkpoint). Its host comes back and runs its command again: the fresh agent is
     re-admitted, the job grows back to four ranks at a planned stop, and node 1's ranks take
     a replica's state — still bit-exact, still no checkpoint."""
-    job = job_of(iterations=60, adapt=True)
+    # Node 1 waits for the faulty run's coordinator while node 0 runs the 60-iteration
+    # reference alone: a join timeout above that on a loaded machine.
+    job = job_of(iterations=60, adapt=True, join_timeout=240)
     node1 = job.node(1)
     node0 = job.node(0, "--reference")
     _wait(lambda: job.iterations_done() >= 5 or node0.poll() is not None, 200, "iteration 5")
@@ -215,8 +217,9 @@ def test_a_lost_node_is_planned_around_and_readmitted_when_it_returns(job_of):
         f"node loss: detected {lost[0]['t_detected'] - t_kill:.3f} s after the kill, "
         f"training again {done[0]['init_s']:.2f} s after it"
     )
+    # (A loaded machine may add a fail-slow re-plan after them: the detector sees the load.)
     replans = job.kinds("replan")
-    assert [r["trigger"]["kind"] for r in replans] == ["device_lost", "devices_returned"]
+    assert [r["trigger"]["kind"] for r in replans][:2] == ["device_lost", "devices_returned"]
     assert sorted(replans[0]["trigger"]["devices"]) == [2, 3], replans
     assert replans[1]["devices_after"] == [0, 1, 2, 3], replans
     (ret,) = job.kinds("node_returned")
