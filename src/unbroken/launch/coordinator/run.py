@@ -182,11 +182,13 @@ class Coordinator:
                     t = time.perf_counter()
                     self._dispatch(core, item)
                     self.load.handled(time.perf_counter() - t)
+                # Liveness right after reading what the nodes sent: a node is judged on the
+                # beats that arrived, even if this loop was busy elsewhere since its last turn.
+                self._check_nodes(core, t_hello)
                 t = time.perf_counter()
                 self.monitor.poll()
                 self.load.polled(time.perf_counter() - t)
                 core.tick(time.time())
-                self._check_nodes(core, t_hello)
                 self.load.tick()
             self.monitor.poll()
             self.load.tick(final=True)
