@@ -224,17 +224,17 @@ def test_store_keys_that_pile_up_per_recovery_fail_and_flat_ones_pass():
     recoveries = [10.0 * i + 1 for i in range(12)]  # one recovery per 10 s window
     flat = with_recoveries(_stats_events([(40, 0.1)] * 12, recoveries))
     assert [s["recoveries"] for s in flat][:3] == [1, 2, 3]  # the final one is left out
-    keys, timing = coordinator_checks(flat)
+    keys, timing, _ = coordinator_checks(flat)
     assert keys.passed is True and timing.passed is True
     piling = with_recoveries(_stats_events([(40 + 9 * i, 0.1) for i in range(12)], recoveries))
-    keys, _ = coordinator_checks(piling)
+    keys, _, _ = coordinator_checks(piling)
     assert keys.passed is False and keys.value == 9.0
 
 
 def test_coordinator_handling_time_that_triples_fails():
     recoveries = [10.0 * i + 1 for i in range(20)]
     slowing = [(40, 0.1)] * 10 + [(40, 0.35)] * 10
-    _, timing = coordinator_checks(with_recoveries(_stats_events(slowing, recoveries)))
+    _, timing, _ = coordinator_checks(with_recoveries(_stats_events(slowing, recoveries)))
     assert timing.passed is False and timing.value == 3.5
 
 
@@ -244,5 +244,21 @@ def test_fired_fault_markers_are_not_counted_as_store_growth():
     assert coordinator_checks(events)[0].passed is False  # one key more per recovery
     for i, e in enumerate(events):
         e["fault_markers"] = i  # ... each the marker of the fault behind that recovery
-    keys, _ = coordinator_checks(events)
+    keys, _, _ = coordinator_checks(events)
     assert keys.passed is True and keys.value == 0.0
+
+
+def test_a_coordinator_pass_that_grows_with_the_run_fails_the_stall_check():
+    """The 60-minute soak's coordinator stalled 10.8 s in one pass over its logs; the windows
+    said so in `poll_ms_max` (2-5 s in the last tenth against ~10 ms at first)."""
+    recoveries = [10.0 * i + 1 for i in range(20)]
+    events = with_recoveries(_stats_events([(40, 0.1)] * 20, recoveries))
+    stats = [e for e in events if e["kind"] == "coordinator_stats" and not e.get("final")]
+    for i, e in enumerate(stats):
+        e["poll_ms_max"] = 10.0 if i < 10 else 3000.0
+    *_, stall = coordinator_checks(events)
+    assert stall.passed is False and stall.value == 300.0
+    for e in stats:
+        e["poll_ms_max"] = 12.0
+    *_, stall = coordinator_checks(events)
+    assert stall.passed is True

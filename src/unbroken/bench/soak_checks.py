@@ -286,4 +286,30 @@ def coordinator_checks(stats: Sequence[dict[str, Any]]) -> list[Check]:
             f"<={1 + HANDLE_TOLERANCE:.2f}",
             f"per message p50 {first:.3f} -> {last:.3f} ms (of {len(handle)} windows)",
         )
-    return [keys, timing]
+    return [keys, timing, _loop_stall(stats)]
+
+
+def _loop_stall(stats: Sequence[dict[str, Any]]) -> Check:
+    """The coordinator loop's longest pass over the run's logs per window (`poll_ms_max`):
+    the last tenth's median against the first tenth's. A pass that grows with the run's length
+    starves the loop — the 60-minute soak's reached 10.8 s and the coordinator declared its own
+    node lost (fixed: the monitor analyzes a window, docs/soak.md)."""
+    polls = [
+        float(s["poll_ms_max"])
+        for s in stats
+        if s.get("kind") == "coordinator_stats"
+        and not s.get("final")
+        and s.get("poll_ms_max") is not None
+    ]
+    name, bound = "coordinator loop stall (longest poll)", f"<={1 + HANDLE_TOLERANCE:.2f}"
+    ends = ends_ratio(polls)
+    if ends is None or ends[2] is None:
+        return Check(name, None, "-", bound, "too few")
+    first, last, ratio = ends
+    return Check(
+        name,
+        ratio <= 1 + HANDLE_TOLERANCE,
+        round(ratio, 3),
+        bound,
+        f"longest poll per window, median {first:.1f} -> {last:.1f} ms (of {len(polls)} windows)",
+    )
