@@ -156,7 +156,9 @@ def _generation_1(cfg: JobConfig, manager: StateManager, rank: int, group, tmp: 
         spec=spec,
         cfg=cfg,
         rank=rank,
-        executor=SimpleNamespace(updater=upd, state=built.state, reinit=None),
+        # No replica sets: ranks that each hold their own state (a rank with nothing
+        # retained cannot be filled from a peer, tests/recovery/test_decision.py).
+        executor=SimpleNamespace(updater=upd, state=built.state, reinit=None, replica_sets=()),
         retained=retained,
         group=group,
         events=events,
