@@ -136,9 +136,10 @@ def run(args: argparse.Namespace) -> int:
     if join is not None and join.node_rank > 0:
         from unbroken.launch.agent.loop import serve_node
 
-        # Keep trying to join for the job's nodes.join_timeout_s (node 0 may still be running
-        # its reference, or starting); the config is node 0's to apply, read here for that.
-        patience = load_config(JobConfig, args.config).nodes.join_timeout_s
+        # Keep trying to join for the job's nodes.join_timeout_s, and at least a minute (node 0
+        # may still be starting, or running its reference); the config is node 0's to apply,
+        # read here for that.
+        patience = max(60.0, load_config(JobConfig, args.config).nodes.join_timeout_s)
         print(
             f"unbroken: node {join.node_rank} of {join.nnodes} joining {join.endpoint} "
             f"({join.source}; trying for {patience:g} s)",
