@@ -230,10 +230,7 @@ class ResumableUpdater:
     def _transaction(self, iteration: int, k: int, lr: float, grad_scale: float) -> None:
         pass_, chunk = divmod(k, len(self.chunks))
         ref, n = self.chunks[chunk], self.transactions
-        x, c = ref.byte_lo, self.geometry.chunk_bytes
-        group = self.groups[ref.group]
-        for sg in range(SEGMENTS):
-            self.undo[sg].copy_(self._chunk_data(sg, ref))
+        self._save_undo(ref)
         self._mark(stage=Stage.CHUNK_UPDATING, **self._position(k))
         self.hook(Phase.UPDATE, iteration, k, n)
         s = self.state
@@ -249,16 +246,27 @@ class ResumableUpdater:
             pass_=pass_,
         )
         self.hook(Phase.PARITY, iteration, k, n)
-        par = self.model_parity[ref.group]
-        self.scratch.copy_(par[:, x : x + c])
+        self._stage_parity(ref, chunk)
+        self._mark(stage=Stage.PARITY_READY)
+        self._write_back(ref, iteration, k)
+        self._commit(iteration, k)
+
+    def _save_undo(self, ref) -> None:
+        """The chunk's pre-update bytes of the three segments into the undo buffer."""
+        for sg in range(SEGMENTS):
+            self.undo[sg].copy_(self._chunk_data(sg, ref))
+
+    def _stage_parity(self, ref, chunk: int) -> None:
+        """The chunk's new parity range (both tiers) into scratch, from the committed parity
+        and the chunk's old (undo) and new bytes."""
+        x, c = ref.byte_lo, self.geometry.chunk_bytes
+        group = self.groups[ref.group]
+        self.scratch.copy_(self.model_parity[ref.group][:, x : x + c])
         t1 = group.first_tier.slice(x, c)
         group.first_tier_codec.update_from_old_new(
             self.s1_table, self.undo_table, group.data.slice(x, c)
         )
         group.second_tier_codec.update_from_old_new(self.s2_table, t1, self.s1_table)
-        self._mark(stage=Stage.PARITY_READY)
-        self._write_back(ref, iteration, k)
-        self._commit(iteration, k)
 
     def _write_back(self, ref, iteration: int = 0, k: int = 0) -> None:
         x, c, h1 = ref.byte_lo, self.geometry.chunk_bytes, self.h1

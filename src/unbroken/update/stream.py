@@ -107,29 +107,17 @@ class StreamUpdater(ResumableUpdater):
         super().update(iteration, lr=lr, grad_scale=grad_scale, hook=hook)
         self._sync()  # the next iteration's compute reads the parameters anyway
 
-    def _transaction(self, iteration: int, k: int, lr: float, grad_scale: float) -> None:
-        pass_, chunk = divmod(k, len(self.chunks))
-        ref, n = self.chunks[chunk], self.transactions
-        x, c, d = ref.byte_lo, self.geometry.chunk_bytes, self.d
+    def _save_undo(self, ref) -> None:
+        """One launch over the three segments' strided views of the chunk."""
+        d, x, c = self.d, ref.byte_lo, self.geometry.chunk_bytes
         rows = slice(ref.group * d, (ref.group + 1) * d)
         self.undo.copy_(self._model3[:, rows, x : x + c])
-        self._mark(stage=Stage.CHUNK_UPDATING, **self._position(k))
-        self.hook(Phase.UPDATE, iteration, k, n)
-        s = self.state
-        self.step(
-            ref,
-            s.params,
-            s.grads,
-            s.exp_avg,
-            s.exp_avg_sq,
-            step=iteration + 1,
-            lr=lr,
-            grad_scale=grad_scale,
-            pass_=pass_,
-        )
-        self.hook(Phase.PARITY, iteration, k, n)
+
+    def _stage_parity(self, ref, chunk: int) -> None:
+        """The codec's kernel over the pointer tables built at start-up."""
+        c = self.geometry.chunk_bytes
         group = self.groups[ref.group]
-        self.scratch.copy_(self.model_parity[ref.group][:, x : x + c])
+        self.scratch.copy_(self.model_parity[ref.group][:, ref.byte_lo : ref.byte_lo + c])
         group.first_tier_codec.update_from_old_new_ptrs(
             self._undo_ptrs, self._new_ptrs[chunk], self._s1_ptrs, length=c
         )
@@ -137,9 +125,6 @@ class StreamUpdater(ResumableUpdater):
             group.second_tier_codec.update_from_old_new_ptrs(
                 self._t1_ptrs[chunk], self._s1_ptrs, self._s2_ptrs, length=c
             )
-        self._mark(stage=Stage.PARITY_READY)
-        self._write_back(ref, iteration, k)
-        self._commit(iteration, k)
 
     # -- recovery -----------------------------------------------------------------------------
     def repair(self, lost: dict[str, list[int]]) -> RepairReport:
