@@ -59,12 +59,17 @@ class TwoNodes:
         return [e for e in read_jsonl(self.log) if e["kind"] == kind]
 
 
-def _running_without_node_1(job: TwoNodes) -> None:
+def _node_1_lost(job: TwoNodes) -> None:
+    """Both nodes joined, generation 0 ran, then node 1 was lost."""
     for node in (0, 1):
         job.core.handle(node, Hello(node=node, pid=os.getpid()))
     assert {n for n, m in job.take() if isinstance(m, StartGeneration)} == {0, 1}
     job.started(0, (0, 1))
     job.core.node_lost(1, "its connection closed")
+
+
+def _running_without_node_1(job: TwoNodes) -> None:
+    _node_1_lost(job)
     assert job.take() == [(0, StopGeneration(generation=0))]
     job.stopped(0, (0,))
     (start,) = job.take()
@@ -98,11 +103,7 @@ def test_a_fresh_agent_of_a_lost_node_is_readmitted_and_the_launch_world_returns
 
 def test_a_node_returning_while_a_generation_starts_grows_once_it_runs(tmp_path):
     job = TwoNodes(tmp_path, adapt=True)
-    for node in (0, 1):
-        job.core.handle(node, Hello(node=node, pid=os.getpid()))
-    job.take()
-    job.started(0, (0, 1))
-    job.core.node_lost(1, "closed")
+    _node_1_lost(job)
     job.stopped(0, (0,))
     job.take()  # generation 1 starting on node 0
     assert job.core.readmit(1, Hello(node=1, pid=1)) is True
@@ -113,10 +114,6 @@ def test_a_node_returning_while_a_generation_starts_grows_once_it_runs(tmp_path)
 
 def test_without_adapt_a_returning_node_is_refused(tmp_path):
     job = TwoNodes(tmp_path, adapt=False)
-    for node in (0, 1):
-        job.core.handle(node, Hello(node=node, pid=os.getpid()))
-    job.take()
-    job.started(0, (0, 1))
-    job.core.node_lost(1, "closed")
+    _node_1_lost(job)
     assert job.core.fsm.state is RecoveryState.FAILED
     assert job.core.readmit(1, Hello(node=1, pid=1)) is False and 1 in job.core.gone

@@ -4,6 +4,7 @@ retried, and a reclamation kills every shadow and drops pending ones."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 
@@ -183,14 +184,8 @@ def test_the_coordinators_set_number_is_used_on_every_node_and_a_relaunch_gets_i
     it."""
     sup = FakeSupervisor()
     pool = ShadowPool(sup)  # type: ignore[arg-type]
-    plan = _plan()
-    plan = StartGeneration(
-        generation=plan.generation,
-        spec=plan.spec,
-        ranks=plan.ranks,
-        heartbeat_timeout_s=plan.heartbeat_timeout_s,
-        node_heartbeat_s=plan.node_heartbeat_s,
-        shadows=ShadowPlan(level=3, start="exec", next_spec="gen5.json", attempt=5),
+    plan = dataclasses.replace(
+        _plan(), shadows=ShadowPlan(level=3, start="exec", next_spec="gen5.json", attempt=5)
     )
     pool.prepare(plan, level=3)
     assert sup.spawned == [(0, 5, 3, 5), (1, 5, 3, 5)]
