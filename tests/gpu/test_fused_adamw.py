@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
@@ -112,34 +107,3 @@ def test_plain_and_chunked_updaters_compute_identical_states_on_the_gpu():
                 )
         states.append(b.state.state_hash())
     assert states[0] == states[1]
-
-
-_INTERPRETED = textwrap.dedent(
-    """
-    import torch
-    from unbroken.train.optim import AdamW
-    from unbroken.update.fused_adamw import AdamWCoefficients, fused_adamw_
-    opt = AdamW(0.9, 0.95, 1e-8, 0.1)
-    gen = torch.Generator().manual_seed(0)
-    p, g, m = (torch.randn(3000, generator=gen) for _ in range(3))
-    v = torch.rand(3000, generator=gen)
-    ref = [t.clone() for t in (p, g, m, v)]
-    opt.update_range(*[t[:1000] for t in ref], step=4, lr=1e-3, grad_scale=0.5, decay=True)
-    opt.update_range(*[t[1000:] for t in ref], step=4, lr=1e-3, grad_scale=0.5, decay=False)
-    c = AdamWCoefficients.of(opt, step=4, lr=1e-3, grad_scale=0.5)
-    fused_adamw_(p, g, m, v, c, first_index=0, decay_end=1000)
-    for a, b in ((p, ref[0]), (m, ref[2]), (v, ref[3])):
-        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a - b).abs().max()
-    print("ok")
-    """
-)
-
-
-def test_the_kernel_in_tritons_interpreter_matches_the_eager_update():
-    """The same kernel source run by Triton's CPU interpreter (no GPU needed)."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

@@ -91,26 +91,38 @@ def test_a_marker_written_by_the_stream_has_the_host_writers_bytes_in_all_three_
         assert ProgressMarker(pages[0, :MARKER_BYTES]).read() == state
 
 
+def _kinds():
+    from unbroken.update.graph import GraphUpdater
+    from unbroken.update.stream import StreamUpdater
+
+    return {"stream": StreamUpdater, "auto": GraphUpdater}
+
+
 @pytest.mark.gpu
 @cuda
-def test_stream_updater_is_chosen_on_the_gpu_and_computes_the_plain_updaters_bits():
-    from unbroken.update.stream import StreamUpdater, resumable_updater
+@pytest.mark.parametrize("kind", ["stream", "auto"])
+def test_stream_updaters_are_chosen_on_the_gpu_and_compute_the_plain_updaters_bits(kind):
+    """The stream updater, and the graph updater (the default for AdamW) whose one capture
+    serves every fresh update."""
+    from unbroken.update.factory import resumable_updater
 
     plain, _ = _build(protected=False)
     pu = PlainUpdater(plain.state, plain.geometry, plain.step)
     prot, regions = _build(protected=True)
-    su = resumable_updater(prot.state, prot.geometry, prot.step, regions, PROT)
-    assert isinstance(su, StreamUpdater)
+    su = resumable_updater(prot.state, prot.geometry, prot.step, regions, PROT, kind=kind)
+    assert type(su) is _kinds()[kind]
     su.initialize(-1)
-    for it in range(3):
+    for it in range(4):
         _iterate(plain, pu, it)
         _iterate(prot, su, it)
         assert prot.state.state_hash() == plain.state.state_hash(), it
-    torch.cuda.synchronize()
-    on_disk = ProgressMarker(regions["marker"][:MARKER_BYTES]).read()
-    assert on_disk == su.marker.state
-    assert (on_disk.stage, on_disk.done_iter) == (Stage.IDLE, 2)
+        torch.cuda.synchronize()
+        on_disk = ProgressMarker(regions["marker"][:MARKER_BYTES]).read()
+        assert on_disk == su.marker.state, it
+        assert (on_disk.stage, on_disk.done_iter) == (Stage.IDLE, it)
     assert _parity_consistent(su)
+    if kind == "auto":
+        assert su.captures == 1
 
 
 class _Crash(Exception):
@@ -119,21 +131,23 @@ class _Crash(Exception):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("kind", ["stream", "auto"])
 @pytest.mark.parametrize("phase", [Phase.UPDATE, Phase.PARITY, Phase.WRITEBACK, Phase.MARKER])
-def test_an_update_interrupted_at_any_stage_is_repaired_and_resumed_to_the_same_bits(phase):
+def test_an_update_interrupted_at_any_stage_is_repaired_and_resumed_to_the_same_bits(phase, kind):
     """The host stops mid-transaction with its work still queued (as a crashed trainer's
     device finishes or drops its queue); a fresh updater over the same memory repairs from
-    the marker the stream wrote and resumes to the uninterrupted run's bits."""
-    from unbroken.update.stream import resumable_updater
+    the marker the stream wrote and resumes to the uninterrupted run's bits, and the next
+    update (the graph's first capture for the graph updater) keeps them."""
+    from unbroken.update.factory import resumable_updater
 
     ref, ref_regions = _build(protected=True)
-    ru = resumable_updater(ref.state, ref.geometry, ref.step, ref_regions, PROT)
+    ru = resumable_updater(ref.state, ref.geometry, ref.step, ref_regions, PROT, kind="host")
     ru.initialize(-1)
-    for it in range(2):
+    for it in range(3):
         _iterate(ref, ru, it)
 
     b, regions = _build(protected=True)
-    su = resumable_updater(b.state, b.geometry, b.step, regions, PROT)
+    su = resumable_updater(b.state, b.geometry, b.step, regions, PROT, kind=kind)
     su.initialize(-1)
     _iterate(b, su, 0)
     n = su.transactions
@@ -152,11 +166,14 @@ def test_an_update_interrupted_at_any_stage_is_repaired_and_resumed_to_the_same_
     with pytest.raises(_Crash):
         _iterate(b, su, 1, hook=crash)
     torch.cuda.synchronize()  # what a dead process's queue leaves: all of it, here
-    again = resumable_updater(b.state, b.geometry, b.step, regions, PROT)
+    again = resumable_updater(b.state, b.geometry, b.step, regions, PROT, kind=kind)
     report = again.repair({})
     st = again.marker.state
     assert st.stage in (Stage.SYNCED, Stage.IDLE), report
     if st.stage is Stage.SYNCED:
         again.update(1, lr=LR, grad_scale=SCALE, hook=_noop)
+    assert b.state.state_hash() != ref.state.state_hash()  # the reference is one ahead
+    assert _parity_consistent(again)
+    _iterate(b, again, 2)
     assert b.state.state_hash() == ref.state.state_hash()
     assert _parity_consistent(again)

@@ -190,3 +190,18 @@ def test_a_copy_torn_by_the_crash_leaves_the_marker_at_most_one_write_behind():
         trial[lost] = 0
         MarkerReplicas(trial).reconstruct(lost)
         assert ProgressMarker(trial[0][:MARKER_BYTES]).read() == expected, lost
+
+
+def test_skip_takes_the_state_a_writer_outside_the_host_made_and_writes_nothing():
+    """The graph updater's replay writes 3n slots on the device; the host's mirror jumps to
+    the last of them without touching the buffer, and the next host write follows on."""
+    buf, m = _marker()
+    m.write(stage=Stage.SYNCED, iteration=4, done_iter=3, loss=1.5)
+    before = buf.clone()
+    st = m.skip(9, stage=Stage.IDLE, done_iter=4, group=0, chunk=0)
+    assert torch.equal(buf, before)
+    assert (st.seq, st.stage, st.iteration, st.done_iter, st.loss) == (10, Stage.IDLE, 4, 4, 1.5)
+    nxt = m.write(stage=Stage.GRADS_PROTECTED, iteration=5)
+    assert nxt.seq == 11 and ProgressMarker(buf).read() == nxt
+    with pytest.raises(ValueError):
+        m.skip(0)

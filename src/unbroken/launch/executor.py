@@ -60,7 +60,7 @@ def _make_updater(retained, cfg: JobConfig):
     def make(state, geometry, step) -> Updater:
         if retained is None:
             return PlainUpdater(state, geometry, step)
-        from unbroken.update.stream import resumable_updater
+        from unbroken.update.factory import resumable_updater
 
         return resumable_updater(state, geometry, step, retained.tensors(), cfg.protection)
 

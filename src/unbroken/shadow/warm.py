@@ -69,11 +69,17 @@ def _warm_model(cfg: JobConfig, device: torch.device) -> None:
 
 
 def _warm_update(cfg: JobConfig, geometry: StateGeometry, device: torch.device) -> None:
-    """The update phase's fused AdamW kernel (`unbroken.update.fused_adamw`), which Triton
+    """The update phase's fused AdamW kernels (`unbroken.update.fused_adamw`), which Triton
     compiles on first use: one chunk-shaped launch, as the resumable updater's `ChunkStep`
-    runs it, and one over a flat range, as the plain updater does."""
+    runs it, the same with the scalars on the device, as the graph updater captures it, and
+    one over a flat range, as the plain updater does."""
     from unbroken.train.optim import AdamW
-    from unbroken.update.fused_adamw import AdamWCoefficients, fused_adamw_, fused_available
+    from unbroken.update.fused_adamw import (
+        AdamWCoefficients,
+        fused_adamw_,
+        fused_adamw_dev_,
+        fused_available,
+    )
     from unbroken.update.kernel import ChunkStep
 
     if not fused_available():
@@ -81,22 +87,28 @@ def _warm_update(cfg: JobConfig, geometry: StateGeometry, device: torch.device) 
     opt = AdamW.from_config(cfg.train)
     n = geometry.padded_numel
     bufs = [torch.zeros(n, dtype=torch.float32, device=device) for _ in range(4)]
-    ChunkStep(geometry, opt, [(0, n // 2)])(
-        geometry.chunks()[0], *bufs, step=1, lr=0.0, grad_scale=1.0
-    )
+    step = ChunkStep(geometry, opt, [(0, n // 2)])
+    ref = geometry.chunks()[0]
+    step(ref, *bufs, step=1, lr=0.0, grad_scale=1.0)
     coeffs = AdamWCoefficients.of(opt, step=1, lr=0.0, grad_scale=1.0)
+    on_device = torch.tensor(coeffs.values(), dtype=torch.float32, device=device)
+    views = [geometry.chunk_view(t, ref) for t in bufs]
+    fused_adamw_dev_(*views, on_device, first_index=step.first_index(ref), decay_end=n // 2)
     fused_adamw_(*bufs, coeffs, first_index=0, decay_end=n // 2)
 
 
 def _warm_marker(device: torch.device) -> None:
-    """The stream-ordered marker write (`unbroken.update.device_marker`): its Triton kernel and
-    CRC table, into pinned scratch pages (the promoted trainer registers its own region)."""
+    """The stream-ordered marker writes (`unbroken.update.device_marker`): both Triton kernels
+    and the CRC table, into pinned scratch pages (the promoted trainer registers its own region)."""
     from unbroken.update.device_marker import DeviceMarker
     from unbroken.update.layout import MARKER_PAGE
     from unbroken.update.marker import MarkerState
 
     pages = torch.zeros((3, MARKER_PAGE), dtype=torch.uint8, pin_memory=True)
-    DeviceMarker(pages, device).write(MarkerState(seq=1))
+    marker = DeviceMarker(pages, device)
+    marker.write(MarkerState(seq=1))
+    base = torch.tensor([*marker.base_words(MarkerState(seq=1)), 0], device=device)
+    marker.write_at(base, seq_off=1, stage=0, group=0, chunk=0, idle=False)  # the graph's
 
 
 def warm_cuda(cfg: JobConfig, device: torch.device) -> float:

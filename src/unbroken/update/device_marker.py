@@ -66,47 +66,29 @@ def crc_of(body: bytes) -> int:
 
 
 @cache
-def _kernel():
-    import triton
-    import triton.language as tl
+def _kernels():
+    """(marker_write, marker_write_dev) from `_triton_marker` (imports Triton: CUDA only)."""
+    from unbroken.update import _triton_marker as k
 
-    words = [f"w{i}" for i in range(10)]
+    return k.marker_write, k.marker_write_dev
 
-    @triton.jit(do_not_specialize=["slot", "crc0", *words])
-    def marker_write(
-        pages, table, slot, crc0, w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, PAGE: tl.constexpr
-    ):
-        i = tl.arange(0, 128)
-        w = i // 8
-        zero = tl.zeros([128], dtype=tl.int64)
-        word = tl.where(w == 0, zero + w0, zero)
-        word = tl.where(w == 1, zero + w1, word)
-        word = tl.where(w == 2, zero + w2, word)
-        word = tl.where(w == 3, zero + w3, word)
-        word = tl.where(w == 4, zero + w4, word)
-        word = tl.where(w == 5, zero + w5, word)
-        word = tl.where(w == 6, zero + w6, word)
-        word = tl.where(w == 7, zero + w7, word)
-        word = tl.where(w == 8, zero + w8, word)
-        word = tl.where(w == 9, zero + w9, word)
-        shift = ((i % 8) * 8).to(tl.int64)
-        byte = (word >> shift) & 255
-        body = i < 80
-        part = tl.load(table + i * 256 + byte, mask=body, other=0)
-        crc = tl.xor_sum(part, 0) ^ crc0
-        for p in tl.static_range(3):
-            tl.store(pages + p * PAGE + slot + i, byte.to(tl.uint8), mask=body)
-        # Every thread's body bytes reach memory (system scope) before any CRC byte is stored.
-        fenced = tl.inline_asm_elementwise(
-            "membar.sys;\n\tmov.b32 $0, $1;", "=r,r", [i], dtype=tl.int32, is_pure=False, pack=1
+
+def _words(state: MarkerState) -> tuple[int, ...]:
+    """The marker body's ten 8-byte fields as int64 values (floats by their bit patterns)."""
+    return _AS_INT.unpack(
+        _WORDS.pack(
+            state.seq,
+            state.iteration,
+            int(state.stage),
+            state.group,
+            state.chunk,
+            state.done_iter,
+            state.loss,
+            state.grad_norm,
+            state.grad_scale,
+            state.lr,
         )
-        tl.debug_barrier()
-        tail = (i >= 80) & (i < 88) & (fenced >= 0)
-        crc_byte = (crc >> (((i - 80) % 8) * 8).to(tl.int64)) & 255
-        for p in tl.static_range(3):
-            tl.store(pages + p * PAGE + slot + i, crc_byte.to(tl.uint8), mask=tail)
-
-    return marker_write
+    )
 
 
 class _Pointer:
@@ -157,30 +139,51 @@ class DeviceMarker:
 
     def write(self, state: MarkerState) -> None:
         """Enqueue the write of `state` into slot `state.seq % 2` of every marker page."""
-        if not self._registered:
-            self._owned = register_host(self.pages)
-            self._registered = True
-        words = _AS_INT.unpack(
-            _WORDS.pack(
-                state.seq,
-                state.iteration,
-                int(state.stage),
-                state.group,
-                state.chunk,
-                state.done_iter,
-                state.loss,
-                state.grad_norm,
-                state.grad_scale,
-                state.lr,
-            )
-        )
+        self._ensure_registered()
+        words = _words(state)
         with torch.cuda.device(self.device):
-            _kernel()[(1,)](
+            _kernels()[0][(1,)](
                 _Pointer(self.pages.data_ptr()),
                 self._table,
                 (state.seq % 2) * SLOT_BYTES,
                 self._crc0,
                 *words,
+                PAGE=MARKER_PAGE,
+                num_warps=4,
+            )
+
+    def _ensure_registered(self) -> None:
+        if not self._registered:
+            self._owned = register_host(self.pages)
+            self._registered = True
+
+    @staticmethod
+    def base_words(state: MarkerState) -> list[int]:
+        """The device block `write_at` reads, for the transactions that follow `state`: its
+        sequence number, iteration, done_iter and the four float fields as int64 bit patterns."""
+        words = _words(state)
+        return [words[0], words[1], words[5], *words[6:]]
+
+    def write_at(
+        self, base: torch.Tensor, *, seq_off: int, stage: int, group: int, chunk: int, idle: bool
+    ) -> None:
+        """Enqueue the write of the state `seq_off` writes after the one `base` describes
+        (`base_words`, an int64 device tensor), with this stage and position; `idle` takes
+        done_iter from the iteration (the update's last commit). Every argument but `base` is
+        fixed at enqueue, so a CUDA graph can capture the write and replay it each iteration
+        with a new `base`."""
+        self._ensure_registered()
+        with torch.cuda.device(self.device):
+            _kernels()[1][(1,)](
+                _Pointer(self.pages.data_ptr()),
+                self._table,
+                base,
+                self._crc0,
+                seq_off,
+                stage,
+                group,
+                chunk,
+                int(idle),
                 PAGE=MARKER_PAGE,
                 num_warps=4,
             )

@@ -24,7 +24,7 @@ import torch
 
 from unbroken.train.optim import AdamW
 
-__all__ = ["AdamWCoefficients", "fused_adamw_", "fused_available"]
+__all__ = ["AdamWCoefficients", "fused_adamw_", "fused_adamw_dev_", "fused_available"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +44,19 @@ class AdamWCoefficients:
     step_size: float
     """-lr / (1 - beta1 ** step)."""
     grad_scale: float
+
+    def values(self) -> tuple[float, ...]:
+        """The eight scalars in the kernels' order (`fused_adamw_dev_` reads them so)."""
+        return (
+            self.decay_factor,
+            self.w1,
+            self.beta2,
+            self.w2,
+            self.sqrt_bias2,
+            self.eps,
+            self.step_size,
+            self.grad_scale,
+        )
 
     @classmethod
     def of(cls, opt: AdamW, *, step: int, lr: float, grad_scale: float) -> AdamWCoefficients:
@@ -72,48 +85,12 @@ def fused_available() -> bool:
 
 
 @cache
-def _kernel():
-    import triton
-    import triton.language as tl
+def _kernels():
+    """(scalar-argument kernel, device-coefficient kernel) from `_triton_adamw` (imports
+    Triton: CUDA machines only)."""
+    from unbroken.update import _triton_adamw as k
 
-    @triton.jit
-    def adamw_kernel(
-        p_ptr,
-        g_ptr,
-        m_ptr,
-        v_ptr,
-        n_cols,
-        row_stride,
-        first_index,
-        decay_end,
-        decay_factor,
-        w1,
-        beta2,
-        w2,
-        sqrt_bias2,
-        eps,
-        step_size,
-        grad_scale,
-        BLOCK: tl.constexpr,
-    ):
-        row = tl.program_id(1).to(tl.int64)
-        col = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = col < n_cols
-        off = row * row_stride + col
-        g = tl.load(g_ptr + off, mask=inside, other=0.0) * grad_scale
-        p = tl.load(p_ptr + off, mask=inside, other=0.0)
-        m = tl.load(m_ptr + off, mask=inside, other=0.0)
-        v = tl.load(v_ptr + off, mask=inside, other=0.0)
-        p = tl.where(first_index + off < decay_end, p * decay_factor, p)
-        m = m + w1 * (g - m)
-        v = v * beta2 + w2 * (g * g)
-        denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bias2) + eps
-        p = p + step_size * tl.div_rn(m, denom)
-        tl.store(p_ptr + off, p, mask=inside)
-        tl.store(m_ptr + off, m, mask=inside)
-        tl.store(v_ptr + off, v, mask=inside)
-
-    return adamw_kernel
+    return k.adamw_kernel, k.adamw_kernel_dev
 
 
 _BLOCK = 2048
@@ -131,6 +108,14 @@ def _shape(t: torch.Tensor) -> tuple[int, int, int]:
     if t.dim() == 2 and t.stride(1) == 1:
         return t.shape[0], t.shape[1], t.stride(0)
     raise ValueError(f"fused AdamW takes a 1-D range or a row-strided 2-D view, got {t.shape}")
+
+
+def _operands(params, grads, exp_avg, exp_avg_sq) -> tuple[int, int, int]:
+    shape = _shape(params)
+    for t in (grads, exp_avg, exp_avg_sq):
+        if _shape(t) != shape or t.device != params.device:
+            raise ValueError("fused AdamW: every operand must have the params' shape and strides")
+    return shape
 
 
 def fused_adamw_(
@@ -154,16 +139,11 @@ def fused_adamw_(
     Raises:
         ValueError: mismatched views, or a layout the kernel does not take.
     """
-    shape = _shape(params)
-    for t in (grads, exp_avg, exp_avg_sq):
-        if _shape(t) != shape or t.device != params.device:
-            raise ValueError("fused AdamW: every operand must have the params' shape and strides")
-    rows, cols, stride = shape
+    rows, cols, stride = _operands(params, grads, exp_avg, exp_avg_sq)
     if rows == 0 or cols == 0:
         return
-    c = coeffs
     grid = (-(-cols // _BLOCK), rows)
-    _kernel()[grid](
+    _kernels()[0][grid](
         params,
         grads,
         exp_avg,
@@ -172,14 +152,41 @@ def fused_adamw_(
         stride,
         first_index,
         decay_end,
-        c.decay_factor,
-        c.w1,
-        c.beta2,
-        c.w2,
-        c.sqrt_bias2,
-        c.eps,
-        c.step_size,
-        c.grad_scale,
+        *coeffs.values(),
+        BLOCK=_BLOCK,
+        num_warps=_WARPS,
+    )
+
+
+def fused_adamw_dev_(
+    params: torch.Tensor,
+    grads: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    coeffs: torch.Tensor,
+    *,
+    first_index: int,
+    decay_end: int,
+) -> None:
+    """`fused_adamw_` with the scalars read by the kernel from `coeffs` (fp32 [8] on the
+    device, `AdamWCoefficients.values()`): a CUDA graph captures the launch once and each
+    replay takes the step's scalars from the tensor. Same bits as `fused_adamw_`."""
+    rows, cols, stride = _operands(params, grads, exp_avg, exp_avg_sq)
+    if coeffs.dtype != torch.float32 or coeffs.numel() != 8 or coeffs.device != params.device:
+        raise ValueError("fused AdamW: coeffs must be 8 fp32 values on the params' device")
+    if rows == 0 or cols == 0:
+        return
+    grid = (-(-cols // _BLOCK), rows)
+    _kernels()[1][grid](
+        params,
+        grads,
+        exp_avg,
+        exp_avg_sq,
+        cols,
+        stride,
+        first_index,
+        decay_end,
+        coeffs,
         BLOCK=_BLOCK,
         num_warps=_WARPS,
     )

@@ -103,6 +103,17 @@ class ChunkStep:
             return self.decay[0][1]
         return None
 
+    def first_index(self, ref: ChunkRef) -> int:
+        """Flat element index of element [0, 0] of chunk `ref`'s views."""
+        g = self.geometry
+        return ref.group * g.stripe_pages * g.elems_per_page + ref.byte_lo // 4
+
+    @property
+    def fused_adamw(self) -> bool:
+        """Whether every chunk's step is the fused AdamW launch with one decay boundary (no
+        masks, nothing frozen, one pass): what `GraphUpdater` captures."""
+        return isinstance(self.rule, AdamWRule) and self.decay_end is not None
+
     def begin_pass(
         self, pass_: int, state: TrainState, *, step: int, lr: float, grad_scale: float
     ) -> None:
@@ -153,7 +164,7 @@ class ChunkStep:
             grad_scale=grad_scale,
             decay=decay,
             frozen=frozen,
-            first_index=ref.group * g.stripe_pages * g.elems_per_page + ref.byte_lo // 4,
+            first_index=self.first_index(ref),
             masks=masks,
             derived=None if derived is None else g.chunk_view(derived, ref),
             decay_end=self.decay_end,

@@ -129,6 +129,16 @@ class ProgressMarker:
         self._state = replace(base, seq=base.seq + 1, **changes)
         return self._state
 
+    def skip(self, writes: int, **changes) -> MarkerState:
+        """The state `writes` writes later, the last of them with `changes`, taken as the
+        current one without storing it: for a writer that made those writes itself (a CUDA
+        graph's replay, `unbroken.update.graph`)."""
+        if writes < 1:
+            raise ValueError(f"skip needs at least one write, got {writes}")
+        base = self._state or MarkerState()
+        self._state = replace(base, seq=base.seq + writes, **changes)
+        return self._state
+
     def write(self, **changes) -> MarkerState:
         """Record a new state (fields not given keep their values): the body, then its CRC."""
         new = self.advance(**changes)

@@ -33,7 +33,7 @@ from unbroken.update.layout import SEGMENTS
 from unbroken.update.marker import MarkerState, Stage
 from unbroken.update.rmu import RepairReport, ResumableUpdater
 
-__all__ = ["StreamUpdater", "resumable_updater", "stream_capable"]
+__all__ = ["StreamUpdater", "stream_capable"]
 
 
 def stream_capable(updater: ResumableUpdater) -> bool:
@@ -46,14 +46,6 @@ def stream_capable(updater: ResumableUpdater) -> bool:
     codecs = [g.first_tier_codec for g in updater.groups]
     codecs += [g.second_tier_codec for g in updater.groups if g.second_tier_codec is not None]
     return updater.h1 <= 16 and updater.h2 <= 16 and all(isinstance(c, TritonCodec) for c in codecs)
-
-
-def resumable_updater(state, geometry, step, regions, prot, **kw) -> ResumableUpdater:
-    """The stream updater where it applies (see `stream_capable`), else the host-marked one."""
-    plain = ResumableUpdater(state, geometry, step, regions, prot, **kw)
-    if not stream_capable(plain):
-        return plain
-    return StreamUpdater(state, geometry, step, regions, prot, **kw)
 
 
 def _device_ptrs(rows: list, device: torch.device) -> torch.Tensor:
