@@ -12,17 +12,26 @@ MIB = 1 << 20
 
 def test_unset_sizes_resolve_per_device():
     p = ProtectionConfig()
-    assert (p.page_bytes, p.chunk_bytes) == (None, None)
+    assert (p.page_bytes, p.chunk_bytes, p.stripe_pages) == (None, None, None)
     cpu, gpu = p.resolved(cuda=False), p.resolved(cuda=True)
-    assert (cpu.page_bytes, cpu.chunk_bytes) == (64 << 10, 32 << 10)
-    assert (gpu.page_bytes, gpu.chunk_bytes) == (2 * MIB, 512 << 10)
+    assert (cpu.page_bytes, cpu.chunk_bytes, cpu.stripe_pages) == (64 << 10, 32 << 10, 8)
+    assert (gpu.page_bytes, gpu.chunk_bytes, gpu.stripe_pages) == (2 * MIB, 2 * MIB, 32)
     assert gpu.resolved(cuda=False) == gpu  # resolved sizes stay
+
+
+def test_a_stripe_set_by_the_user_is_kept_and_a_default_one_fits_a_large_first_tier():
+    assert ProtectionConfig(stripe_pages=80).resolved(cuda=True).stripe_pages == 80
+    assert ProtectionConfig(stripe_pages=4).resolved(cuda=False).stripe_pages == 4
+    wide = ProtectionConfig(parity_pages=200).resolved(cuda=True)
+    assert wide.stripe_pages == 18 and 3 * wide.stripe_pages + wide.parity_pages <= 256
+    with pytest.raises(ValueError, match="<= 256"):
+        ProtectionConfig(stripe_pages=80, parity_pages=20)
 
 
 @pytest.mark.parametrize(
     ("page", "chunk", "cuda", "want"),
     [
-        (4 * MIB, None, True, (4 * MIB, 512 << 10)),
+        (4 * MIB, None, True, (4 * MIB, 2 * MIB)),
         (64 << 10, None, True, (64 << 10, 64 << 10)),  # the GPU chunk exceeds the page
         (12288, None, False, (12288, 12288)),  # 32 KiB does not divide 12 KiB
         (None, 1 * MIB, True, (2 * MIB, 1 * MIB)),
@@ -50,4 +59,4 @@ def test_a_gpu_job_with_default_protection_gets_the_gpu_page(monkeypatch):
     # The geometry every process builds from this resolved config is the GPU one, even where
     # it is built without a device (the coordinator's side).
     g = state_geometry(cfg, 76_000_000)
-    assert (g.page_bytes, g.chunk_bytes) == (2 * MIB, 512 << 10)
+    assert (g.page_bytes, g.chunk_bytes, g.stripe_pages) == (2 * MIB, 2 * MIB, 32)

@@ -228,6 +228,14 @@ class TritonCodec(Codec):
             True,
         )
 
+    def prepare_pointer_updates(self):
+        """Build now the device table that `update_from_old_new_ptrs` launches with (else built
+        on first use: a host-to-device copy, which a CUDA graph's capture refuses) and return
+        it: a caller that captures the launch holds it for as long as the graph lives, since
+        this codec's cache may drop it."""
+        coefficients = np.ascontiguousarray(self.matrix, dtype=np.uint8)
+        return self._operand("xor", coefficients, _pow2_at_least(coefficients.shape[0], 1))
+
     def _launch(
         self, kernels, kernel, block, src, src2, dst, length, dest_offset, cols, fused, accumulate
     ) -> None:

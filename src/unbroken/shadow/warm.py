@@ -44,6 +44,19 @@ def _warm_codec(geometry: ErasureGeometry, chunk: int, device) -> None:
         s1, PageTable([undo[i] for i in range(d)]), group.data.slice(0, chunk)
     )
     group.second_tier_codec.update_from_old_new(s2, group.first_tier.slice(0, chunk), s1)
+    if hasattr(group.first_tier_codec, "update_from_old_new_ptrs"):
+        # The same two updates over device pointer tables, as the stream and graph updaters
+        # launch them (`unbroken.update.stream`): another kernel variant than the above.
+        def ptrs(table: PageTable) -> torch.Tensor:
+            return torch.tensor([int(p) for p in table.ptrs], dtype=torch.int64, device=device)
+
+        old = ptrs(PageTable([undo[i] for i in range(d)]))
+        group.first_tier_codec.update_from_old_new_ptrs(
+            old, ptrs(group.data.slice(0, chunk)), ptrs(s1), length=chunk
+        )
+        group.second_tier_codec.update_from_old_new_ptrs(
+            ptrs(group.first_tier.slice(0, chunk)), ptrs(s1), ptrs(s2), length=chunk
+        )
     group.reconstruct({0, d})  # a data page and a first-tier parity page
 
 

@@ -33,6 +33,8 @@ as an external kill does.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from unbroken.train.phases import Phase
@@ -66,8 +68,11 @@ class GraphUpdater(StreamUpdater):
         self._coef = torch.zeros(8, dtype=torch.float32, device=dev)
         self._base = torch.zeros(8, dtype=torch.int64, device=dev)
         self._graph: torch.cuda.CUDAGraph | None = None
+        self._held: list[torch.Tensor] = []
         self.captures = 0
         """How many times the update was captured (a test and the bench read it)."""
+        self.capture_s = 0.0
+        """Host seconds of the last capture (recording and instantiation)."""
 
     # -- steady state -------------------------------------------------------------------------
     def update(self, iteration: int, *, lr: float, grad_scale: float, hook) -> None:
@@ -109,12 +114,20 @@ class GraphUpdater(StreamUpdater):
     # -- the capture --------------------------------------------------------------------------
     def _capture(self) -> torch.cuda.CUDAGraph:
         """Every transaction of a fresh update, in order, into one graph. Relaxed mode: a
-        kernel's first launch may load its module during the capture."""
+        kernel's first launch may load its module during the capture. Nothing in the captured
+        calls may copy from pageable host memory (torch refuses it during a capture)."""
+        t0 = time.perf_counter()
+        codecs = [g.first_tier_codec for g in self.groups]
+        codecs += [g.second_tier_codec for g in self.groups if g.second_tier_codec is not None]
+        # The graph launches with these tables' addresses: built before the capture (no copy
+        # inside it) and held while the graph lives.
+        self._held = [codec.prepare_pointer_updates() for codec in codecs]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="relaxed"):
             for k in range(self.transactions):
                 self._captured_transaction(k)
         self.captures += 1
+        self.capture_s = time.perf_counter() - t0
         return graph
 
     def _captured_transaction(self, k: int) -> None:
