@@ -69,3 +69,24 @@ def test_a_lost_device_gives_its_micro_batches_to_the_survivors_in_device_order(
     assert sorted(world.placement.counts()) == [5, 5, 6] and world.placement.total == 16
     assert a.device_of(1) == 2 and a.next_world() is None
     assert log.events[-1][1]["trigger"]["devices"] == [1]
+
+
+def test_a_slow_rank_back_at_full_speed_gets_the_launch_placement_back():
+    a, store, log = _adaptation()
+    launch = a.placement
+    assert not a.on_recovered(3, 1.02)  # never reported slow: nothing to undo
+    assert "not marked slow" in log.events[-1][1]["reason"]
+    assert a.on_fail_slow(_slow(3, 3.0)) and a.placement != launch
+    assert a.on_recovered(3, 1.02, iter_s=0.5)
+    assert a.placement == launch and store.placement_epoch() == 2
+    assert DataPlacement.from_dict(json.loads(store.placement(2))) == launch
+    kind, fields = log.events[-1]
+    assert kind == "replan" and fields["trigger"] == {
+        "kind": "speed_recovered",
+        "rank": 3,
+        "factor": 1.02,
+        "device": 3,
+    }
+    assert fields["counts_after"] == [4, 4, 4, 4]
+    assert a.replans == 1  # the re-admission does not count against adapt.max_replans
+    assert not a.on_recovered(3, 1.0)  # healthy already

@@ -1,6 +1,7 @@
 """A validated fail-slow report makes the coordinator re-plan: the planner's placement moves
 micro-batches off the slow rank, the ranks adopt it at an iteration boundary they agree on,
-and the run stays bit-exact against the fault-free run on the original placement."""
+and the run stays bit-exact against the fault-free run on the original placement. When the
+rank runs at its peers' pace again, the launch placement comes back the same way."""
 
 from __future__ import annotations
 
@@ -13,24 +14,32 @@ from .conftest import adapt_job, events_of
 
 
 @pytest.mark.timeout(900)
-def test_a_slow_rank_loses_micro_batches_at_a_boundary_and_the_run_stays_bit_exact(tmp_path):
+def test_a_slow_rank_loses_micro_batches_at_a_boundary_and_gets_them_back_when_healthy(tmp_path):
     # Four micro-batches per shard: fine enough to move work off a slow rank. A large factor,
     # so that the detector's measured factor on a loaded 2-core machine still clears min_gain.
-    cfg = adapt_job(iterations=30, microbatches=4, inject=["slow:rank=3,iter=15,factor=6"])
+    # The device is healthy again from iteration 32 (`until`).
+    cfg = adapt_job(iterations=50, microbatches=4, inject=["slow:rank=3,iter=15,factor=6,until=32"])
     s = run_job(cfg, tmp_path, reference=True, quiet=True)
     assert s["state"] == "done", s["reason"]
     assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
     events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
     (report,) = [f for f in s["fail_slow"] if f["rank"] == 3]
-    (replan,) = events_of(events, "replan")
-    trigger = replan["trigger"]
+    slow, back = events_of(events, "replan")
+    trigger = slow["trigger"]
     assert (trigger["kind"], trigger["rank"], trigger["device"]) == ("fail_slow", 3, 3)
     assert trigger["factor"] == pytest.approx(report["factor"])
-    counts = replan["counts_after"]
+    counts = slow["counts_after"]
     assert sum(counts) == 16 and counts[3] < 4 and min(counts) >= 1
-    assert replan["predicted_after"] < replan["predicted_before"]
-    (applied,) = events_of(events, "plan_applied")
-    assert applied["epoch"] == 1 and applied["counts"] == counts
-    assert report["detected_at"] < applied["iter"] < 30  # at a boundary after the report
-    assert not s["recoveries"]  # no restart: the same generation switched
-    assert s["replans"][0]["iter"] == applied["iter"]
+    assert slow["predicted_after"] < slow["predicted_before"]
+    (ended,) = events_of(events, "slow_ended")
+    (recovered,) = events_of(events, "speed_recovered")
+    assert recovered["rank"] == 3 and recovered["first_iter"] >= ended["iter"] == 32
+    assert (back["trigger"]["kind"], back["trigger"]["device"]) == ("speed_recovered", 3)
+    assert back["counts_after"] == [4, 4, 4, 4]
+    first, second = events_of(events, "plan_applied")
+    assert (first["epoch"], first["counts"]) == (1, counts)
+    assert (second["epoch"], second["counts"]) == (2, [4, 4, 4, 4])
+    assert report["detected_at"] < first["iter"] < second["iter"] < 50
+    assert recovered["detected_at"] < second["iter"]
+    assert not s["recoveries"]  # no restart: the same generation switched twice
+    assert [r["iter"] for r in s["replans"]] == [first["iter"], second["iter"]]

@@ -38,6 +38,7 @@ def series(
     sync_s: float = 0.01,
     comm_s: float = 0.002,
     slow_what: str = "compute",
+    slow_until: int | None = None,
 ) -> list[Observation]:
     """Iterations of `world` replicas x `microbatches` micro-batches; rank `slow_rank` runs
     `factor` x slower from `slow_iter` on. `pieces(it, rng)` gives the documents per
@@ -47,7 +48,7 @@ def series(
     `slow_what`: "compute" stretches the slow rank's micro-batches; "comm" its all-reduce
     (`factor` x `comm_s`; its peers then wait in the sync phase, outside `comm_s`, as with
     the `slow ... what=comm` fault); "link" every rank's all-reduce alike (a slow link in a
-    ring, `slow_rank` only says when)."""
+    ring, `slow_rank` only says when). `slow_until`: healthy again from that iteration."""
     rng = np.random.default_rng(seed)
     out = []
     for it in range(iterations):
@@ -55,13 +56,14 @@ def series(
         for r in range(world):
             k = pieces(it, rng) if pieces else int(rng.choice([1, 1, 1, 1, 1, 1, 2]))
             docs = [split(rng, k) for _ in range(microbatches)]
-            slowed = slow_iter is not None and it >= slow_iter
+            slowed = slow_iter is not None and slow_iter <= it < (slow_until or iterations)
             f = factor if slowed and slow_rank == r and slow_what == "compute" else 1.0
             times = [mb_time(d) * f * (1 + noise * rng.standard_normal()) for d in docs]
             lengths.append(docs)
             totals.append(sum(times))
             ranks[r] = times
-        stall = (factor - 1.0) * comm_s if slow_iter is not None and it >= slow_iter else 0.0
+        active = slow_iter is not None and slow_iter <= it < (slow_until or iterations)
+        stall = (factor - 1.0) * comm_s if active else 0.0
         stall = stall if slow_what in ("comm", "link") else 0.0
         for r, times in list(ranks.items()):
             own = stall if slow_what == "link" or (slow_what == "comm" and r == slow_rank) else 0

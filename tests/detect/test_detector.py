@@ -30,6 +30,22 @@ def test_persistent_slowdown_is_reported_within_three_iterations(rank, factor):
     assert [e.kind for e in sink.events] == [DetectionKind.FAIL_SLOW]
 
 
+def test_a_slow_rank_back_at_its_peers_pace_is_recovered_once_and_its_report_dropped():
+    cfg = DetectorConfig()
+    det = FailSlowDetector(cfg, sink=ListSink())
+    obs = series(iterations=80, world=4, slow_rank=2, slow_iter=30, slow_until=50, factor=3.0)
+    found = []
+    for o in obs:
+        det.observe(o)
+        found += [(r, o.iteration) for r in det.take_recovered()]
+    ((rec, at),) = found
+    assert rec.report.rank == 2 and rec.report.what == "compute"
+    assert rec.factor <= cfg.recover_ratio
+    # The first window of recover_window iterations with no slow one in it.
+    assert rec.first == 50 and at == rec.last == 50 + cfg.recover_window - 1
+    assert (2, "compute") not in det.reported  # a new slowdown would be reported again
+
+
 def _blocks(it, rng):
     # Workload regimes: cheap multi-document micro-batches, and after warm-up every 12
     # iterations a run of 3 with expensive single-document ones: the iteration time jumps up

@@ -42,6 +42,8 @@ def test_slow_spec_round_trips_with_what_and_level():
         ("slow:rank=1,iter=2,level=weak,factor=2", "factor=F or level=L, not both"),
         ("slow:rank=1,iter=2", "slow needs factor > 1 or level="),
         ("kill:rank=1,iter=2,what=comm", "unknown field(s) ['what']"),
+        ("slow:rank=1,iter=5,factor=2,until=5", "until must be after iter"),
+        ("kill:rank=1,iter=2,until=4", "unknown field(s) ['until']"),
         ("kill:rank=1,iter=2,phase=allreduse", "phase='allreduse' is not one of"),
     ],
 )
@@ -115,6 +117,18 @@ def test_compute_slow_stalls_every_step_but_the_all_reduce():
         assert Phase.ALLREDUCE not in {prev for _, prev in stalls}
         assert sum(s for s, _ in stalls) == pytest.approx(PERIOD - COMM)  # (F - 1) x compute
     assert [k for k, _ in events] == ["failure_injected", "slow_active"]
+
+
+@pytest.mark.parametrize("what", ["compute", "comm"])
+def test_a_slow_fault_with_until_stops_stalling_at_that_iteration(what):
+    spec = "slow:rank=1,iter=3,factor=2,until=6" + (",what=comm" if what == "comm" else "")
+    fault = parse_fault(spec)
+    assert fault.until == 6 and parse_fault(fault.text()) == fault
+    per_iter, events = _drive(spec, iterations=9)
+    assert all(per_iter[4:6])  # stalling while the device is slow
+    assert not any(per_iter[7:])  # (iteration 6's first hook may stall for 5's last step)
+    ended = dict(events)["slow_ended"]
+    assert [k for k, _ in events][-1] == "slow_ended" and ended["iter"] == 6
 
 
 def test_comm_slow_stalls_only_after_each_bucket_by_its_healthy_time():

@@ -26,6 +26,7 @@ from unbroken.detect.detector import (
     FailSlowDetector,
     FailSlowReport,
     Observation,
+    SpeedRecovered,
     Verdict,
 )
 from unbroken.detect.events import (
@@ -69,6 +70,7 @@ __all__ = [
     "PlanSchedule",
     "RankTiming",
     "ScheduleModel",
+    "SpeedRecovered",
     "StageTiming",
     "Verdict",
     "WorkloadPredictor",

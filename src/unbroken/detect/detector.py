@@ -72,6 +72,7 @@ __all__ = [
     "FailSlowDetector",
     "FailSlowReport",
     "Observation",
+    "SpeedRecovered",
     "Verdict",
     "mb_samples",
 ]
@@ -98,6 +99,11 @@ class DetectorConfig:
     least this share of the iteration's excess over predicted. A slow stage stretches a
     pipeline by at most (M + pp - 1) / M <= 2 times its own excess; a machine that slows every
     rank (other load on the host) gives a large iteration excess that no one rank explains."""
+    recover_ratio: float = 1.1
+    """A rank reported compute-slow is whole again when its observed/predicted compute ratio
+    is at most this much over its peers' (its own healthy pace with no peers) over the last
+    `recover_window` iterations, all after the report (data-parallel plans)."""
+    recover_window: int = 8
     noise_floor: float = 0.02
     """Smallest relative standard deviation assumed for a run of the series (prior)."""
     history: int = 8
@@ -118,6 +124,10 @@ class DetectorConfig:
             raise ValueError("detector.noise_floor must be in (0, 1)")
         if self.history < 1:
             raise ValueError("detector.history must be >= 1")
+        if not 1.0 <= self.recover_ratio <= self.localize_ratio or self.recover_window < 2:
+            raise ValueError(
+                "detector.recover_ratio must be in [1, localize_ratio], recover_window >= 2"
+            )
         if not 0.0 < self.comm_explains <= 1.0 or not 0.0 <= self.plan_explains <= 1.0:
             raise ValueError("detector.comm_explains must be in (0, 1], plan_explains in [0, 1]")
 
@@ -155,6 +165,17 @@ class FailSlowReport:
     iteration: int
     detected_at: int
     what: str = "compute"
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedRecovered:
+    """A rank reported compute-slow (`report`) runs at `factor` x its peers' pace over
+    iterations `first`..`last`: healthy again (`DetectorConfig.recover_ratio`)."""
+
+    report: FailSlowReport
+    factor: float
+    first: int
+    last: int
 
 
 class Verdict(enum.StrEnum):
@@ -260,6 +281,10 @@ class FailSlowDetector:
         """Smallest and largest sum l^2 / N^2 among the fitted micro-batches."""
         self.refits = 0
         """Times the model was refitted on a window outside its span (`_learn`)."""
+        self._recent: deque[Observation] = deque(maxlen=self.cfg.recover_window)
+        """The last observations after the warm-up, whatever BOCPD kept (`_check_recovered`)."""
+        self.recovered: list[SpeedRecovered] = []
+        """Recoveries found and not yet taken (`take_recovered`)."""
 
     # -- warm-up ---------------------------------------------------------------------------
 
@@ -313,9 +338,45 @@ class FailSlowDetector:
     def observe(self, obs: Observation) -> Decision:
         t0 = time.perf_counter()
         try:
-            return self._observe(obs)
+            decision = self._observe(obs)
+            if self.bocpd is not None:
+                self._recent.append(obs)
+                self._check_recovered()
+            return decision
         finally:
             self.observe_s += time.perf_counter() - t0
+
+    def take_recovered(self) -> list[SpeedRecovered]:
+        """The recoveries found since the last call (each once)."""
+        out, self.recovered = self.recovered, []
+        return out
+
+    def _check_recovered(self) -> None:
+        """Each rank reported compute-slow whose last `recover_window` iterations, all after
+        its report, ran within `recover_ratio` of its peers' pace: recorded in `recovered`
+        and its report forgotten (a new slowdown of it is reported again). Data-parallel
+        plans only (a plan's ranks are compared by stage busy time, not here)."""
+        if self.plan is not None or self.predictor is None:
+            return
+        window = list(self._recent)
+        if len(window) < self.cfg.recover_window:
+            return
+        slow = [k for k in self.reported if k[1] == "compute" and k[0] is not None]
+        ratios: dict[int, float] | None = None
+        for key in slow:
+            report, rank = self.reported[key], key[0]
+            if window[0].iteration <= report.detected_at:
+                continue
+            ratios = ratios if ratios is not None else self._compute_ratios(window)[2]
+            if rank not in ratios:
+                continue
+            peers = [v for r, v in ratios.items() if r != rank]
+            factor = ratios[rank] / (statistics.median(peers) if peers else 1.0)
+            if factor <= self.cfg.recover_ratio:
+                del self.reported[key]
+                self.recovered.append(
+                    SpeedRecovered(report, factor, window[0].iteration, window[-1].iteration)
+                )
 
     def _observe(self, obs: Observation) -> Decision:
         self._seen += 1
@@ -481,21 +542,14 @@ class FailSlowDetector:
 
         `observed_s`, `predicted_s`: iteration time over the window, measured and predicted.
         """
-        observed: dict[int, float] = {}
-        predicted: dict[int, float] = {}
+        observed, predicted, ratios = self._compute_ratios(window)
         comm: dict[int, float] = {}
         waited: dict[int, float] = {}
         for obs in window:
             for rank, w in _waits(obs).items():
                 waited[rank] = waited.get(rank, 0.0) + w
             for rank, t in (obs.ranks or {}).items():
-                lengths = obs.doc_lengths[rank]
-                observed[rank] = observed.get(rank, 0.0) + sum(t.mb_s)
-                predicted[rank] = predicted.get(rank, 0.0) + sum(
-                    self.predictor.mb.predict(lengths[m]) for m in range(len(t.mb_s))
-                )
                 comm[rank] = comm.get(rank, 0.0) + t.comm_s
-        ratios = {r: observed[r] / predicted[r] for r in observed if predicted[r] > 0}
         if len(ratios) == 1:
             # One rank, no peers to compare with: its own healthy pace — the workload model
             # fitted on its warm-up — is the reference, so its ratio is its slowdown.
@@ -525,6 +579,23 @@ class FailSlowDetector:
             if found is None or found[3] <= compute_excess:
                 return slow, factor, "compute"
         return None if found is None else found[:3]
+
+    def _compute_ratios(
+        self, window: Sequence[Observation]
+    ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+        """Per rank over `window`: (observed compute seconds of its timed micro-batches, their
+        predicted healthy seconds, observed / predicted)."""
+        observed: dict[int, float] = {}
+        predicted: dict[int, float] = {}
+        for obs in window:
+            for rank, t in (obs.ranks or {}).items():
+                lengths = obs.doc_lengths[rank]
+                observed[rank] = observed.get(rank, 0.0) + sum(t.mb_s)
+                predicted[rank] = predicted.get(rank, 0.0) + sum(
+                    self.predictor.mb.predict(lengths[m]) for m in range(len(t.mb_s))
+                )
+        ratios = {r: observed[r] / predicted[r] for r in observed if predicted[r] > 0}
+        return observed, predicted, ratios
 
     def _localize_comm(
         self,

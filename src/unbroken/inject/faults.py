@@ -90,6 +90,9 @@ class FaultSpec:
     loss, `unbroken.detect.levels`); the injector derives the factor."""
     what: SlowTarget = SlowTarget.COMPUTE
     """`slow`: compute or comm."""
+    until: int | None = None
+    """`slow`: the device runs at full speed again from this iteration on (None: for the rest
+    of the trainer process's life) — a device that recovers, for re-admission."""
     pages: int = 0
     """`pageloss`: data pages of one protection group to destroy."""
     parity: int = 0
@@ -124,6 +127,8 @@ class FaultSpec:
             parts.append(f"level={self.level.value}" if self.level else f"factor={self.factor:g}")
             if self.what is not SlowTarget.COMPUTE:
                 parts.append(f"what={self.what.value}")
+            if self.until is not None:
+                parts.append(f"until={self.until}")
         if self.kind is FaultKind.MEMSPIKE:
             parts.append(f"over={self.over}" if self.over else f"mb={self.mb}")
         if self.kind is FaultKind.PAGELOSS:
@@ -173,7 +178,7 @@ def _parse_fields(spec: str, kind: FaultKind, rest: str) -> dict[str, str]:
         fields[name.strip()] = value.strip()
     known = {"rank", "iter", "phase", "step", "at", "factor", "pages", "parity", "group", "groups"}
     if kind is FaultKind.SLOW:
-        known |= {"level", "what"}
+        known |= {"level", "what", "until"}
     if kind is FaultKind.MEMSPIKE:
         known |= {"mb", "over"}
     if unknown := set(fields) - known:
@@ -201,6 +206,7 @@ def _typed_values(spec: str, fields: dict[str, str]) -> dict[str, Any]:
             "over": int(fields.get("over", "0")),
             "level": _choice(fields, "level", Level),
             "what": _choice(fields, "what", SlowTarget) or SlowTarget.COMPUTE,
+            "until": int(fields["until"]) if "until" in fields else None,
         }
     except KeyError:
         raise UserError(f"fault {spec!r}: 'rank=' is required") from None
@@ -224,6 +230,8 @@ def _check_values(spec: str, kind: FaultKind, fields: dict[str, str], v: dict[st
         raise UserError(f"fault {spec!r}: give factor=F or level=L, not both")
     if kind is FaultKind.SLOW and v["level"] is None and v["factor"] <= 1.0:
         raise UserError(f"fault {spec!r}: slow needs factor > 1 or level=weak|medium|severe")
+    if v["until"] is not None and iteration is not None and v["until"] <= iteration:
+        raise UserError(f"fault {spec!r}: until must be after iter")
     if v["rank"] < 0 or (iteration is not None and iteration < 0):
         raise UserError(f"fault {spec!r}: rank and iter must be >= 0")
 

@@ -38,6 +38,9 @@ the start of every phase step and stalls for the step that just ended:
   iteration was seen becomes active once it has been (a rank with neither replicas nor
   pipeline neighbours has no communication, and it never does). Activation is logged as
   `slow_active` with the factor and the stall.
+- `until=J`: from the first step of iteration J on the device is healthy again (both kinds:
+  no more stalls), logged as `slow_ended`. Without it a slow fault lasts as long as the
+  trainer process.
 """
 
 from __future__ import annotations
@@ -107,6 +110,8 @@ class Injector:
         self.job_t0 = job_t0
         self.iteration_start = time.time()
         self.slow_factor = 1.0
+        self._slow: list[FaultSpec] = []
+        """Slow faults that fired and still stall (`_end_slow` ends those with an `until`)."""
         self.page_loss = None
         """`pageloss` target: fault -> {region: pages destroyed} (set by in-place trainers)."""
         self.checkpoint_root: Path | None = None
@@ -201,6 +206,7 @@ class Injector:
         self._last = (phase, iteration, step)
         if phase is Phase.FORWARD and step == 0:
             self._release_spike()  # a memory spike lasts one iteration
+            self._end_slow(iteration)
             self.iteration_start = time.time()
             if self._iter_mark is not None and self._iter_mark[0] == iteration - 1:
                 self._periods.append(now - self._iter_mark[1])
@@ -211,6 +217,18 @@ class Injector:
             ):
                 self._fire(fault, phase, iteration, step)
         self._phase_start, self._busy_start = self.clock(), self.busy_clock()
+
+    def _end_slow(self, iteration: int) -> None:
+        """A slow fault with `until` stops stalling at that iteration."""
+        ended = [f for f in self._slow if f.until is not None and iteration >= f.until]
+        for fault in ended:
+            self._slow.remove(fault)
+            if fault.what is SlowTarget.COMM:
+                self._comm_fault = None
+                self.comm_stall_s = self.p2p_stall_s = None
+            else:
+                self.slow_factor = 1.0
+            self.emit("slow_ended", rank=self.rank, iter=iteration, spec=fault.text())
 
     def _release_spike(self) -> None:
         spike, self._spike = self._spike, None
@@ -396,8 +414,10 @@ class Injector:
             raise InjectedFault(f"injected exception at {fault.text()}")
         elif fault.kind is FaultKind.SLOW and fault.what is SlowTarget.COMM:
             self._comm_fault = fault
+            self._slow.append(fault)
             self._activate_comm(iteration)
         elif fault.kind is FaultKind.SLOW:
+            self._slow.append(fault)
             factor = slow_factor_for(fault.level) if fault.level is not None else fault.factor
             self.slow_factor = factor
             self.emit(

@@ -4,7 +4,9 @@ workload-aware detector (`unbroken.detect.FailSlowDetector`), once per iteration
 and turns its decisions into events. Redone iterations (after a recovery) are not fed again,
 and the first `GRACE_ITERS` iterations of a new trainer generation are not fed at all: right
 after a recovery the new shadows start up and caches are cold — a transient of the recovery,
-not of a device.
+not of a device. A rank reported compute-slow that runs at its peers' pace again is a
+`speed_recovered` event, handed to `on_recovered` (the coordinator re-plans toward the
+original placement, issue 18).
 
 With a hybrid-parallel plan each rank's record is its worker's `StageTiming` plus the
 micro-batches it computed (global ids and segment lengths); the watch puts the replicas'
@@ -13,9 +15,17 @@ workloads together from all ranks' records and the detector simulates the plan.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from unbroken.detect import DetectorConfig, FailSlowDetector, Observation, RankTiming, Verdict
+from unbroken.detect import (
+    DetectorConfig,
+    FailSlowDetector,
+    Observation,
+    RankTiming,
+    SpeedRecovered,
+    Verdict,
+)
 from unbroken.detect.timing import StageTiming
 from unbroken.metrics.log import JsonlLog
 from unbroken.parallel import ParallelPlan
@@ -52,6 +62,10 @@ class SlowWatch:
         """Why the watch stopped (a dataset without document lengths, a detector error)."""
         self._generation = 0
         self._grace_until = -1
+        self.on_recovered: Callable[[int, float, int], None] | None = None
+        """Called with (rank, factor, iteration) when a rank reported compute-slow runs at its
+        peers' pace again (`DetectorConfig.recover_ratio`); the coordinator offers its device
+        back to the plan."""
 
     def reset(self, world_size: int) -> None:
         """The job continues on a world of `world_size` ranks (a lost device was planned
@@ -123,6 +137,8 @@ class SlowWatch:
                 self._disable(_NO_LENGTHS)
                 return
             self._decide(self.detector.observe(obs))
+            for rec in self.detector.take_recovered():
+                self._recovered(rec)
 
     def _plan_observation(
         self, it: int, seconds: float, ranks: dict[int, dict[str, Any]]
@@ -183,6 +199,25 @@ class SlowWatch:
             )
         else:
             self.events.emit("change_point", **fields)
+
+    def _recovered(self, rec: SpeedRecovered) -> None:
+        r = rec.report
+        self.events.emit(
+            "speed_recovered",
+            rank=r.rank,
+            factor=rec.factor,
+            slow_factor=r.factor,
+            since_iter=r.iteration,
+            first_iter=rec.first,
+            detected_at=rec.last,
+        )
+        self.say(
+            f"rank {r.rank} runs at full speed again: {rec.factor:.2f}x its peers' pace over "
+            f"iterations {rec.first}..{rec.last} (it ran {r.factor:.2f}x slower from "
+            f"iteration {r.iteration})"
+        )
+        if self.on_recovered is not None and r.rank is not None:
+            self.on_recovered(r.rank, rec.factor, rec.last)
 
     @property
     def overhead_s(self) -> float:

@@ -19,7 +19,11 @@ Two reports change it:
 - a validated fail-slow report with its measured factor (`on_fail_slow`): the planner's plan is
   published in the job store (`JobStore.publish_placement`) when it is predicted at least
   `adapt.min_gain` faster and the job has re-planned fewer than `adapt.max_replans` times; the
-  ranks switch to it at an iteration boundary they agree on (`unbroken.launch.switch`).
+  ranks switch to it at an iteration boundary they agree on (`unbroken.launch.switch`);
+- a slow rank at full speed again (`on_recovered`, from the fail-slow watch: it keeps at least
+  one micro-batch, so its pace is measured all along): its device is healthy again and the
+  plan for that state — the launch placement when nothing else is slow — is published the same
+  way, so a false alarm or a passing slowdown costs a few iterations, not the rest of the run.
 
 Each decision is a `replan` event (trigger, placement before and after, the planner's
 prediction before and after, its seconds) or a `replan_skipped` event with the reason. The
@@ -43,6 +47,7 @@ from unbroken.metrics.log import JsonlLog
 from unbroken.parallel import DataPlacement, ParallelPlan, make_plan
 from unbroken.plan import (
     ClusterState,
+    DeviceStatus,
     Fabric,
     NoPlanError,
     PlannerConfig,
@@ -234,6 +239,28 @@ class Adaptation:
         plan = result.plan()
         placement = _at_least_one(DataPlacement.from_plan(plan, self.devices, self.microbatches))
         self.replans += 1
+        self._adopt(result, plan, self.devices, placement, trigger, self.placement, iter_s)
+        return True
+
+    def on_recovered(self, rank: int, factor: float, iter_s: float | None = None) -> bool:
+        """Rank `rank`, re-planned around as slow, runs at `factor` x its peers' pace again:
+        its device is healthy in the cluster state and the planner's plan for that state (the
+        launch placement when every device is healthy) is published like a fail-slow re-plan.
+        Not counted against `adapt.max_replans` (it follows a counted one). Returns whether it
+        re-planned."""
+        trigger = {"kind": "speed_recovered", "rank": rank, "factor": factor}
+        if not 0 <= rank < len(self.devices):
+            return self._skip(trigger, "the report names no rank of the running world")
+        device = self.devices[rank]
+        trigger["device"] = device
+        if self.state.device(device).status is not DeviceStatus.SLOW:
+            return self._skip(trigger, f"device {device} is not marked slow")
+        self.state = self.state.with_healthy(device)
+        result = plan_for_state(self.state, PlannerConfig())
+        plan = result.plan()
+        placement = _at_least_one(DataPlacement.from_plan(plan, self.devices, self.microbatches))
+        if placement == self.placement:
+            return self._skip(trigger, "the plan for the healthy device is the running one")
         self._adopt(result, plan, self.devices, placement, trigger, self.placement, iter_s)
         return True
 

@@ -393,6 +393,12 @@ class CoordinatorCore:
         if event.cause == FailStopCause.NODE_LOST:
             self._stopped_without_lost()
 
+    def on_speed_recovered(self, rank: int, factor: float, iteration: int) -> None:
+        """The fail-slow watch saw a rank reported slow run at its peers' pace again: with
+        re-planning on, its device is offered back to the plan (`Adaptation.on_recovered`)."""
+        if self.adapt is not None and self.fsm.state is RecoveryState.RUNNING:
+            self.adapt.on_recovered(rank, factor, self._healthy_iter_s(iteration))
+
     def _stopped_without_lost(self) -> None:
         """A node lost while the generation was stopping: the other nodes may all have
         stopped already (the lost one never will)."""

@@ -148,6 +148,7 @@ class Coordinator:
         self.store = store
         self.load = LoadStats(self.events, store.raw.num_keys, core.faults_fired)
         self.monitor.slow_watch.detector.sink = core
+        self.monitor.slow_watch.on_recovered = core.on_speed_recovered
         env = dict(os.environ, UNBROKEN_JOB_SECRET=self.secret_text)
         self.agent_proc = subprocess.Popen(
             [
