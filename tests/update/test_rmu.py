@@ -254,3 +254,26 @@ def test_ablation_without_chunk_transactions_diverges(reference):
     for it in range(2, 4):  # redo the interrupted iteration on the torn state
         tr.run_iteration(it)
     assert tr.state.state_hash() != reference[3]
+
+
+@pytest.mark.parametrize("kind", ["auto", "stream", "host"])
+def test_the_factory_gives_cpu_state_the_host_marked_updater_built_once(kind, monkeypatch):
+    """Only CUDA state takes the stream or graph path; the choice is made from the inputs,
+    so exactly one updater is constructed."""
+    from unbroken.update import factory
+    from unbroken.update.stream import stream_capable
+
+    _, upd, regions = _rig()
+    built: list[type] = []
+    real_init = ResumableUpdater.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(type(self))
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(ResumableUpdater, "__init__", counting)
+    assert not stream_capable(upd.state, regions, PROT)
+    got = factory.resumable_updater(
+        upd.state, upd.geometry, upd.step, regions, PROT, kind=kind, backend="numpy"
+    )
+    assert type(got) is ResumableUpdater and built == [ResumableUpdater]

@@ -18,12 +18,13 @@ UpdaterKind = Literal["auto", "stream", "host"]
 
 
 def resumable_updater(
-    state, geometry, step, regions, prot, *, kind: UpdaterKind = "auto", **kw
+    state, geometry, step, regions, prot, *, kind: UpdaterKind = "auto", backend: str = "auto"
 ) -> ResumableUpdater:
-    """The resumable updater for this state (see the module docstring)."""
-    host = ResumableUpdater(state, geometry, step, regions, prot, **kw)
-    if kind == "host" or not stream_capable(host):
-        return host
-    if kind == "stream" or not graph_capable(step):
-        return StreamUpdater(state, geometry, step, regions, prot, **kw)
-    return GraphUpdater(state, geometry, step, regions, prot, **kw)
+    """The resumable updater for this state (see the module docstring), built once."""
+    if kind == "host" or not stream_capable(state, regions, prot, backend):
+        cls = ResumableUpdater
+    elif kind == "stream" or not graph_capable(step):
+        cls = StreamUpdater
+    else:
+        cls = GraphUpdater
+    return cls(state, geometry, step, regions, prot, backend=backend)

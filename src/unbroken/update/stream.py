@@ -36,16 +36,13 @@ from unbroken.update.rmu import RepairReport, ResumableUpdater
 __all__ = ["StreamUpdater", "stream_capable"]
 
 
-def stream_capable(updater: ResumableUpdater) -> bool:
-    """Whether `updater`'s state and codecs allow the stream path: CUDA state, Triton codecs on
-    both tiers, at most 16 pages per tier, a CUDA undo buffer and a host marker region."""
-    if not (updater.state.params.is_cuda and updater.undo.is_cuda):
-        return False
-    from unbroken.erasure.cuda_backend import TritonCodec  # imports Triton: CUDA only
-
-    codecs = [g.first_tier_codec for g in updater.groups]
-    codecs += [g.second_tier_codec for g in updater.groups if g.second_tier_codec is not None]
-    return updater.h1 <= 16 and updater.h2 <= 16 and all(isinstance(c, TritonCodec) for c in codecs)
+def stream_capable(state, regions: dict[str, torch.Tensor], prot, backend: str = "auto") -> bool:
+    """Whether an updater over this state and these regions can take the stream path: state,
+    model pages and undo buffer on a CUDA device (whose only codec backend is Triton's), at
+    most 16 pages per parity tier. Decided from the inputs, before any updater is built."""
+    cuda = state.params.is_cuda and regions["model"].is_cuda and regions["undo"].is_cuda
+    tiers = prot.parity_pages <= 16 and prot.second_tier_pages <= 16
+    return cuda and tiers and backend in ("auto", "triton")
 
 
 def _device_ptrs(rows: list, device: torch.device) -> torch.Tensor:
@@ -59,6 +56,12 @@ class StreamUpdater(ResumableUpdater):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        from unbroken.erasure.cuda_backend import TritonCodec  # imports Triton: CUDA only
+
+        codecs = [g.first_tier_codec for g in self.groups]
+        codecs += [g.second_tier_codec for g in self.groups if g.second_tier_codec is not None]
+        if not all(isinstance(c, TritonCodec) for c in codecs) or max(self.h1, self.h2) > 16:
+            raise ValueError("the stream updater needs Triton codecs of at most 16 pages a tier")
         dev = self.state.params.device
         self.device = dev
         self.dmarker = DeviceMarker(self.marker_pages, dev)
