@@ -5,6 +5,7 @@ its process handle, its liveness (`unbroken.launch.agent.hang`), its last heartb
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -61,7 +62,20 @@ def last_traceback(path: str | None) -> str:
     return text[at:] if at >= 0 else ""
 
 
+_TORCH_WARNING = re.compile(r"^\[rank\d+\]:\[W\d{4} ")
+"""A warning line of torch's C++ logging ("[rank0]:[W1202 04:16:11.914 ...] Warning: ..."),
+e.g. ProcessGroupNCCL's "destroy_process_group() was not called" at exit: never the reason."""
+
+
 def last_line(path: str | None) -> str:
-    """The last non-blank line of the log at `path`, at most 300 characters ("" if none)."""
-    lines = [ln for ln in _tail(path, 2048).splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else ""
+    """Why the process at `path` died, from the tail of its log, at most 300 characters ("" if
+    it wrote nothing): the last line a trainer wrote about its own failure
+    ("unbroken-trainer[rank R] in PHASE: ..."), else the last non-blank line that is not a
+    torch C++ warning, else the last non-blank line."""
+    lines = [ln for ln in _tail(path, 16384).splitlines() if ln.strip()]
+    own = [ln for ln in lines if ln.startswith("unbroken-trainer[")]
+    plain = [ln for ln in lines if not _TORCH_WARNING.match(ln)]
+    for choice in (own, plain, lines):
+        if choice:
+            return choice[-1][:300]
+    return ""
