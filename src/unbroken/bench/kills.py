@@ -102,6 +102,13 @@ class KillRecord:
     detected: bool = False
     recovery_s: float | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
+    phase: str | None = None
+    """Where the killed rank was, as the recovery recorded it (its last heartbeat's phase)."""
+    fixup: str | None = None
+    """What the in-place repair did to the interrupted update (`inplace_repair`'s fixup:
+    "none" when the kill landed outside a chunk transaction)."""
+    breakdown: dict[str, Any] = field(default_factory=dict)
+    """The recovery's own times (detect_s, init_s, recompute_s, total_s) from the summary."""
 
 
 def _first_iteration_done(run_dir: Path, stop: threading.Event) -> bool:
@@ -181,6 +188,15 @@ def _trial(cfg: JobConfig, run_dir: Path, recs: list[KillRecord], rng: random.Ra
             for e in after
             if e.get("kind") in ("failure_detected", "recovery_start", "recovery_done")
         ]
+        repairs = [e.get("fixup") for e in after if e.get("kind") == "inplace_repair"]
+        rec.fixup = repairs[0] if repairs else None
+        mine = [r for r in s.get("recoveries", []) if kill_t <= r.get("detected_t", 0) < until]
+        if mine:
+            r = mine[0]
+            rec.phase = r.get("phase")
+            rec.breakdown = {
+                k: r.get(k) for k in ("detect_s", "init_s", "recompute_s", "total_s", "mode")
+            }
 
 
 _RECORD_FIELDS = (
@@ -193,6 +209,9 @@ _RECORD_FIELDS = (
     "detected",
     "recovery_s",
     "events",
+    "phase",
+    "fixup",
+    "breakdown",
 )
 
 
