@@ -83,3 +83,21 @@ def test_discard_is_for_gpu_regions_only(client):
     with pytest.raises(RetainedStateError, match="discard covers GPU regions only"):
         client.discard("grads", [0])
     assert client.localize().lost == {"grads": []}  # refused without side effects
+
+
+def test_a_client_of_an_older_generation_is_refused_once_a_newer_one_was_served(manager):
+    """Fencing at the state: a trainer of a generation being torn down (a hung one that wakes
+    up, one on a node partitioned away and back) cannot touch what its successor uses."""
+    with (
+        RetainedClient(manager[1], generation=3) as old,
+        RetainedClient(manager[1], generation=4) as new,
+        RetainedClient(manager[1]) as agent,
+    ):
+        old.allocate("model", 4 * PAGE, page_bytes=PAGE, protected=True)
+        assert not new.attach("model").fresh  # the successor takes the state over
+        with pytest.raises(RetainedStateError, match="stale generation 3: generation 4"):
+            old.localize()
+        with pytest.raises(RetainedStateError, match="stale generation 3"):
+            old.free("model")
+        assert new.localize().lost == {"model": []}  # the successor is still served
+        assert [r["name"] for r in agent.list()] == ["model"]  # no generation: served

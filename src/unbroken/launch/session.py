@@ -236,7 +236,9 @@ class RankSession:
             from unbroken.launch.retained import RetainedState
             from unbroken.state.client import RetainedClient
 
-            client = RetainedClient(spec.state_sockets[str(rank)], timeout_s=60)
+            client = RetainedClient(
+                spec.state_sockets[str(rank)], timeout_s=60, generation=spec.generation
+            )
             self.retained = RetainedState(cfg, client)
         job_t0 = self.store.job_t0(time.time() if rank == 0 else None)
         faults = [parse_fault(f) for f in cfg.inject]

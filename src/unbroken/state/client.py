@@ -155,16 +155,21 @@ class RetainedClient:
     Args:
         socket_path: the manager's socket.
         timeout_s: how long to wait for the socket to appear and for each reply.
+        generation: the job generation this client belongs to, sent with every request: the
+            manager refuses requests of a generation older than the newest it has served.
 
     Raises:
         RetainedStateError: no manager answered at `socket_path` within `timeout_s`.
     """
 
-    def __init__(self, socket_path: str | Path, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, socket_path: str | Path, timeout_s: float = 10.0, generation: int | None = None
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.socket_path = str(socket_path)
         self.timeout_s = timeout_s
+        self.generation = generation
         self._regions: dict[str, RetainedRegion] = {}
         self._sock = _connect(self.socket_path, timeout_s)
 
@@ -276,6 +281,8 @@ class RetainedClient:
         return region
 
     def _call(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
+        if self.generation is not None:
+            fields["generation"] = self.generation
         try:
             send_frame(self._sock, {"op": op, **fields})
             reply, fds = recv_reply(self._sock)

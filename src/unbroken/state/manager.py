@@ -19,6 +19,12 @@ free        name                                          —
 shutdown    —                                             — (then the manager exits)
 ==========  ============================================  =========================================
 
+Every request may carry ``generation`` (the job's trainer generation of the client). The
+manager keeps the highest it has served and refuses a request from an older one ("stale
+generation"): a trainer of a generation being torn down (a hung one that wakes up, one on a
+node partitioned away and back) cannot allocate, remap or free what its successor now uses.
+Requests without one (the agent, tools) are served as before.
+
 GPU regions (``device`` given) are CUDA virtual-memory allocations, one per page, whose
 exported fds the pool holds (`unbroken.state.cuda_vmm`); the manager only calls `cuInit`, never
 creates a context.
@@ -90,6 +96,8 @@ class StateManager:
         self._listener: socket.socket | None = None
         self._running = False
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self.generation = -1
+        """The newest client generation served (older ones are refused as stale)."""
 
     def bind(self) -> None:
         """Create the listening socket (parent dir, stale-file removal, 0600, atomic rename).
@@ -226,6 +234,20 @@ class StateManager:
         serve = self._OPS.get(op) if isinstance(op, str) else None
         if serve is None:
             return _error(f"unknown op {op!r}"), []
+        generation = frame.get("generation")
+        if isinstance(generation, int) and not isinstance(generation, bool):
+            if generation < self.generation:
+                log.warning(
+                    "rank %d: refused %s of stale generation %d (serving %d)",
+                    self.rank,
+                    op,
+                    generation,
+                    self.generation,
+                )
+                return _error(
+                    f"stale generation {generation}: generation {self.generation} holds this state"
+                ), []
+            self.generation = generation
         try:
             return serve(self, frame)
         except PoolError as exc:
