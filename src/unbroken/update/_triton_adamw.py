@@ -50,7 +50,10 @@ def adamw_body(
     tl.store(v_ptr + off, v, mask=inside)
 
 
-@triton.jit
+# first_index and decay_end only enter one comparison: not specialized on their values (Triton
+# compiles a variant per divisibility of an int argument), so the shadow's warm-up launch
+# compiles the variant every chunk of the job uses.
+@triton.jit(do_not_specialize=["first_index", "decay_end"])
 def adamw_kernel(
     p_ptr,
     g_ptr,
@@ -76,7 +79,7 @@ def adamw_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_index", "decay_end"])
 def adamw_kernel_dev(
     p_ptr, g_ptr, m_ptr, v_ptr, n_cols, row_stride, first_index, decay_end, c_ptr,
     BLOCK: tl.constexpr,
