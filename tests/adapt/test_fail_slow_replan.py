@@ -33,7 +33,9 @@ def test_a_slow_rank_loses_micro_batches_at_a_boundary_and_gets_them_back_when_h
     assert slow["predicted_after"] < slow["predicted_before"]
     (ended,) = events_of(events, "slow_ended")
     (recovered,) = events_of(events, "speed_recovered")
-    assert recovered["rank"] == 3 and recovered["first_iter"] >= ended["iter"] == 32
+    # Found once the device is healthy (its window may still hold a slow iteration or two:
+    # a ratio of sums; on this shared machine a rank with one micro-batch computes it fast).
+    assert recovered["rank"] == 3 and recovered["detected_at"] > ended["iter"] == 32
     assert (back["trigger"]["kind"], back["trigger"]["device"]) == ("speed_recovered", 3)
     assert back["counts_after"] == [4, 4, 4, 4]
     first, second = events_of(events, "plan_applied")
