@@ -1,7 +1,11 @@
 """The external random-time kill campaign (`unbroken bench faults --external`, the CPU version
 of issue 16's GPU campaign): a thread outside the job SIGKILLs an active trainer at a random
 time, the job recovers, and the final state equals the fault-free run's. Each kill's record
-says where it landed (the recovery's phase, the repair's fix-up) and what its recovery took."""
+says where it landed (the recovery's phase, the repair's fix-up) and what its recovery took.
+
+The campaign runs under `nice`: trainers are told from shadows by the job's niceness, so the
+later kills of a run land only if promoted shadows return to the job's priority — not to 0,
+which mixed priorities in a niced job (suspected in the soak's slowing all-reduce)."""
 
 from __future__ import annotations
 
@@ -15,13 +19,15 @@ import pytest
 @pytest.mark.slow  # ~1 min: the campaign is a benchmark; kills at hooks are CI-tier tests
 @pytest.mark.timeout(600)
 def test_random_time_kills_from_outside_the_job_recover_bit_exact(tmp_path):
-    cmd = [sys.executable, "-m", "unbroken", "bench", "faults", "--external", "--json"]
+    cmd = ["nice", "-n", "5", sys.executable, "-m", "unbroken", "bench", "faults", "--external"]
+    cmd += ["--json"]
     cmd += ["--trials", "3", "--kills-per-run", "3", "--iterations", "24", "--seed", "5"]
     cmd += ["--out", str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=580)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout)
-    assert out["all_exact"] and out["undetected"] == 0 and out["trials"] >= 1
+    assert out["all_exact"] and out["undetected"] == 0
+    assert out["not_killed"] == 0 and out["trials"] == 3  # the promoted shadows were found
     killed = [rec for rec in out["records"] if rec["killed_pid"] is not None]
     assert len(killed) == out["trials"]
     for rec in killed:

@@ -71,10 +71,35 @@ def _descendants(root: int) -> dict[int, int]:
     return out
 
 
+def _job_nice() -> int:
+    """This process's niceness, which the job it starts inherits.
+
+    Raises:
+        UserError: so nice that shadows cannot be niced above it (trainers and shadows would
+            look alike).
+    """
+    from unbroken.errors import UserError
+    from unbroken.launch.agent.supervisor import SHADOW_NICE
+
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice + SHADOW_NICE > 19:
+        raise UserError(
+            f"the kill campaign runs at niceness {nice}: shadows (niced {SHADOW_NICE} above the "
+            f"job) would look like trainers; run it at niceness {19 - SHADOW_NICE} or less"
+        )
+    return nice
+
+
 def active_trainers(root: int | None = None) -> list[int]:
     """Pids of the active (non-shadow) trainer processes among `root`'s descendants (default:
-    this process)."""
+    this process): trainer processes at the job's niceness (this process's), where shadows run
+    `SHADOW_NICE` above it.
+
+    Raises:
+        UserError: this process is so nice that shadows cannot be niced above it.
+    """
     root = os.getpid() if root is None else root
+    job_nice = _job_nice()
     found = []
     for pid, parent in _descendants(root).items():
         cmd = _cmdline(pid)
@@ -84,7 +109,7 @@ def active_trainers(root: int | None = None) -> list[int]:
             _FORKSERVER in _cmdline(parent) and _FORKSERVER in cmd
         )
         st = _proc_stat(pid)
-        if trainer and st is not None and st[1] == 0:
+        if trainer and st is not None and st[1] == job_nice:
             found.append(pid)
     return sorted(found)
 
@@ -251,6 +276,7 @@ def run_campaign(
     from unbroken.api import run_job
     from unbroken.metrics.log import read_jsonl
 
+    _job_nice()  # refuse before the reference runs, not silently in the killer thread
     t0 = time.time()
     reference_hash = run_job(cfg, root / "reference", quiet=True)["final_state_hash"]
     # Kill times are drawn over the reference's training after its first iteration (start-up

@@ -18,7 +18,6 @@ where it parked. Each stage may be entered only from the one before it (`Illegal
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import os
 import sys
@@ -429,8 +428,8 @@ class RankSession:
         if not line:
             raise SystemExit(0)  # the agent let the shadow go
         t_promoted = time.time()
-        with contextlib.suppress(OSError):  # back to normal priority (needs privilege to raise it)
-            os.setpriority(os.PRIO_PROCESS, 0, 0)
+        # Its priority is the job's again: the agent set it before promoting (`ShadowPool.promote`,
+        # the job's niceness, not 0 — a job under `nice` keeps one priority for every rank).
         promote = decode_json(line, (Promote,))
         assert isinstance(promote, Promote)
         final = GenerationSpec.from_json(Path(promote.spec).read_text())
