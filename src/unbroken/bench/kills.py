@@ -75,17 +75,19 @@ def _job_nice() -> int:
     """This process's niceness, which the job it starts inherits.
 
     Raises:
-        UserError: so nice that shadows cannot be niced above it (trainers and shadows would
-            look alike).
+        UserError: shadows would run at the job's niceness (it is too nice to be exceeded by
+            `SHADOW_NICE`, or the agent could not restore a promoted shadow's priority), so
+            trainers and shadows would look alike.
     """
     from unbroken.errors import UserError
-    from unbroken.launch.agent.supervisor import SHADOW_NICE
+    from unbroken.launch.agent.supervisor import SHADOW_NICE, shadow_nice
 
     nice = os.getpriority(os.PRIO_PROCESS, 0)
-    if nice + SHADOW_NICE > 19:
+    if nice + SHADOW_NICE > 19 or shadow_nice(nice) == 0:
         raise UserError(
-            f"the kill campaign runs at niceness {nice}: shadows (niced {SHADOW_NICE} above the "
-            f"job) would look like trainers; run it at niceness {19 - SHADOW_NICE} or less"
+            f"the kill campaign at niceness {nice}: shadows would run at the job's niceness and "
+            f"look like trainers; run it at niceness {19 - SHADOW_NICE} or less, as a user "
+            "allowed to restore a niceness (root or RLIMIT_NICE)"
         )
     return nice
 

@@ -30,10 +30,27 @@ from unbroken.messages import StartGeneration
 if TYPE_CHECKING:
     from unbroken.shadow.forkserver import ShadowForkServer
 
-__all__ = ["SHADOW_NICE", "TRAINER_CMD", "TRAINER_ENTRY", "ProcessSupervisor"]
+__all__ = ["SHADOW_NICE", "TRAINER_CMD", "TRAINER_ENTRY", "ProcessSupervisor", "shadow_nice"]
 
 PR_SET_PDEATHSIG = 1
 SHADOW_NICE = 10
+
+
+def shadow_nice(job_nice: int | None = None) -> int:
+    """How much nicer than the job its shadows run: `SHADOW_NICE` where the agent may give a
+    promoted shadow the job's priority back (root, or an RLIMIT_NICE that allows it), else 0.
+    An unprivileged agent cannot lower a niceness it raised: a shadow promoted at +10 would be a
+    trainer left behind by its peers at every collective for the rest of the run."""
+    import resource
+
+    job = os.getpriority(os.PRIO_PROCESS, 0) if job_nice is None else job_nice
+    if os.geteuid() == 0:
+        return SHADOW_NICE
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    floor = 20 - soft if soft != resource.RLIM_INFINITY else -20  # the lowest niceness allowed
+    return SHADOW_NICE if floor <= job else 0
+
+
 TRAINER_CMD: tuple[str, ...] = (sys.executable, "-m", "unbroken.launch.trainer")
 TRAINER_ENTRY = "unbroken.launch.trainer:main"
 """What a forked shadow runs, with the arguments that follow `TRAINER_CMD`."""
@@ -81,6 +98,8 @@ class ProcessSupervisor:
         """The node's pre-imported fork server for shadows, started with the first generation
         whose shadows start with "fork" (recovery.shadow_start)."""
         self.state_managers: dict[int, subprocess.Popen] = {}
+        self.shadow_nice = shadow_nice()
+        """Niceness of shadows above the job's (`shadow_nice`)."""
 
     # -- the fork server --------------------------------------------------------------------
     def start_forkserver(self) -> None:
@@ -125,8 +144,9 @@ class ProcessSupervisor:
         if shadow_level:
             args += ["--shadow", str(shadow_level), "--attempt", str(attempt)]
         # Shadows pre-initialize in the background: at a lower CPU priority they do not slow
-        # the active trainers they stand behind (they restore their priority when promoted).
-        nice = SHADOW_NICE if shadow_level else 0
+        # the active trainers they stand behind (the agent restores the job's priority when it
+        # promotes one; where it could not, they run at the job's priority: `shadow_nice`).
+        nice = self.shadow_nice if shadow_level else 0
         log_path = None
         if msg.log_dir:
             os.makedirs(msg.log_dir, exist_ok=True)
