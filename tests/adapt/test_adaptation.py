@@ -88,5 +88,9 @@ def test_a_slow_rank_back_at_full_speed_gets_the_launch_placement_back():
         "device": 3,
     }
     assert fields["counts_after"] == [4, 4, 4, 4]
-    assert a.replans == 1  # the re-admission does not count against adapt.max_replans
+    assert a.replans == 2  # the re-admission counts against adapt.max_replans
     assert not a.on_recovered(3, 1.0)  # healthy already
+    capped, _, log = _adaptation(max_replans=1)
+    assert capped.on_fail_slow(_slow(3, 3.0))
+    assert not capped.on_recovered(3, 1.02)  # the cap bounds a job switching back and forth
+    assert "max_replans" in log.events[-1][1]["reason"]

@@ -468,7 +468,8 @@ class AdaptConfig:
     device on the remaining ranks without a checkpoint, for a slow one at an iteration boundary.
     Data-parallel jobs (parallel.tp = pp = 1); implies parallel.reduce = "ordered"."""
     max_replans: int = 4
-    """Most re-plans a job makes (a cap on a detector that fires on noise)."""
+    """Most re-plans for slow devices a job makes, and for their return to full speed (a cap
+    on a detector that fires on noise)."""
     min_gain: float = 0.1
     """A re-plan for a slow device is executed only if the planner predicts an iteration at
     least this fraction faster than the running placement."""

@@ -23,7 +23,9 @@ Two reports change it:
 - a slow rank at full speed again (`on_recovered`, from the fail-slow watch: it keeps at least
   one micro-batch, so its pace is measured all along): its device is healthy again and the
   plan for that state — the launch placement when nothing else is slow — is published the same
-  way, so a false alarm or a passing slowdown costs a few iterations, not the rest of the run.
+  way, so a false alarm or a passing slowdown costs a few iterations, not the rest of the run
+  (counted against `adapt.max_replans` like the fail-slow re-plans, which bounds a job that
+  switches back and forth).
 
 Each decision is a `replan` event (trigger, placement before and after, the planner's
 prediction before and after, its seconds) or a `replan_skipped` event with the reason. The
@@ -246,8 +248,10 @@ class Adaptation:
         """Rank `rank`, re-planned around as slow, runs at `factor` x its peers' pace again:
         its device is healthy in the cluster state and the planner's plan for that state (the
         launch placement when every device is healthy) is published like a fail-slow re-plan.
-        Not counted against `adapt.max_replans` (it follows a counted one). Returns whether it
-        re-planned."""
+        Counted against `adapt.max_replans` like a fail-slow re-plan: on a machine whose ranks
+        share cores, a rank with fewer micro-batches computes each faster, a moderate slowdown
+        can look recovered, and the job could otherwise switch back and forth for ever.
+        Returns whether it re-planned."""
         trigger = {"kind": "speed_recovered", "rank": rank, "factor": factor}
         if not 0 <= rank < len(self.devices):
             return self._skip(trigger, "the report names no rank of the running world")
@@ -255,12 +259,15 @@ class Adaptation:
         trigger["device"] = device
         if self.state.device(device).status is not DeviceStatus.SLOW:
             return self._skip(trigger, f"device {device} is not marked slow")
+        if self.replans >= self.cfg.adapt.max_replans:
+            return self._skip(trigger, f"adapt.max_replans = {self.cfg.adapt.max_replans} reached")
         self.state = self.state.with_healthy(device)
         result = plan_for_state(self.state, PlannerConfig())
         plan = result.plan()
         placement = _at_least_one(DataPlacement.from_plan(plan, self.devices, self.microbatches))
         if placement == self.placement:
             return self._skip(trigger, "the plan for the healthy device is the running one")
+        self.replans += 1
         self._adopt(result, plan, self.devices, placement, trigger, self.placement, iter_s)
         return True
 
