@@ -11,6 +11,7 @@ decision from them; the core tells it of each failure it detected (`failure_dete
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from unbroken.config import JobConfig
 from unbroken.launch.progress import Progress
 from unbroken.launch.slowwatch import SlowWatch
-from unbroken.metrics.analysis import analyze_run, healthy_iter_s
+from unbroken.metrics.analysis import analyze_run
 from unbroken.metrics.log import JsonlLog, JsonlTail
 from unbroken.metrics.observer import RunInfo, RunObserver
 from unbroken.parallel import ParallelPlan
@@ -94,6 +95,14 @@ class RunMonitor:
         """This run's metrics rows, in order."""
         self.seen_events: list[dict[str, Any]] = []
         """This run's events so far."""
+        self._row_t: list[float] = []
+        """`t_end` of each row (rank 0 appends them in time order): the window by bisection."""
+        self._event_t: list[float] = []
+        """The running maximum of the events' `t` (events of several processes interleave):
+        a sorted key for bisection that never cuts an event inside the window."""
+        self._healthy: list[float] = []
+        """Sorted `iter_s` of the rows without a checkpoint: the run's healthy iteration time
+        (`healthy_iter_s`) as a median kept up to date, not recomputed over the run."""
         self._metrics = JsonlTail(run_dir / "metrics.jsonl")
         self._timings = JsonlTail(run_dir / "timings.jsonl")
         self._events = JsonlTail(run_dir / "events.jsonl")
@@ -120,22 +129,41 @@ class RunMonitor:
                 self.slow_watch.add_timing(t)
                 for o in self.observers:
                     o.timing(t)
+        resumed = False
         for m in self._metrics.read_new():
             if m.get("run") != self.run_name:
                 continue
-            self.rows.append(m)
+            self._add_row(m)
             for o in self.observers:
                 o.iteration(m)
             self.progress.iteration(m)
             self.slow_watch.add_metric(m)
-            if self._pending and m["t_start"] > self._pending[0]:
-                self._read_events()  # the recovery's own events precede its first iteration
-                self._report_recovered()
+            resumed = resumed or bool(self._pending and m["t_start"] > self._pending[0])
+        if resumed:  # once per poll, however many rows it read
+            self._read_events()  # the recovery's own events precede its first iteration
+            self._report_recovered()
         self.slow_watch.pump()
+
+    def _add_row(self, m: dict[str, Any]) -> None:
+        self.rows.append(m)
+        self._row_t.append(max(m["t_end"], self._row_t[-1] if self._row_t else m["t_end"]))
+        if not m.get("ckpt_s"):
+            bisect.insort(self._healthy, m["iter_s"])
+
+    def _healthy_s(self) -> float:
+        """`healthy_iter_s(self.rows)`, from the sorted times (the same median)."""
+        h, n = self._healthy, len(self._healthy)
+        if not n:
+            return 0.0
+        return h[n // 2] if n % 2 else (h[n // 2 - 1] + h[n // 2]) / 2
 
     def _read_events(self) -> None:
         new = [e for e in self._events.read_new() if e.get("run") == self.run_name]
         self.seen_events += new
+        last = self._event_t[-1] if self._event_t else float("-inf")
+        for e in new:
+            last = max(last, e.get("t", 0.0))
+            self._event_t.append(last)
         for e in new:
             for o in self.observers:
                 o.event(e)
@@ -149,9 +177,15 @@ class RunMonitor:
         row after an hour of the soak, on an idle core — and stalled the coordinator's loop
         for long enough during a checkpoint recompute that it declared its own node lost."""
         since = self._pending[0] - ANALYSIS_WINDOW_S
-        rows = [m for m in self.rows if m["t_end"] >= since]
-        events = [e for e in self.seen_events if e.get("t", 0.0) >= since]
-        found = analyze_run(rows, events, healthy_s=healthy_iter_s(self.rows))
+        rows = [
+            m for m in self.rows[bisect.bisect_left(self._row_t, since) :] if m["t_end"] >= since
+        ]
+        events = [
+            e
+            for e in self.seen_events[bisect.bisect_left(self._event_t, since) :]
+            if e.get("t", 0.0) >= since
+        ]
+        found = analyze_run(rows, events, healthy_s=self._healthy_s())
         done = {r.detected_t: r for r in found}
         while self._pending and self._pending[0] in done:
             r = done[self._pending.pop(0)]
@@ -181,7 +215,8 @@ class RunMonitor:
         observers the run ended in `state` for `reason`."""
         self._read_events()
         rows = [m for m in self._metrics.read_new() if m.get("run") == self.run_name]
-        self.rows += rows
+        for m in rows:
+            self._add_row(m)
         for o in self.observers:
             for m in rows:
                 o.iteration(m)
