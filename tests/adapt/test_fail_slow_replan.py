@@ -32,7 +32,8 @@ def test_a_slow_rank_loses_micro_batches_at_a_boundary_and_gets_them_back_when_h
     assert sum(counts) == 16 and counts[3] < 4 and min(counts) >= 1
     assert slow["predicted_after"] < slow["predicted_before"]
     (ended,) = events_of(events, "slow_ended")
-    (recovered,) = events_of(events, "speed_recovered")
+    # (A rank falsely reported slow on the loaded machine may also recover: not re-planned.)
+    (recovered,) = [e for e in events_of(events, "speed_recovered") if e["rank"] == 3]
     # Found once the device is healthy (its window may still hold a slow iteration or two:
     # a ratio of sums; on this shared machine a rank with one micro-batch computes it fast).
     assert recovered["rank"] == 3 and recovered["detected_at"] > ended["iter"] == 32

@@ -146,7 +146,8 @@ class RunMonitor:
 
     def _add_row(self, m: dict[str, Any]) -> None:
         self.rows.append(m)
-        self._row_t.append(max(m["t_end"], self._row_t[-1] if self._row_t else m["t_end"]))
+        t = m.get("t_end", m.get("t_start", 0.0))
+        self._row_t.append(max(t, self._row_t[-1]) if self._row_t else t)
         if not m.get("ckpt_s"):
             bisect.insort(self._healthy, m["iter_s"])
 
@@ -178,7 +179,9 @@ class RunMonitor:
         for long enough during a checkpoint recompute that it declared its own node lost."""
         since = self._pending[0] - ANALYSIS_WINDOW_S
         rows = [
-            m for m in self.rows[bisect.bisect_left(self._row_t, since) :] if m["t_end"] >= since
+            m
+            for m in self.rows[bisect.bisect_left(self._row_t, since) :]
+            if m.get("t_end", 0.0) >= since
         ]
         events = [
             e
