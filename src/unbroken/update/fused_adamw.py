@@ -139,23 +139,7 @@ def fused_adamw_(
     Raises:
         ValueError: mismatched views, or a layout the kernel does not take.
     """
-    rows, cols, stride = _operands(params, grads, exp_avg, exp_avg_sq)
-    if rows == 0 or cols == 0:
-        return
-    grid = (-(-cols // _BLOCK), rows)
-    _kernels()[0][grid](
-        params,
-        grads,
-        exp_avg,
-        exp_avg_sq,
-        cols,
-        stride,
-        first_index,
-        decay_end,
-        *coeffs.values(),
-        BLOCK=_BLOCK,
-        num_warps=_WARPS,
-    )
+    _launch(0, (params, grads, exp_avg, exp_avg_sq), first_index, decay_end, coeffs.values())
 
 
 def fused_adamw_dev_(
@@ -171,22 +155,25 @@ def fused_adamw_dev_(
     """`fused_adamw_` with the scalars read by the kernel from `coeffs` (fp32 [8] on the
     device, `AdamWCoefficients.values()`): a CUDA graph captures the launch once and each
     replay takes the step's scalars from the tensor. Same bits as `fused_adamw_`."""
-    rows, cols, stride = _operands(params, grads, exp_avg, exp_avg_sq)
     if coeffs.dtype != torch.float32 or coeffs.numel() != 8 or coeffs.device != params.device:
         raise ValueError("fused AdamW: coeffs must be 8 fp32 values on the params' device")
+    _launch(1, (params, grads, exp_avg, exp_avg_sq), first_index, decay_end, (coeffs,))
+
+
+def _launch(which: int, views, first_index: int, decay_end: int, scalars) -> None:
+    """Launch kernel `which` of `_kernels()` over `views` (checked by `_operands`), one program
+    per block of columns and row; `scalars`: the coefficients or their device tensor."""
+    rows, cols, stride = _operands(*views)
     if rows == 0 or cols == 0:
         return
     grid = (-(-cols // _BLOCK), rows)
-    _kernels()[1][grid](
-        params,
-        grads,
-        exp_avg,
-        exp_avg_sq,
+    _kernels()[which][grid](
+        *views,
         cols,
         stride,
         first_index,
         decay_end,
-        coeffs,
+        *scalars,
         BLOCK=_BLOCK,
         num_warps=_WARPS,
     )
