@@ -46,6 +46,50 @@ def test_a_slow_rank_back_at_its_peers_pace_is_recovered_once_and_its_report_dro
     assert (2, "compute") not in det.reported  # a new slowdown would be reported again
 
 
+def _replanned(obs, rank, from_iter, first_cost):
+    """From `from_iter` on, `rank` runs only its first micro-batch (the re-plan moved the rest
+    to its peers) and every rank's first micro-batch costs `first_cost` x more (the
+    iteration's start-up)."""
+    out = []
+    for o in obs:
+        if o.iteration < from_iter:
+            out.append(o)
+            continue
+        ranks, lengths = {}, list(o.doc_lengths)
+        for r, t in o.ranks.items():
+            mb = (t.mb_s[0] * first_cost, *t.mb_s[1:])
+            if r == rank:
+                mb, lengths[r] = mb[:1], lengths[r][:1]
+            ranks[r] = dataclasses.replace(t, mb_s=mb)
+        out.append(dataclasses.replace(o, ranks=ranks, doc_lengths=lengths))
+    return out
+
+
+def test_a_recovered_rank_left_with_one_micro_batch_is_compared_like_with_like():
+    # Over all micro-batches rank 2 would read 1.3 / ((1.3 + 4) / 5) = 1.23x its peers' pace
+    # for ever: its one micro-batch is the costly first one. First against first, it is whole.
+    cfg = DetectorConfig()
+    det = FailSlowDetector(cfg, sink=ListSink())
+    obs = series(
+        iterations=80,
+        world=4,
+        microbatches=5,
+        slow_rank=2,
+        slow_iter=30,
+        slow_until=50,
+        factor=3.0,
+        seed=5,
+    )
+    found = []
+    for o in _replanned(obs, rank=2, from_iter=40, first_cost=1.3):
+        det.observe(o)
+        found += [(r, o.iteration) for r in det.take_recovered()]
+    ((rec, at),) = found
+    assert rec.report.rank == 2
+    assert rec.factor == pytest.approx(1.0, abs=0.05)
+    assert rec.first == 50 and at == rec.last == 50 + cfg.recover_window - 1
+
+
 def _blocks(it, rng):
     # Workload regimes: cheap multi-document micro-batches, and after warm-up every 12
     # iterations a run of 3 with expensive single-document ones: the iteration time jumps up
