@@ -18,6 +18,7 @@ from unbroken.bench.soak_checks import (
     fit_slope,
     group_medians,
     leak_checks,
+    recompute_s,
     recovery_ratio,
     steady_iterations,
     with_recoveries,
@@ -190,6 +191,13 @@ def test_ends_ratio_and_recovery_ratio():
         {"fault": "kill", "kind": "hof", "mode": "inplace", "total_s": 3.0, "detected_t": 3},
     ]
     assert recovery_ratio(recs) == [0.5, 1.0, 1.5]
+    # With the breakdown: detection + restart, not recomputation (which follows the phase).
+    recs = [
+        {**r, "detect_s": 0.1, "init_s": i, "recompute_s": 5.0 * (k % 2)}
+        for k, (r, i) in enumerate(zip(recs, (0.3, 0.2, 0.2), strict=True))
+    ]
+    assert recovery_ratio(recs) == [1.0, 1.0, 1.0]
+    assert recovery_ratio(recs, recompute_s) == [2.0, 0.0]  # the hang's median is 0: left out
 
 
 def test_the_command_refuses_a_non_positive_length():

@@ -16,7 +16,7 @@ from unbroken.bench.soak import soak
 
 TIMING = (
     "steady iteration time",
-    "recovery time (per kind)",
+    "recovery time, detect + restart (per kind)",
     "coordinator loop stall (longest poll)",
 )
 

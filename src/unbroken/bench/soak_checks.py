@@ -43,16 +43,20 @@ Timing checks (one-sided: the soak looks for decay, a faster end is not a failur
 - steady iteration time: the median of `iter_s - ckpt_s` of the iterations in the first and
   in the last tenth of the run, leaving out every iteration from one before a failure to
   `settle` after it, recomputed attempts, and the stretch a `slow` fault was active;
-- recovery time: each fail-stop failure's `total_s` divided by the median of its kind's and
+- recovery time: each fail-stop failure's detection plus restart (`detect_s + init_s`: from
+  the fault to the first iteration running again) divided by the median of its kind's and
   recovery mode's (a hang waits for the heartbeat timeout, a kill does not; a checkpoint
-  fallback recomputes), then the median of those ratios
-  in the first and in the last tenth of the failures (at least 3 each).
+  fallback loads a checkpoint), then the median of those ratios in the first and in the last
+  tenth of the failures (at least 3 each). Recomputation is left out of it: it redoes the
+  part of an iteration the fault destroyed, so it follows the phase the fault hit (0 s in
+  the update, most of an iteration in the boundary's next forward) and the iteration time,
+  which the steady-iteration check already watches; its ratio is reported, not bounded.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +69,9 @@ __all__ = [
     "ends_ratio",
     "fit_slope",
     "leak_checks",
+    "recompute_s",
     "recovery_ratio",
+    "restart_s",
     "stats_points",
     "steady_iterations",
     "with_recoveries",
@@ -214,17 +220,32 @@ def _recovery_key(r: dict[str, Any]) -> tuple[str, str]:
     return (r.get("fault") or r["kind"], r["mode"])
 
 
-def recovery_ratio(recoveries: Sequence[dict[str, Any]]) -> list[float]:
-    """Each recovery's `total_s` over the median of its (fault kind, recovery mode)'s — a page
-    loss recovered in place and one beyond tolerance restarted from a checkpoint differ —, in
-    order of detection."""
+def restart_s(r: dict[str, Any]) -> float:
+    """A recovery's detection plus restart: from the fault to training again, before any
+    recomputation (`total_s` for records without the breakdown)."""
+    if r.get("init_s") is None:
+        return r["total_s"]
+    return (r.get("detect_s") or 0.0) + r["init_s"]
+
+
+def recompute_s(r: dict[str, Any]) -> float:
+    return r.get("recompute_s") or 0.0
+
+
+def recovery_ratio(
+    recoveries: Sequence[dict[str, Any]], seconds: Callable[[dict[str, Any]], float] = restart_s
+) -> list[float]:
+    """Each recovery's `seconds` (default `restart_s`) over the median of its (fault kind,
+    recovery mode)'s — a page loss recovered in place and one beyond tolerance restarted from
+    a checkpoint differ —, in order of detection. A kind whose median is 0 (no recomputation
+    in any of them) is left out."""
     by_key: dict[tuple[str, str], list[float]] = {}
     for r in recoveries:
-        by_key.setdefault(_recovery_key(r), []).append(r["total_s"])
+        by_key.setdefault(_recovery_key(r), []).append(seconds(r))
     medians = {k: statistics.median(v) for k, v in by_key.items()}
     ordered = sorted(recoveries, key=lambda r: r.get("detected_t", 0.0))
     return [
-        r["total_s"] / medians[_recovery_key(r)] for r in ordered if medians[_recovery_key(r)] > 0
+        seconds(r) / medians[_recovery_key(r)] for r in ordered if medians[_recovery_key(r)] > 0
     ]
 
 
