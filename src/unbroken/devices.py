@@ -7,7 +7,9 @@ way page loss punches real holes in retained memory — and the agent's health c
 probe's answer. Recovery never learns what the injector did any other way.
 
 A device is lost when its file `device-<id>.lost` exists under the registry's directory (the
-file holds the reason); written atomically (a rename), never removed during a job.
+file holds the reason); written atomically (a rename). It is removed only when the device is
+replaced (`clear`: the soak's model of an operator who swaps a node's hardware and starts its
+agent again); an agent that saw the device lost never uses it again.
 
 A module of its own at the bottom of the import layers, importing nothing but the standard
 library: the agent reads it on every failure, and the agent must not import torch (it would pay
@@ -37,6 +39,11 @@ class DeviceRegistry:
         tmp = self._path(device).with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(reason)
         os.replace(tmp, self._path(device))
+
+    def clear(self, device: int) -> None:
+        """`device` was replaced (its node came back with new hardware): healthy again. An
+        agent that saw it lost keeps it lost; a fresh agent of the node reads it healthy."""
+        self._path(device).unlink(missing_ok=True)
 
     def lost(self, device: int) -> str | None:
         """Why `device` is lost, or None while it is healthy."""

@@ -5,6 +5,7 @@ iterations and the first/last-tenth comparison. No job runs here."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 
@@ -20,11 +21,12 @@ from unbroken.bench.soak_checks import (
     leak_checks,
     recompute_s,
     recovery_ratio,
+    smaller_world,
     steady_iterations,
     with_recoveries,
 )
-from unbroken.bench.soak_schedule import KINDS, draw_schedule
-from unbroken.bench.soak_watch import CLASSES, classify, sample_processes
+from unbroken.bench.soak_schedule import KINDS, NODE_BACK_S, draw_schedule
+from unbroken.bench.soak_watch import CLASSES, _EventTail, classify, sample_processes
 from unbroken.inject import parse_fault
 
 
@@ -41,7 +43,7 @@ def test_the_schedule_is_seeded_and_the_seed_matters():
 def test_the_schedule_covers_every_kind_with_valid_specs(seed):
     # 5 minutes hold at least 9 failures: every kind once, and the kill that ends a slow one
     faults, iterations = _schedule(seed, 300.0)
-    assert {f.kind for f in faults} == set(KINDS)
+    assert {f.kind for f in faults} == set(KINDS) - {"lose", "nodeloss"}  # one node: no re-plan
     for f in faults:
         spec = parse_fault(f.spec)  # every spec is one the runtime parses
         assert spec.rank == f.rank < 4 and spec.iteration == f.iteration
@@ -57,6 +59,36 @@ def test_a_slow_fault_is_ended_by_killing_its_rank_next(seed):
         if slow.kind == "slow":
             assert after.kind == "kill" and after.rank == slow.rank
     assert faults[-1].kind != "slow"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_two_nodes_lose_devices_and_nodes_of_the_last_node_and_replace_it(seed):
+    faults, iterations = draw_schedule(seed, 900.0, 0.5, 4, 4, nodes=2)
+    assert {f.kind for f in faults} == set(KINDS)
+    world = 4
+    for f in faults:
+        spec = parse_fault(f.spec)
+        assert spec.kind.value == ("pageloss" if f.kind.startswith("pageloss") else f.kind)
+        assert spec.rank == f.rank < world, (f, world)
+        world = {"lose": world - 1, "nodeloss": 4}.get(f.kind, world)
+    for prev, after in itertools.pairwise(faults):
+        if prev.kind == "lose":
+            # The node that lost a device is replaced as a whole next: its last rank.
+            assert prev.rank in (2, 3) and after.kind == "nodeloss" and after.rank == 2
+        elif after.kind in ("lose", "nodeloss"):
+            assert after.rank in (2, 3), after
+    for loss in (f for f in faults if f.kind == "nodeloss"):
+        # Until the node is back, failures hit node 0's ranks (in every world) only.
+        soon = [f for f in faults if loss.t_s < f.t_s < loss.t_s + NODE_BACK_S]
+        assert all(f.rank in (0, 1) and f.kind not in ("lose", "nodeloss") for f in soon)
+    assert faults[-1].kind not in ("slow", "lose")
+    if faults[-1].kind == "nodeloss":  # room for the node's return and the grown world
+        assert iterations - faults[-1].iteration >= NODE_BACK_S / 0.5
+
+
+def test_ranks_that_the_nodes_do_not_split_are_refused():
+    with pytest.raises(ValueError, match="do not split"):
+        draw_schedule(0, 60.0, 0.5, 3, 4, nodes=2)
 
 
 def test_the_schedule_spaces_failures_10_to_30_seconds_of_wall_time():
@@ -179,6 +211,46 @@ def test_steady_iterations_leave_out_failures_recomputation_and_slow_stretches()
     assert not {19, 20, 23, 30, 39, 44, 48} & set(steady)
     assert {18, 24, 49} <= set(steady)
     assert disturbed([(5, "slow")], 9, 1) == set(range(4, 11))
+
+
+def test_a_smaller_world_and_its_settling_are_not_steady():
+    metrics = [
+        {"iter": i, "iter_s": 1.0, "rank_hashes": ["h"] * (2 if 20 <= i < 25 else 4)}
+        for i in range(60)
+    ]
+    metrics[30]["rank_hashes"] = None  # an iteration not hashed: nothing known, kept
+    assert smaller_world(metrics, 4, 3) == set(range(20, 28))
+    steady = {it for it, _ in steady_iterations(metrics, [], 3, world=4)}
+    assert steady == set(range(2, 60)) - set(range(20, 28))
+
+
+def test_samples_of_a_degraded_world_are_not_steady():
+    rows = [_sample(0, 40), _sample(1, 40), {**_sample(1, 10), "degraded": True}]
+    assert group_medians(rows, ["trainer"], "fds") == [(0, 40.0), (1, 40.0)]
+
+
+def test_the_event_tail_follows_the_world_through_a_node_loss_and_its_return(tmp_path):
+    path = tmp_path / "events.jsonl"
+    tail = _EventTail(path, "faulty", world=4)
+    seen = []
+
+    def feed(**event):
+        with open(path, "a") as f:
+            f.write(json.dumps({"run": "faulty", **event}) + "\n")
+        tail.poll()
+        seen.append(tail.degraded)
+
+    feed(kind="trainer_ready", generation=0)
+    feed(kind="replan", devices_after=[0, 1, 2, 3])  # a fail-slow re-plan: same devices
+    feed(kind="node_lost", node=1)
+    feed(kind="replan", devices_after=[0, 1])
+    feed(kind="trainer_ready", generation=1)  # the survivors train: still 2 of 4
+    feed(kind="node_returned", node=1)
+    feed(kind="replan", devices_after=[0, 1, 2, 3])
+    feed(kind="trainer_ready", generation=2)
+    feed(kind="replan", devices_after=[0, 1, 3])  # a device lost
+    feed(kind="trainer_ready", generation=3)
+    assert seen == [False, False, True, True, True, True, True, False, True, True]
 
 
 def test_ends_ratio_and_recovery_ratio():

@@ -4,7 +4,11 @@ leaks, nothing diverges, throughput does not decay.
 The demo's job (`unbroken.config.demo.demo_config`: the small model on 4 local CPU ranks,
 in-place recovery with shadows) with its own schedule of failures drawn from a seed it prints
 (`unbroken.bench.soak_schedule`: every kind the runtime injects here — kill, hang, exception,
-page loss within and beyond tolerance, corrupt checkpoint, memory spike, slow).
+page loss within and beyond tolerance, corrupt checkpoint, memory spike, slow, and on more
+than one node a lost device and a lost node). By default the ranks run on two local hosts
+(`--nodes 2`): node 1's agent is its own process from 127.0.0.2, the job re-plans around what
+it loses, and `unbroken.bench.soak_nodes.NodeKeeper` brings node 1 back after each loss with
+its hardware replaced, so the job grows back to its launch world.
 
 How long: the schedule is made of iteration triggers, so the job's length is an iteration
 count. A short fault-free calibration run of the same job measures the steady iteration time
@@ -52,6 +56,7 @@ from unbroken.bench.soak_checks import (
     steady_iterations,
     with_recoveries,
 )
+from unbroken.bench.soak_nodes import NodeKeeper
 from unbroken.bench.soak_schedule import ScheduledFault, draw_schedule
 from unbroken.bench.soak_watch import CLASSES, ResourceSampler, alive, descendants
 
@@ -65,6 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result (checks, rows) as JSON")
     p.add_argument(
         "--iter-s", type=float, default=None, help="iteration time (default: measured first)"
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=2,
+        help="local hosts the 4 ranks run on (default 2: lost devices and nodes are drawn too)",
     )
     p.add_argument("--interval", type=float, default=2.0, help="seconds between samples (2)")
     p.add_argument("--settle", type=int, default=5, help="iterations after a failure not steady")
@@ -94,11 +105,21 @@ def _say(text: str) -> None:
     print(f"[soak] {text}", file=sys.stderr, flush=True)
 
 
-def soak_config(iterations: int, inject: list[str], restarts: int):
-    """The demo job with the soak's length and failures."""
+def soak_config(iterations: int, inject: list[str], restarts: int, nodes: int = 1):
+    """The demo job with the soak's length and failures. On more than one node it re-plans
+    (`adapt.enabled`: a lost device or node is planned around, a returned node grown back),
+    with no cap on re-plans: the soak slows a rank down every few minutes on purpose, and a
+    capped job would keep the last re-plan's placement for the rest of the run."""
+    from unbroken.config import NodesConfig
     from unbroken.config.demo import demo_config
 
     cfg = demo_config(quick=False)
+    if nodes > 1:
+        cfg = dataclasses.replace(
+            cfg,
+            nodes=NodesConfig(count=nodes),
+            adapt=dataclasses.replace(cfg.adapt, enabled=True, max_replans=10 * restarts),
+        )
     return dataclasses.replace(
         cfg,
         train=dataclasses.replace(cfg.train, iterations=iterations),
@@ -118,7 +139,7 @@ def measure_iter_s(out: Path) -> float:
     return statistics.median(m["iter_s"] - (m.get("ckpt_s") or 0.0) for m in rows)
 
 
-def plan_soak(minutes: float, seed: int, iter_s: float):
+def plan_soak(minutes: float, seed: int, iter_s: float, nodes: int = 1):
     """(the failures, the job's iterations, the job's config) of a soak."""
     from unbroken.config.demo import demo_config
 
@@ -129,9 +150,11 @@ def plan_soak(minutes: float, seed: int, iter_s: float):
         iter_s,
         demo.parallel.world_size,
         demo.protection.resolved(False).parity_pages,
+        nodes=nodes,
     )
     restarts = sum(f.failstop for f in faults) + 10
-    return faults, iterations, soak_config(iterations, [f.spec for f in faults], restarts)
+    cfg = soak_config(iterations, [f.spec for f in faults], restarts, nodes)
+    return faults, iterations, cfg
 
 
 def _wait_orphans(timeout_s: float = 30.0) -> list[int]:
@@ -150,6 +173,7 @@ def soak(
     out: Path,
     *,
     iter_s: float | None = None,
+    nodes: int = 2,
     interval_s: float = 2.0,
     settle: int = 5,
     iter_tolerance: float = 0.10,
@@ -162,6 +186,8 @@ def soak(
         seed: seeds the failure schedule.
         out: output dir: `calibrate/`, `job/` (the runs), `soak.jsonl`, `soak-result.json`.
         iter_s: the iteration time to plan with (None: measured by a calibration run).
+        nodes: local hosts of the job (`unbroken.bench.soak_nodes`); with more than one, the
+            schedule loses devices and nodes of the last one, which comes back each time.
         interval_s: seconds between resource samples.
         settle: iterations after a failure whose time is not steady.
         iter_tolerance: largest relative rise of the steady iteration time, first to last tenth.
@@ -174,9 +200,12 @@ def soak(
     if iter_s is None:
         iter_s = measure_iter_s(out / "calibrate")
         _say(f"calibration: {iter_s:.3f} s per iteration")
-    faults, iterations, cfg = plan_soak(minutes, seed, iter_s)
-    _say(f"seed {seed}: {len(faults)} faults over {iterations} iterations ({minutes:g} min)")
-    summary, samples, orphans = _watched_run(cfg, out, interval_s)
+    faults, iterations, cfg = plan_soak(minutes, seed, iter_s, nodes)
+    _say(
+        f"seed {seed}: {len(faults)} faults over {iterations} iterations ({minutes:g} min, "
+        f"{nodes} node(s))"
+    )
+    summary, samples, orphans, returns = _watched_run(cfg, out, interval_s, minutes)
     metrics = [m for m in read_jsonl(out / "job" / "metrics.jsonl") if m["run"] == "faulty"]
     events = [e for e in read_jsonl(out / "job" / "events.jsonl") if e["run"] == "faulty"]
     result = _result(
@@ -188,6 +217,8 @@ def soak(
         settle=settle,
         tolerances=(iter_tolerance, recovery_tolerance),
         stats=with_recoveries(events),
+        world=cfg.parallel.world_size,
+        returns=(len(returns), _node_returns(events)),
     )
     result.update(
         seed=seed,
@@ -203,9 +234,10 @@ def soak(
     return result
 
 
-def _watched_run(cfg, out: Path, interval_s: float):
-    """Run the job and its reference in OUT/job with the sampler watching; (summary, samples,
-    processes left after it ended)."""
+def _watched_run(cfg, out: Path, interval_s: float, minutes: float):
+    """Run the job and its reference in OUT/job with the sampler watching (and, on more than
+    one node, the other nodes' agents: `NodeKeeper`); (summary, samples, processes left after
+    it ended, the kept node's returns)."""
     from unbroken.api import run_job
 
     samples_path = out / "soak.jsonl"
@@ -213,13 +245,31 @@ def _watched_run(cfg, out: Path, interval_s: float):
     job_dir = out / "job"
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "events.jsonl").unlink(missing_ok=True)  # the sampler must not read a stale run
-    sampler = ResourceSampler(job_dir, samples_path, interval_s)
+    sampler = ResourceSampler(job_dir, samples_path, interval_s, world=cfg.parallel.world_size)
     sampler.start()
+    run = dict(reference=True, quiet=True, source="unbroken bench soak")
     try:
-        summary = run_job(cfg, job_dir, reference=True, quiet=True, source="unbroken bench soak")
+        if cfg.nodes.count == 1:
+            summary, returns = run_job(cfg, job_dir, **run), []
+        else:
+            # The first agents wait through the fault-free reference (up to the faulty run's
+            # length again, without protection) for the faulty run's coordinator.
+            keeper = NodeKeeper(
+                cfg.nodes.count,
+                cfg.nodes.per_node(cfg.parallel.world_size),
+                job_dir / "devices" / "faulty",
+                connect_timeout_s=minutes * 60 * 3 + 600,
+            )
+            with keeper:
+                summary = run_job(cfg, job_dir, join=keeper.join, secret=keeper.secret, **run)
+            returns = keeper.restarts
     finally:
         sampler.stop()
-    return summary, sampler.rows, _wait_orphans()
+    return summary, sampler.rows, _wait_orphans(), returns
+
+
+def _node_returns(events: list[dict[str, Any]]) -> int:
+    return sum(e["kind"] == "node_returned" for e in events)
 
 
 def _result(
@@ -232,12 +282,27 @@ def _result(
     settle: int,
     tolerances: tuple[float, float],
     stats: list[dict[str, Any]] = (),
+    world: int = 4,
+    returns: tuple[int, int] = (0, 0),
 ) -> dict[str, Any]:
-    """Every check and the figures behind them."""
+    """Every check and the figures behind them. `returns`: (times the kept node was started
+    again, `node_returned` events of the run)."""
     failstop = sum(f.failstop for f in faults)
     recoveries = summary["recoveries"]
-    steady = steady_iterations(metrics, [(f.iteration, f.kind) for f in faults], settle)
+    failures = [(f.iteration, f.kind) for f in faults]
+    steady = steady_iterations(metrics, failures, settle, world)
     checks = _job_checks(summary, failstop, orphans)
+    lost_nodes = sum(f.kind == "nodeloss" for f in faults)
+    if lost_nodes:
+        checks.append(
+            Check(
+                "every lost node returned",
+                returns[0] == returns[1] == lost_nodes,
+                f"{returns[1]}/{lost_nodes}",
+                lost_nodes,
+                f"agent started again {returns[0]} times, node_returned {returns[1]} times",
+            )
+        )
     checks += leak_checks(samples, LEAK_GROUPS)
     checks.append(_ends_check("steady iteration time", [s for _, s in steady], tolerances[0]))
     checks.append(
@@ -332,6 +397,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.minutes <= 0 or args.interval <= 0 or (args.iter_s is not None and args.iter_s <= 0):
         raise UserError("--minutes, --interval and --iter-s must be positive")
+    if args.nodes not in (1, 2, 4):
+        raise UserError("--nodes: 1, 2 or 4 (the demo's 4 ranks split evenly over the nodes)")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     _say(f"seed {seed} (repeat with --seed {seed})")
     result = soak(
@@ -339,6 +406,7 @@ def run(args: argparse.Namespace) -> int:
         seed,
         Path(args.out),
         iter_s=args.iter_s,
+        nodes=args.nodes,
         interval_s=args.interval,
         settle=args.settle,
         iter_tolerance=args.iter_tolerance,

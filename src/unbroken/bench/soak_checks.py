@@ -72,6 +72,7 @@ __all__ = [
     "recompute_s",
     "recovery_ratio",
     "restart_s",
+    "smaller_world",
     "stats_points",
     "steady_iterations",
     "with_recoveries",
@@ -137,10 +138,11 @@ def group_medians(
     samples: Iterable[dict[str, Any]], classes: Sequence[str], resource: str
 ) -> list[tuple[int, float]]:
     """(recoveries so far, median of the steady samples) per recovery count, of `resource`
-    summed over `classes`."""
+    summed over `classes`. Steady: no recovery in progress, and the job on every device it
+    launched with (a lost node's processes are gone until it returns: fewer, not a leak)."""
     groups: dict[int, list[float]] = {}
     for row in samples:
-        if not row["in_recovery"]:
+        if not row["in_recovery"] and not row.get("degraded"):
             groups.setdefault(row["recoveries"], []).append(_value(row, classes, resource))
     return [(k, statistics.median(v)) for k, v in sorted(groups.items())]
 
@@ -187,17 +189,33 @@ def disturbed(failures: Sequence[tuple[int, str]], last_iteration: int, settle: 
     return out
 
 
+def smaller_world(metrics: Sequence[dict[str, Any]], world: int, settle: int) -> set[int]:
+    """Iterations run on fewer than `world` ranks (a lost device or node not yet back; read
+    from the rows' `rank_hashes`), and `settle` after each such stretch."""
+    out: set[int] = set()
+    small = sorted(
+        m["iter"] for m in metrics if m.get("rank_hashes") and len(m["rank_hashes"]) < world
+    )
+    for it in small:
+        out.update(range(it, it + settle + 1))
+    return out
+
+
 def steady_iterations(
-    metrics: Sequence[dict[str, Any]], failures: Sequence[tuple[int, str]], settle: int
+    metrics: Sequence[dict[str, Any]],
+    failures: Sequence[tuple[int, str]],
+    settle: int,
+    world: int = 0,
 ) -> list[tuple[int, float]]:
     """(iteration, seconds without checkpointing) of the steady iterations, in order: each
-    iteration's only attempt (a recomputed one is left out), outside `disturbed`, not the
-    first two (start-up)."""
+    iteration's only attempt (a recomputed one is left out), outside `disturbed` and
+    `smaller_world` (`world`: the launch world; 0 = not checked), not the first two
+    (start-up)."""
     attempts: dict[int, list[dict[str, Any]]] = {}
     for m in metrics:
         attempts.setdefault(m["iter"], []).append(m)
     last = max(attempts, default=0)
-    skip = disturbed(failures, last, settle)
+    skip = disturbed(failures, last, settle) | smaller_world(metrics, world, settle)
     return [
         (it, rows[0]["iter_s"] - (rows[0].get("ckpt_s") or 0.0))
         for it, rows in sorted(attempts.items())

@@ -9,7 +9,8 @@ bench process itself: `run_job` runs the coordinator in the calling process), `a
 shadows, and promoted shadows that now train — a fork keeps its server's cmdline), `zombie`
 (exited, not reaped) and `other`. Plus the event log's size and the recoveries so far, read
 from `events.jsonl`: each sample is labelled with the number of recoveries finished in the
-faulty run (`recovery_done` events) and whether one is in progress.
+faulty run (`recovery_done` events), whether one is in progress, and whether the job runs on
+fewer devices than it launched with (`degraded`: a node lost and not yet grown back).
 
 Samples are taken only once the faulty run has started (the fault-free reference before it
 runs without shadows or retained state: another process set).
@@ -142,11 +143,15 @@ def sample_processes(root_pid: int) -> dict[str, dict[str, int]]:
 class _EventTail:
     """Reads `events.jsonl` as it grows: the faulty run's recoveries so far."""
 
-    def __init__(self, path: Path, run: str) -> None:
-        self.path, self.run = path, run
+    def __init__(self, path: Path, run: str, world: int = 0) -> None:
+        self.path, self.run, self.world = path, run, world
         self.offset = 0
         self.started = False
         self.detected = self.done = self.lines = 0
+        self.degraded = False
+        """The job runs on fewer devices than it launched with (`world`): from a node's loss
+        or a re-plan onto fewer devices to the first trainers of the world grown back."""
+        self._growing = False
 
     def poll(self) -> None:
         try:
@@ -166,17 +171,32 @@ class _EventTail:
             if event.get("run") != self.run:
                 continue
             self.started = True
-            self.detected += event.get("kind") == "failure_detected"
-            self.done += event.get("kind") == "recovery_done"
+            kind = event.get("kind")
+            self.detected += kind == "failure_detected"
+            self.done += kind == "recovery_done"
+            self._follow_world(event)
+
+    def _follow_world(self, event: dict[str, Any]) -> None:
+        kind = event.get("kind")
+        if kind == "node_lost":
+            self.degraded, self._growing = True, False
+        elif kind == "replan" and "devices_after" in event:
+            whole = len(event["devices_after"]) >= self.world
+            self.degraded = self.degraded or not whole
+            self._growing = self.degraded and whole
+        elif kind == "trainer_ready" and self._growing:
+            self.degraded = self._growing = False
 
 
 class ResourceSampler(threading.Thread):
     """Samples the job every `interval_s` into `out_path` (one JSON row per sample) until
     `stop()`; `rows` holds what was written."""
 
-    def __init__(self, run_dir: Path, out_path: Path, interval_s: float, run: str = "faulty"):
+    def __init__(
+        self, run_dir: Path, out_path: Path, interval_s: float, run: str = "faulty", world: int = 0
+    ):
         super().__init__(name="soak-sampler", daemon=True)
-        self.events = _EventTail(run_dir / "events.jsonl", run)
+        self.events = _EventTail(run_dir / "events.jsonl", run, world)
         self.events_path = run_dir / "events.jsonl"
         self.out_path = out_path
         self.interval_s = interval_s
@@ -212,6 +232,7 @@ class ResourceSampler(threading.Thread):
             "t": round(time.monotonic() - self.t0, 3),
             "recoveries": self.events.done,
             "in_recovery": self.events.detected > self.events.done,
+            "degraded": self.events.degraded,
             "events_bytes": events_bytes,
             "events_lines": self.events.lines,
             "classes": per_class,
