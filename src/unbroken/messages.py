@@ -82,6 +82,10 @@ class Hello(Message):
     node: int
     pid: int
     host: str = "127.0.0.1"
+    generation: int = -1
+    """The newest generation this agent has run (-1: none, a fresh agent). A node declared
+    lost may rejoin only with a fresh agent: one that ran a generation of the job (a partition
+    healed; its processes of that generation may still run) is fenced."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,6 +95,9 @@ class NodeBeat(Message):
     OP: ClassVar[str] = "beat"
     t: float
     trainers: int
+    generation: int = -1
+    """The generation the node runs (its last `StartGeneration`; -1 before the first). One
+    newer than the coordinator's is a contradiction and refused."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -172,6 +179,8 @@ class MemoryReport(Message):
     event: str
     t: float
     fields: dict[str, Any] = field(default_factory=dict)
+    generation: int = -1
+    """The generation the node ran when it reported (logged with the event)."""
 
     def __post_init__(self) -> None:
         if self.event not in MEMORY_EVENTS:
@@ -232,6 +241,8 @@ class Shutdown(Message):
     fenced: str = ""
     """Not the job's end: this node was declared lost earlier and is refused (why); its agent
     stops every process of the node and exits with an error."""
+    generation: int = -1
+    """The coordinator's generation when it was sent (the agent says it when fenced)."""
 
 
 # -- trainer <-> agent, inside a node ----------------------------------------------------------

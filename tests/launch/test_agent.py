@@ -55,6 +55,8 @@ class FakeCoordinator:
         self.channel = channel
         self.backlog: list[Message] = []
         self.node_beats = 0
+        self.beat_generations: set[int] = set()
+        """The generations the node's beats said it runs."""
 
     def send(self, msg: Message) -> None:
         self.channel.send(msg)
@@ -75,6 +77,7 @@ class FakeCoordinator:
             msg = self.channel.recv_blocking(timeout=left)
             if isinstance(msg, NodeBeat):
                 self.node_beats += 1
+                self.beat_generations.add(msg.generation)
             else:
                 self.backlog.append(msg)
 
@@ -197,7 +200,8 @@ def test_exits_and_hangs_are_reported_typed_and_nothing_outlives_shutdown(node):
     coord.send(StopGeneration(generation=0))
     done = coord.expect(Stopped, generation=0)
     assert done.took_s >= 0
-    assert coord.node_beats > 0
+    assert coord.node_beats > 0 and coord.beat_generations <= {-1, 0}
+    assert 0 in coord.beat_generations, "the node's beats say the generation it runs"
     assert not [m for m in coord.backlog if isinstance(m, RankExited | RankHung)]
     pids = node.shutdown()
     assert len(pids) == 4 and all(_gone(p) for p in pids)
@@ -236,6 +240,7 @@ def test_an_allocation_failure_reclaims_the_shadows_and_relaunches_them(node):
     exited = coord.expect(RankExited, rank=0)
     assert exited.returncode == 12  # the answer said: 2 shadows reclaimed
     report = coord.expect(MemoryReport, event="shadows_reclaimed")
+    assert report.generation == 0  # the generation the node ran when it reclaimed
     assert (report.fields["shadows"], report.fields["level_from"], report.fields["level_to"]) == (
         2,
         2,

@@ -8,11 +8,22 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import pytest
+
 from unbroken.config import AdaptConfig
 from unbroken.launch.coordinator.core import CoordinatorCore
 from unbroken.launch.coordinator.monitor import RunMonitor
 from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
-from unbroken.messages import Hello, Started, StartGeneration, StopGeneration, Stopped
+from unbroken.messages import (
+    Hello,
+    MemoryReport,
+    NodeBeat,
+    Shutdown,
+    Started,
+    StartGeneration,
+    StopGeneration,
+    Stopped,
+)
 from unbroken.metrics.log import JsonlLog, read_jsonl
 from unbroken.recovery import RecoveryState
 
@@ -117,3 +128,42 @@ def test_without_adapt_a_returning_node_is_refused(tmp_path):
     _node_1_lost(job)
     assert job.core.fsm.state is RecoveryState.FAILED
     assert job.core.readmit(1, Hello(node=1, pid=1)) is False and 1 in job.core.gone
+
+
+def test_an_old_agent_of_a_lost_node_is_refused_only_a_fresh_one_returns(tmp_path):
+    # The agent that ran generation 0 reconnects after a partition: its trainers of that
+    # generation may still run, so it is not re-admitted (the caller fences it). A fresh
+    # agent of the same node is.
+    job = TwoNodes(tmp_path, adapt=True)
+    _running_without_node_1(job)
+    assert job.core.readmit(1, Hello(node=1, pid=4242, generation=0)) is False
+    assert 1 in job.core.gone and job.take() == [] and not job.records("node_returned")
+    assert job.core.readmit(1, Hello(node=1, pid=4343)) is True
+    assert 1 not in job.core.gone
+
+
+def test_node_messages_that_claim_a_generation_the_job_never_started_are_refused(tmp_path):
+    job = TwoNodes(tmp_path, adapt=True)
+    for node in (0, 1):
+        job.core.handle(node, Hello(node=node, pid=os.getpid()))
+    job.started(0, (0, 1))
+    job.core.handle(1, NodeBeat(t=1.0, trainers=2, generation=0))  # the running one: fine
+    job.core.handle(1, NodeBeat(t=1.0, trainers=0, generation=-1))  # before its first: fine
+    with pytest.raises(ValueError, match="claims generation 1; the job is at 0"):
+        job.core.handle(1, NodeBeat(t=1.0, trainers=2, generation=1))
+    with pytest.raises(ValueError, match="claims generation 5"):
+        job.core.handle(0, Hello(node=0, pid=1, generation=5))
+
+
+def test_the_shutdown_and_memory_reports_carry_the_generation(tmp_path):
+    job = TwoNodes(tmp_path, adapt=True)
+    for node in (0, 1):
+        job.core.handle(node, Hello(node=node, pid=os.getpid()))
+    job.started(0, (0, 1))
+    report = MemoryReport(event="memory_report", t=1.0, fields={"rss_mb": 5}, generation=0)
+    job.core.handle(1, report)
+    (logged,) = job.records("memory_report")
+    assert logged["node_generation"] == 0 and logged["rss_mb"] == 5
+    job.core.give_up("test over")
+    shutdowns = [m for _, m in job.take() if isinstance(m, Shutdown)]
+    assert shutdowns and {m.generation for m in shutdowns} == {0}

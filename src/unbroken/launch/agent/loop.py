@@ -36,6 +36,7 @@ from unbroken.launch.agent.supervisor import ProcessSupervisor
 from unbroken.launch.protocol import FROM_COORDINATOR, Channel, ProtocolError
 from unbroken.messages import (
     Hello,
+    MemoryReport,
     Message,
     MessageError,
     NodeBeat,
@@ -85,7 +86,7 @@ class Agent:
         self.rc = reclaims
         self.supervisor = supervisor
         self.pool = ShadowPool(supervisor)
-        self.reclaimer = Reclaimer(self.pool, channel.send)
+        self.reclaimer = Reclaimer(self.pool, self._report_memory)
         self.hangs = HangDetector(probe=probe)
         self.health = DeviceHealth()
         self.trainers: dict[int, RankProc] = {}
@@ -93,6 +94,8 @@ class Agent:
         self.node_beat_s = 0.5
         self._last_node_beat = 0.0
         self._last_start: StartGeneration | None = None
+        self.generation = -1
+        """The newest generation started here (-1: none); said in every node message."""
         self.running = True
         """False after the coordinator's `Shutdown`."""
         self.heard = False
@@ -112,12 +115,15 @@ class Agent:
                 self.shutdown_all()
                 self.running = False
                 self.fenced = msg.fenced
+                if msg.fenced:
+                    self.fenced += f" (the job is at generation {msg.generation})"
 
     def start(self, msg: StartGeneration) -> None:
         """Start a generation: promote its shadows when every rank has a live one (no process
         start, no rendezvous), else spawn trainers; then pre-initialize the next shadows."""
         self.hangs = dataclasses.replace(self.hangs, timeout_s=msg.heartbeat_timeout_s)
         self.node_beat_s = msg.node_heartbeat_s
+        self.generation = max(self.generation, msg.generation)
         self.health.configure(msg)
         if self._refuse(msg):
             return
@@ -297,7 +303,11 @@ class Agent:
             # The node's liveness for the coordinator: a decision-free beat, one per interval
             # (raw trainer heartbeats never leave the node).
             self._last_node_beat = now
-            self.channel.send(NodeBeat(t=now, trainers=len(self.trainers)))
+            beat = NodeBeat(t=now, trainers=len(self.trainers), generation=self.generation)
+            self.channel.send(beat)
+
+    def _report_memory(self, msg: MemoryReport) -> None:
+        self.channel.send(dataclasses.replace(msg, generation=self.generation))
 
     def serve(self) -> None:
         """Run until a `Shutdown` or the coordinator is gone (then nothing may run

@@ -150,6 +150,11 @@ class CoordinatorCore:
         """
         if node not in self.launch_nodes:
             raise ValueError(f"node {node} is not in the job's layout {self.launch_nodes}")
+        claimed = msg.generation if isinstance(msg, Hello | NodeBeat) else -1
+        if claimed > self.fsm.generation:
+            raise ValueError(
+                f"node {node} claims generation {claimed}; the job is at {self.fsm.generation}"
+            )
         self.joined[node] = time.time()
         if isinstance(msg, Hello):
             self._hello(node, msg)
@@ -206,8 +211,12 @@ class CoordinatorCore:
         with `adapt` its devices are offered to the scheduler, which grows the world back at
         the next generation — started now by a planned stop when the job is running, else as
         soon as it is. Returns False (the caller fences it) when the job does not re-plan or
-        is over."""
+        is over, or when the agent is not fresh: one that ran a generation of this job
+        (`Hello.generation`) reconnects after a partition, and that generation's processes
+        may still run on its node."""
         if self.adapt is None or node not in self.launch_nodes or self.fsm.over:
+            return False
+        if hello.generation >= 0:
             return False
         self.gone.discard(node)
         self.joined[node] = time.time()
@@ -366,7 +375,7 @@ class CoordinatorCore:
         """The node's memory budget and reclamation controller (unbroken.shadow): logged as
         events; a reclamation changes no recovery state."""
         fields = msg.fields
-        self.events.emit(msg.event, t=msg.t, **fields)
+        self.events.emit(msg.event, t=msg.t, **{"node_generation": msg.generation, **fields})
         if msg.event == "shadows_reclaimed":
             freed = fields.get("freed_mb")
             self.monitor.say(
@@ -518,7 +527,7 @@ class CoordinatorCore:
         elif isinstance(action, Finish | Fail):
             self.done_reason = action.reason
             for node in self.live_nodes:
-                self.send(node, Shutdown())
+                self.send(node, Shutdown(generation=self.fsm.generation))
         self._log_transitions()
 
     def _new_world(self) -> bool:

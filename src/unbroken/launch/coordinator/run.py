@@ -218,9 +218,9 @@ class Coordinator:
 
     def _dispatch(self, core: CoordinatorCore, item: Received | Dropped) -> None:
         if item.node is not None and item.node in core.gone:
-            fresh = isinstance(item, Received) and isinstance(item.message, Hello)
-            if not (fresh and core.readmit(item.node, item.message)):
-                self._fence(item.node, item)
+            msg = item.message if isinstance(item, Received) else None
+            if not (isinstance(msg, Hello) and core.readmit(item.node, msg)):
+                self._fence(item.node, item, core.fsm.generation)
             return
         if isinstance(item, Dropped):
             self.events.emit("control_rejected", peer=item.peer, reason=item.reason)
@@ -241,14 +241,17 @@ class Coordinator:
         core.node_lost(node, reason, silent)
         self.server.disconnect(node)
 
-    def _fence(self, node: int, item: Received | Dropped) -> None:
+    def _fence(self, node: int, item: Received | Dropped, generation: int) -> None:
         """A frame from (or the end of) a node already lost: refused, its connection closed."""
         if isinstance(item, Dropped):
             return
         what = item.message.OP
         why = f"node {node} was declared lost earlier in this job; it may not rejoin it"
+        ran = getattr(item.message, "generation", -1)
+        if isinstance(item.message, Hello) and ran >= 0:
+            why += f" (this agent ran generation {ran}: only a fresh agent may)"
         with contextlib.suppress(OSError):
-            self.server.send(node, Shutdown(fenced=why))
+            self.server.send(node, Shutdown(fenced=why, generation=generation))
         self.server.disconnect(node)
         self.events.emit("node_fenced", node=node, message=what)
         self.monitor.say(f"node {node}: lost earlier, refused its {what!r} and disconnected it")
