@@ -334,6 +334,11 @@ def _nodes(cfg: JobConfig, join: NodeJoin | None, secret: str | None) -> dict[st
         raise UserError(
             f"{join.source}: {join.nnodes} nodes, the config has nodes.count = {cfg.nodes.count}"
         )
+    if join.spares != cfg.nodes.spares:
+        raise UserError(
+            f"{join.source}: {join.spares} spare node(s), the config has nodes.spares = "
+            f"{cfg.nodes.spares} (--nnodes {join.nnodes}:{join.nnodes + join.spares} sets both)"
+        )
     if not secret:
         raise UserError(
             "a multi-node job needs a job secret shared by its nodes: --secret-file F (mode "

@@ -80,7 +80,9 @@ def _wait(cond, timeout: float, what: str):
 class _Job:
     """A two-node job: a config, a secret file, and one `unbroken train` per node."""
 
-    def __init__(self, tmp: Path, *, iterations=12, inject=(), adapt=False, join_timeout=60, pp=1):
+    def __init__(
+        self, tmp: Path, *, iterations=12, inject=(), adapt=False, join_timeout=60, pp=1, nnodes="2"
+    ):
         self.tmp, self.out, self.port = tmp, tmp / "out", _free_port()
         self.config = tmp / "job.toml"
         self.config.write_text(
@@ -93,6 +95,7 @@ class _Job:
             )
         )
         self.secret = self.secret_file("s3cret-of-the-job")
+        self.nnodes = nnodes
         self.procs: list[subprocess.Popen] = []
 
     def secret_file(self, text: str, name: str = "secret") -> Path:
@@ -104,7 +107,7 @@ class _Job:
 
     def node(self, rank: int, *extra: str, secret: Path | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "unbroken", "train", "--config", str(self.config)]
-        cmd += ["--out", str(self.out), "--nnodes", "2", "--node-rank", str(rank)]
+        cmd += ["--out", str(self.out), "--nnodes", self.nnodes, "--node-rank", str(rank)]
         cmd += ["--rdzv-endpoint", f"127.0.0.1:{self.port}"]
         cmd += ["--secret-file", str(secret or self.secret), "--quiet", "--json", *extra]
         if rank:
@@ -298,3 +301,35 @@ def test_a_pipeline_across_the_nodes_recovers_a_rank_of_node_1_in_place(job_of):
     failure = job.kinds("failure_detected")
     assert [(f["rank"], f["node"]) for f in failure] == [(2, 1)], failure
     assert [e["mode"] for e in job.kinds("recovery_start")] == ["inplace"]
+
+
+@pytest.mark.slow  # ~60 s; the spare's decisions are CI-tier tests in tests/launch/test_readmit.py
+@pytest.mark.timeout(300)
+def test_a_spare_node_takes_the_place_of_a_lost_one(job_of):
+    """`--nnodes 2:3`: nodes 0 and 1 train, node 2 (127.0.0.3) joins as a spare and waits.
+    Node 1 dies with every process on it; the spare takes its devices at once, so the job
+    resumes on four ranks (node 2's filled from a replica), without a checkpoint, bit-exact."""
+    job = job_of(iterations=40, adapt=True, join_timeout=240, nnodes="2:3")
+    node1, spare = job.node(1), job.node(2)
+    node0 = job.node(0, "--reference")
+    _wait(lambda: job.kinds("spare_joined"), 200, "the spare to join")
+    _wait(lambda: job.iterations_done() >= 5 or node0.poll() is not None, 200, "iteration 5")
+    assert node0.poll() is None, node0.communicate()[1][-3000:]
+    tree = descendants(node1.pid) | {node1.pid}
+    for pid in tree:  # the whole node at once, as a host that dies
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    summary = _summary(node0)
+    _, err = spare.communicate(timeout=60)
+    assert spare.returncode == 0, err[-3000:]
+    assert summary["bit_exact"] is True, summary
+    (promoted,) = job.kinds("spare_promoted")
+    assert (promoted["node"], promoted["replaces"], promoted["devices"]) == (2, 1, [2, 3])
+    fills = [r for r in job.kinds("inplace_repair") if r["fixup"] == "filled from a replica"]
+    assert sorted(r["rank"] for r in fills) == [2, 3], job.kinds("inplace_repair")
+    assert not job.kinds("checkpoint_loaded"), "retained state and replicas, no checkpoint"
+    # The recovery's generation already ran on the spare: no smaller world between.
+    rows = [m for m in read_jsonl(job.out / "metrics.jsonl") if m["run"] == "faulty"]
+    assert {len(m["rank_hashes"]) for m in rows if m.get("rank_hashes")} == {4}
+    starts = [e for e in job.kinds("agent_joined")] + job.kinds("spare_joined")
+    assert {(e["node"], e["host"]) for e in starts} >= {(2, "127.0.0.3")}

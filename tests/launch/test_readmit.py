@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from unbroken.config import AdaptConfig
+from unbroken.config import AdaptConfig, NodesConfig
+from unbroken.devices import DeviceRegistry
 from unbroken.launch.coordinator.core import CoordinatorCore
 from unbroken.launch.coordinator.monitor import RunMonitor
 from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
@@ -33,9 +34,13 @@ from ..foundation.conftest import tiny_job
 class TwoNodes:
     """The core of a 2 nodes x 2 ranks job; what it sends is recorded per node."""
 
-    def __init__(self, tmp_path, adapt: bool) -> None:
+    def __init__(self, tmp_path, adapt: bool, spares: int = 0) -> None:
         cfg = tiny_job(world_size=4)
-        cfg = dataclasses.replace(cfg, adapt=AdaptConfig(enabled=adapt))
+        cfg = dataclasses.replace(
+            cfg,
+            adapt=AdaptConfig(enabled=adapt),
+            nodes=NodesConfig(count=2, spares=spares),
+        )
         self.log = tmp_path / "events.jsonl"
         events = JsonlLog(self.log, run="train")
         monitor = RunMonitor(tmp_path, "train", 4, cfg.train.iterations, events, quiet=True)
@@ -167,3 +172,69 @@ def test_the_shutdown_and_memory_reports_carry_the_generation(tmp_path):
     job.core.give_up("test over")
     shutdowns = [m for _, m in job.take() if isinstance(m, Shutdown)]
     assert shutdowns and {m.generation for m in shutdowns} == {0}
+
+
+def _spare_joins(job: TwoNodes) -> None:
+    job.core.handle(2, Hello(node=2, pid=7, host="127.0.0.3"))
+    (joined,) = job.records("spare_joined")
+    assert joined["node"] == 2
+
+
+def _spare_waits(job: TwoNodes) -> None:
+    _spare_joins(job)
+    assert job.take() == [] and job.core.standby.keys() == {2}  # it runs nothing
+
+
+def test_a_spare_in_waiting_takes_a_lost_nodes_devices_at_once(tmp_path):
+    job = TwoNodes(tmp_path, adapt=True, spares=1)
+    for node in (0, 1):
+        job.core.handle(node, Hello(node=node, pid=os.getpid()))
+    assert {n for n, m in job.take() if isinstance(m, StartGeneration)} == {0, 1}
+    job.started(0, (0, 1))
+    _spare_waits(job)
+    DeviceRegistry(job.core.registry).mark_lost(3, "lose fault on node 1")
+    job.core.node_lost(1, "its connection closed")
+    (promoted,) = job.records("spare_promoted")
+    assert (promoted["node"], promoted["replaces"], promoted["devices"]) == (2, 1, [2, 3])
+    assert DeviceRegistry(job.core.registry).lost(3) is None  # the spare's own hardware
+    assert job.take() == [(0, StopGeneration(generation=0))]  # the failure's stop
+    job.stopped(0, (0,))
+    starts = {n: m for n, m in job.take() if isinstance(m, StartGeneration)}
+    # No smaller world between: the recovery's generation runs the launch world on the spare.
+    assert sorted(starts) == [0, 2] and starts[2].ranks == [2, 3]
+    assert starts[2].devices == {"2": 2, "3": 3} and starts[2].world_changed is True
+    assert [r["trigger"]["kind"] for r in job.records("replan")] == ["devices_returned"]
+    job.started(1, (0, 2))
+    assert job.core.fsm.state is RecoveryState.RUNNING and job.take() == []
+    # Node 1's host comes back: its devices are the spare's now, so it waits as a spare.
+    assert job.core.readmit(1, Hello(node=1, pid=9)) is True
+    assert job.core.standby.keys() == {1} and job.take() == []
+    job.core.give_up("test over")
+    assert sorted(n for n, m in job.take() if isinstance(m, Shutdown)) == [0, 1, 2]
+
+
+def test_a_spare_that_joins_after_the_loss_grows_the_job_back(tmp_path):
+    job = TwoNodes(tmp_path, adapt=True, spares=1)
+    _running_without_node_1(job)
+    _spare_joins(job)
+    assert job.core.standby == {}  # taken at once
+    assert job.take() == [(0, StopGeneration(generation=1))]  # the planned stop
+    job.stopped(1, (0,))
+    starts = {n: m for n, m in job.take() if isinstance(m, StartGeneration)}
+    assert sorted(starts) == [0, 2] and starts[2].ranks == [2, 3]
+    assert job.core.fsm.restarts == 1, "the planned stop is not a restart"
+
+
+def test_a_lost_spare_in_waiting_is_no_failure(tmp_path):
+    job = TwoNodes(tmp_path, adapt=True, spares=1)
+    for node in (0, 1):
+        job.core.handle(node, Hello(node=node, pid=os.getpid()))
+    job.take()
+    job.started(0, (0, 1))
+    _spare_waits(job)
+    job.core.node_lost(2, "beats stopped")
+    assert job.core.fsm.state is RecoveryState.RUNNING and job.take() == []
+    assert not job.records("failure_detected") and job.records("spare_lost")
+    assert 2 not in job.core.gone  # a fresh agent of it may join again as a spare
+    with pytest.raises(ValueError, match="spare nodes: \\[2\\]"):
+        job.core.handle(3, Hello(node=3, pid=1))

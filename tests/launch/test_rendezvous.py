@@ -15,6 +15,7 @@ from unbroken.launch.rendezvous import (
     NodeJoin,
     load_secret,
     parse_endpoint,
+    parse_nnodes,
     resolve_join,
     secret_key,
 )
@@ -37,6 +38,20 @@ def test_torchrun_style_variables_then_slurm():
     assert with_port is not None and with_port.endpoint == "gpu07:6001"
 
 
+def test_torchruns_elastic_node_range_allows_spare_nodes():
+    # --nnodes N:M launches N nodes; node ranks N..M-1 are spares that may join.
+    spare = resolve_join("2:3", 2, "10.1.1.1:7000", {})
+    assert spare == NodeJoin(2, 2, "10.1.1.1", 7000, "command line", spares=1)
+    env = {**TORCHRUN, "NNODES": "2:4", "NODE_RANK": "3"}
+    assert resolve_join(None, None, None, env) == NodeJoin(
+        2, 3, "10.0.0.5", 6000, "environment", spares=2
+    )
+    assert parse_nnodes("4") == (4, 0) and parse_nnodes("1:2") == (1, 1)
+    # One node with a spare is a multi-node job; one node alone is not.
+    assert resolve_join("1:2", 0, "h:1", {}) is not None
+    assert resolve_join("1", None, None, {}) is None
+
+
 def test_one_node_needs_nothing():
     assert resolve_join(None, None, None, {}) is None
     assert resolve_join(1, None, None, {}) is None
@@ -50,6 +65,10 @@ def test_one_node_needs_nothing():
         ((2, 2, "h:1"), {}, "node rank 2 is not in 0..1"),
         ((2, 0, "h:99999"), {}, "1..65535"),
         ((2, 0, ":80"), {}, "give HOST:PORT"),
+        (("2:3", 3, "h:1"), {}, "node rank 3 is not in 0..2"),
+        (("3:2", 0, "h:1"), {}, "M (nodes at most) is below N"),
+        (("two", 0, "h:1"), {}, "give a node count N, or N:M"),
+        ((None, None, None), {**TORCHRUN, "NNODES": "2:x"}, "NNODES '2:x'"),
         ((None, None, None), {**TORCHRUN, "NODE_RANK": "x"}, "NODE_RANK='x'"),
         ((None, None, None), {**SLURM, "SLURM_JOB_NODELIST": "gpu[09-"}, "SLURM_JOB_NODELIST"),
     ],

@@ -52,7 +52,11 @@ def add_node_flags(p: argparse.ArgumentParser) -> None:
         "environment say: NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT, or SLURM's). Node 0 runs "
         "the coordinator; the others join it.",
     )
-    g.add_argument("--nnodes", type=int, metavar="N", help="nodes in the job (nodes.count)")
+    g.add_argument(
+        "--nnodes",
+        metavar="N[:M]",
+        help="nodes in the job (nodes.count); N:M lets M - N spare nodes join (nodes.spares)",
+    )
     g.add_argument("--node-rank", type=int, metavar="R", help="this node's rank, 0..N-1")
     g.add_argument(
         "--rdzv-endpoint",
@@ -97,6 +101,7 @@ def _nodes(cfg: JobConfig, join, per_node: int | None):
     changes = {}
     if join is not None:
         changes["count"] = join.nnodes
+        changes["spares"] = join.spares
     if per_node is not None:
         changes["ranks_per_node"] = per_node
     try:
@@ -141,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
         # read here for that.
         patience = max(60.0, load_config(JobConfig, args.config).nodes.join_timeout_s)
         print(
-            f"unbroken: node {join.node_rank} of {join.nnodes} joining {join.endpoint} "
+            f"unbroken: node {join.node_rank} of {join.nnodes}"
+            + (" (a spare)" if join.node_rank >= join.nnodes else "")
+            + f" joining {join.endpoint} "
             f"({join.source}; trying for {patience:g} s)",
             file=sys.stderr,
         )

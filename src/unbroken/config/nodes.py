@@ -18,6 +18,11 @@ class NodesConfig:
     ranks_per_node: int = 0
     """Ranks each node runs (`--nproc-per-node`); 0: parallel.world_size / count. Node n runs
     ranks n·k … n·k + k − 1."""
+    spares: int = 0
+    """Spare nodes that may join beyond `count` (node ids count … count + spares − 1, each with
+    `ranks_per_node` devices; `--nnodes N:M`). A spare waits as a standby; when a node is lost
+    it takes that node's devices and the job grows back to its launch world at the next
+    boundary (`adapt.enabled`)."""
     join_timeout_s: float = 60.0
     """How long the coordinator waits for every node's agent to join, and an agent for the
     coordinator to listen (a node started before node 0 retries until then)."""
@@ -27,6 +32,8 @@ class NodesConfig:
             raise ValueError("nodes.count must be >= 1")
         if self.ranks_per_node < 0:
             raise ValueError("nodes.ranks_per_node must be >= 0 (0: world_size / count)")
+        if self.spares < 0:
+            raise ValueError("nodes.spares must be >= 0")
         if self.join_timeout_s <= 0:
             raise ValueError("nodes.join_timeout_s must be > 0")
 

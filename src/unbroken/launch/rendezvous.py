@@ -3,9 +3,11 @@
 `resolve_join` turns what a launcher gives a node into a `NodeJoin`, in this order of
 precedence, each source whole or not at all:
 
-1. the command line: `--nnodes N --node-rank R --rdzv-endpoint HOST:PORT` (torchrun's names);
-2. the environment torchrun-style launch scripts export: `NNODES`, `NODE_RANK`, `MASTER_ADDR`,
-   `MASTER_PORT`;
+1. the command line: `--nnodes N --node-rank R --rdzv-endpoint HOST:PORT` (torchrun's names;
+   `--nnodes N:M`, torchrun's elastic form, launches N nodes and lets M - N spare nodes join,
+   with node ranks N..M-1, to stand in for lost ones);
+2. the environment torchrun-style launch scripts export: `NNODES` (N or N:M), `NODE_RANK`,
+   `MASTER_ADDR`, `MASTER_PORT`;
 3. SLURM's: `SLURM_NNODES`, `SLURM_NODEID`, and the first host of `SLURM_JOB_NODELIST` as the
    endpoint (expanded with python-hostlist, the maintained parser of SLURM's hostlist syntax),
    its port from `MASTER_PORT` or `DEFAULT_PORT`.
@@ -32,6 +34,7 @@ __all__ = [
     "NodeJoin",
     "load_secret",
     "parse_endpoint",
+    "parse_nnodes",
     "resolve_join",
     "secret_key",
 ]
@@ -54,6 +57,8 @@ class NodeJoin:
     """The control server's port."""
     source: str
     """Where it came from: "command line", "environment" or "SLURM"."""
+    spares: int = 0
+    """Spare nodes that may join beyond the `nnodes` launched (`--nnodes N:M`: M - N)."""
 
     @property
     def endpoint(self) -> str:
@@ -84,13 +89,29 @@ def _int(env: Mapping[str, str], key: str) -> int:
         raise UserError(f"{key}={env[key]!r}: not a whole number") from None
 
 
+def parse_nnodes(text: str | int, what: str = "--nnodes") -> tuple[int, int]:
+    """(nodes launched, spare nodes) from "N" or torchrun's elastic "N:M" (M >= N).
+
+    Raises:
+        UserError: not a count or a range of counts.
+    """
+    low, sep, high = str(text).partition(":")
+    try:
+        n, m = int(low), int(high) if sep else int(low)
+    except ValueError:
+        raise UserError(f"{what} {text!r}: give a node count N, or N:M to allow spares") from None
+    if m < n:
+        raise UserError(f"{what} {text!r}: M (nodes at most) is below N (nodes launched)")
+    return n, m - n
+
+
 def _master_port(env: Mapping[str, str]) -> int:
     """`MASTER_PORT`, else `DEFAULT_PORT` (torchrun-style and SLURM launches alike)."""
     return _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT
 
 
 def resolve_join(
-    nnodes: int | None,
+    nnodes: int | str | None,
     node_rank: int | None,
     endpoint: str | None,
     env: Mapping[str, str],
@@ -103,7 +124,7 @@ def resolve_join(
     """
     given = {"--nnodes": nnodes, "--node-rank": node_rank, "--rdzv-endpoint": endpoint}
     if any(v is not None for v in given.values()):
-        if nnodes == 1 and node_rank in (None, 0):
+        if nnodes is not None and parse_nnodes(nnodes) == (1, 0) and node_rank in (None, 0):
             return None
         missing = [k for k, v in given.items() if v is None]
         if missing:
@@ -112,17 +133,21 @@ def resolve_join(
                 f"missing {', '.join(missing)}"
             )
         host, port = parse_endpoint(str(endpoint))
-        return _checked(NodeJoin(int(str(nnodes)), int(str(node_rank)), host, port, "command line"))
+        n, spares = parse_nnodes(str(nnodes))
+        join = NodeJoin(n, int(str(node_rank)), host, port, "command line", spares)
+        return _checked(join)
     if "NNODES" in env and "MASTER_ADDR" in env:
         port = _master_port(env)
+        n, spares = parse_nnodes(env["NNODES"], "NNODES")
         join = NodeJoin(
-            _int(env, "NNODES"),
+            n,
             _int(env, "NODE_RANK") if "NODE_RANK" in env else 0,
             env["MASTER_ADDR"],
             port,
             "environment",
+            spares,
         )
-        return _checked(join) if join.nnodes > 1 else None
+        return _checked(join) if join.nnodes + join.spares > 1 else None
     if "SLURM_NNODES" in env and "SLURM_JOB_NODELIST" in env:
         nnodes = _int(env, "SLURM_NNODES")
         if nnodes == 1:
@@ -142,8 +167,9 @@ def resolve_join(
 def _checked(join: NodeJoin) -> NodeJoin:
     if join.nnodes < 1:
         raise UserError(f"{join.source}: nnodes = {join.nnodes}; give at least 1")
-    if not 0 <= join.node_rank < join.nnodes:
-        raise UserError(f"{join.source}: node rank {join.node_rank} is not in 0..{join.nnodes - 1}")
+    last = join.nnodes + join.spares - 1
+    if not 0 <= join.node_rank <= last:
+        raise UserError(f"{join.source}: node rank {join.node_rank} is not in 0..{last}")
     if not 0 < join.port < 65536:
         raise UserError(f"{join.source}: port {join.port} is not in 1..65535")
     return join

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from unbroken.config import JobConfig, to_dict
 from unbroken.detect.events import DetectionEvent, DetectionKind, FailStopCause
+from unbroken.devices import DeviceRegistry
 from unbroken.inject import parse_fault
 from unbroken.jobstore import JobStore
 from unbroken.launch.coordinator.adapt import Adaptation
@@ -128,6 +129,12 @@ class CoordinatorCore:
         joins again and the job re-plans: `readmit`)."""
         self.launch_nodes = layout.node_ids
         """The nodes the job launched with (the layout shrinks with lost nodes)."""
+        first_spare = max(layout.node_ids) + 1
+        self.spare_ids = tuple(range(first_spare, first_spare + cfg.nodes.spares))
+        """Nodes that may join beyond the launch (`nodes.spares`) to stand in for lost ones."""
+        self.standby: dict[int, Hello] = {}
+        """Joined nodes that hold no device (spares, and lost nodes back after a spare took
+        their devices): the next lost node's devices go to the lowest of them."""
         self._grow_pending = False
         self.node_of_device = {d: layout.node_of(d) for d in range(layout.world_size)}
         """device -> its node (devices are numbered as the ranks at launch)."""
@@ -148,8 +155,11 @@ class CoordinatorCore:
         Raises:
             ValueError: `node` is not in the job's layout.
         """
-        if node not in self.launch_nodes:
-            raise ValueError(f"node {node} is not in the job's layout {self.launch_nodes}")
+        if node not in self.launch_nodes and node not in self.spare_ids:
+            raise ValueError(
+                f"node {node} is not in the job's layout {self.launch_nodes} "
+                f"(spare nodes: {list(self.spare_ids) or 'none, nodes.spares = 0'})"
+            )
         claimed = msg.generation if isinstance(msg, Hello | NodeBeat) else -1
         if claimed > self.fsm.generation:
             raise ValueError(
@@ -157,7 +167,10 @@ class CoordinatorCore:
             )
         self.joined[node] = time.time()
         if isinstance(msg, Hello):
-            self._hello(node, msg)
+            if self._hosts_devices(node):
+                self._hello(node, msg)
+            else:
+                self._standby(node, msg)
         elif isinstance(msg, NodeBeat):
             return
         elif isinstance(msg, Started):
@@ -191,10 +204,20 @@ class CoordinatorCore:
         else the job fails. Its late messages are refused from now on (`gone`)."""
         if node in self.gone:
             return
+        if node in self.standby:  # a spare in waiting: nothing of the job runs there
+            del self.standby[node]
+            self.joined.pop(node, None)
+            self.events.emit("spare_lost", node=node, reason=reason)
+            self.monitor.say(f"spare node {node} lost ({reason}); it held no devices")
+            return
         self.gone.add(node)
         if self.adapt is not None and node in self.layout.node_ids:
             for rank in self.layout.ranks_of(node):
                 self.adapt.note_lost(self.devices[rank], f"node {node} lost: {reason}")
+        # A spare in waiting takes the lost devices at once: the recovery's next generation
+        # runs the launch world on it (`Adaptation.next_world`), no smaller world between.
+        while self._use_spare():
+            pass
         self.emit(
             DetectionEvent(
                 kind=DetectionKind.FAIL_STOP,
@@ -220,6 +243,9 @@ class CoordinatorCore:
             return False
         self.gone.discard(node)
         self.joined[node] = time.time()
+        if not self._hosts_devices(node):  # a spare took its devices: it waits as one
+            self._standby(node, hello)
+            return True
         devices = sorted(d for d, n in self.node_of_device.items() if n == node)
         self.adapt.note_returned(devices, f"node {node} returned")
         self.events.emit(
@@ -228,6 +254,43 @@ class CoordinatorCore:
         self.monitor.say(f"node {node} returned ({hello.host}): devices {devices} offered")
         self._grow_pending = self.adapt.grows
         self._grow()
+        return True
+
+    def _hosts_devices(self, node: int) -> bool:
+        return node in self.node_of_device.values()
+
+    def _standby(self, node: int, hello: Hello) -> None:
+        """A node with no device joined (a spare, or a lost node whose devices a spare took):
+        it waits, and stands in for the next lost node; at once if one is lost now."""
+        self.standby[node] = hello
+        self.events.emit("spare_joined", node=node, pid=hello.pid, host=hello.host)
+        self.monitor.say(f"node {node} joined as a spare ({hello.host})")
+        if self._use_spare():
+            self._grow_pending = self.adapt is not None and self.adapt.grows
+            self._grow()
+
+    def _use_spare(self) -> bool:
+        """The lowest spare in waiting takes the devices of the lowest lost node that still
+        owns some (`adapt`): they are offered to the scheduler as returned, with their
+        records in the device registry cleared (the slot is the spare's hardware now).
+        Returns whether one did."""
+        if self.adapt is None or self.fsm.over or not self.standby:
+            return False
+        orphaned = sorted({n for n in self.node_of_device.values() if n in self.gone})
+        if not orphaned:
+            return False
+        lost, spare = orphaned[0], min(self.standby)
+        hello = self.standby.pop(spare)
+        devices = sorted(d for d, n in self.node_of_device.items() if n == lost)
+        registry = DeviceRegistry(self.registry)
+        for d in devices:
+            self.node_of_device[d] = spare
+            registry.clear(d)
+        self.adapt.note_returned(devices, f"spare node {spare} replaces lost node {lost}")
+        self.events.emit(
+            "spare_promoted", node=spare, replaces=lost, devices=devices, host=hello.host
+        )
+        self.monitor.say(f"spare node {spare} ({hello.host}) takes lost node {lost}'s {devices}")
         return True
 
     def _grow(self) -> None:
@@ -526,7 +589,7 @@ class CoordinatorCore:
                 self.send(node, StopGeneration(generation=action.generation))
         elif isinstance(action, Finish | Fail):
             self.done_reason = action.reason
-            for node in self.live_nodes:
+            for node in (*self.live_nodes, *sorted(self.standby)):
                 self.send(node, Shutdown(generation=self.fsm.generation))
         self._log_transitions()
 
