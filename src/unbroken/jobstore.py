@@ -10,7 +10,8 @@ job shares through the store is one of the typed entries below:
     ckpt/interval          the checkpoint interval, decided once (by rank 0) for the whole job
     inject/<fault key>     wall time a scheduled fault fired (each fires once per job)
     plan/epoch             the newest placement the coordinator published (0: none)
-    plan/<epoch>           that placement, as JSON (`unbroken.parallel.DataPlacement`)
+    plan/<epoch>           that placement, as JSON (`unbroken.parallel.DataPlacement`); only
+                           the newest `PLANS_KEPT` epochs stay
 
 Reading an entry another process has not written yet returns None, except where a method
 says it waits (`job_t0`, `wait_checkpoint_interval`). A placement is written before its epoch,
@@ -25,7 +26,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["JobStore", "RendezvousStore"]
+__all__ = ["PLANS_KEPT", "JobStore", "RendezvousStore"]
 
 _T0 = "job/t0"
 _CKPT_COST = "ckpt/cost_s"
@@ -33,6 +34,11 @@ _CKPT_INTERVAL = "ckpt/interval"
 _FAULT = "inject/"
 _PLAN_EPOCH = "plan/epoch"
 _PLAN = "plan/"
+PLANS_KEPT = 3
+"""Placements kept in the store: the newest and the two before it. A rank reads the epoch's
+placement right after rank 0 broadcast the epoch (`unbroken.launch.switch`); one older
+than that is read by no one. Kept all, they grew the store by one key per re-plan (the
+two-node soak: 3 -> 9 keys over 11 recoveries, four of them re-plans)."""
 
 
 class JobStore:
@@ -146,6 +152,9 @@ class JobStore:
         first, then the epoch that points to it."""
         self.raw.set(f"{_PLAN}{epoch}", placement_json)
         self.raw.set(_PLAN_EPOCH, str(epoch))
+        old = epoch - PLANS_KEPT
+        if old >= 1:
+            self.raw.delete_key(f"{_PLAN}{old}")
 
 
 class RendezvousStore(dist.Store):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from unbroken.api import run_job
+from unbroken.jobstore import PLANS_KEPT, JobStore
 from unbroken.metrics.log import read_jsonl
 
 from ..foundation.conftest import tiny_job
@@ -32,3 +33,18 @@ def test_recoveries_leave_no_rendezvous_keys_behind(tmp_path):
     faulty = run_job(dataclasses.replace(base, inject=faults), tmp_path / "faulty", quiet=True)
     assert faulty.failures_recovered == 3
     assert _final_keys(tmp_path / "faulty") == _final_keys(tmp_path / "clean") + len(faults)
+
+
+def test_published_placements_do_not_pile_up_with_re_plans(tmp_path):
+    """Found by the two-node soak: every re-plan published `plan/<epoch>` and none was ever
+    removed. The newest PLANS_KEPT stay, readable; the store is the same size after 3 re-plans
+    as after 50."""
+    store = JobStore.host("127.0.0.1", timeout_s=30)
+    sizes = {}
+    for epoch in range(1, 51):
+        store.publish_placement(epoch, f'{{"epoch": {epoch}}}')
+        sizes[epoch] = store.num_keys()
+        assert store.placement_epoch() == epoch and store.placement(epoch) is not None
+    assert sizes[PLANS_KEPT] == sizes[50]
+    kept = [e for e in range(1, 51) if store.placement(e) is not None]
+    assert kept == list(range(51 - PLANS_KEPT, 51))

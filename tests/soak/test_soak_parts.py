@@ -157,6 +157,43 @@ def test_leak_checks_sum_a_group_so_a_promoted_shadow_is_not_a_leak():
     assert grouped["leak both.procs/recovery"].passed is True
 
 
+def _composed(recoveries: int, fresh: int, rss_mib: int, in_recovery: bool = False):
+    """A sample with `fresh` trainers started fresh (a returned node's) among 4 ranks."""
+    row = _sample(recoveries, 40, in_recovery=in_recovery, rss_kib=rss_mib << 10)
+    row["classes"]["trainer"]["procs"] = fresh
+    return row
+
+
+def test_memory_is_compared_like_with_like_across_fresh_and_promoted_ranks():
+    # A node returned at recoveries 6 and 9: two fresh trainers hold 100 MiB more than the
+    # promoted shadows they stand for, until the next recovery; one sample of group 6 was
+    # taken as a fault struck (nothing running yet on the new set, 300 MiB less).
+    rows = []
+    for k in range(1, 12):
+        fresh = 2 if k in (6, 9) else 0
+        rows += [_composed(k, fresh, 3300 + 100 * (fresh > 0)) for _ in range(8)]
+    rows.append(_composed(6, 0, 3000))
+    (rss,) = [c for c in leak_checks(rows, {"t": ["trainer"]}) if "rss" in c.name]
+    assert rss.passed is True and rss.value == pytest.approx(0.0)
+    assert [k for k, _ in group_medians(rows, ["trainer"], "rss_mib")] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        7,
+        8,
+        10,
+        11,
+    ]
+    # The process count is fitted over every steady sample: a leak would change the mix.
+    assert len(group_medians(rows, ["trainer"], "procs")) == 11
+    # A real leak among like samples still fails.
+    leaking = [_composed(k, 0, 3300 + 5 * k) for k in range(1, 12) for _ in range(3)]
+    (rss,) = [c for c in leak_checks(leaking, {"t": ["trainer"]}) if "rss" in c.name]
+    assert rss.passed is False and rss.value == pytest.approx(5.0)
+
+
 def test_the_start_up_before_the_first_recovery_is_not_a_leak():
     # measured: the shadows' start-up took the fds of the job from ~25 to 41 (agent) and
     # 85 to 230 (shadows) before the first recovery, then stayed flat
