@@ -277,8 +277,12 @@ def test_a_partitioned_node_is_fenced_and_its_processes_stop_when_it_returns(job
     _, err = node1.communicate(timeout=60)
     assert node1.returncode == 1, err
     assert "cut off by the coordinator" in err or "lost the coordinator" in err, err
-    left = [p for p in tree if alive(p)]
-    assert not left, f"node 1's processes outlived its fencing: {left}"
+    # Killed as its agent stopped; a SIGKILL lands asynchronously (once under a full test run
+    # one process was still alive the instant the agent had exited), so a bounded wait.
+    left = lambda: [p for p in tree if alive(p)]  # noqa: E731
+    with contextlib.suppress(AssertionError):
+        _wait(lambda: not left(), 10, "node 1's processes to stop")
+    assert not left(), f"node 1's processes outlived its fencing by 10 s: {left()}"
     summary = _summary(node0)
     assert summary["state"] == "done" and summary["iterations"] == 60, summary
     # No reference in this run: the final state is audited against a one-node fault-free run.
