@@ -191,7 +191,7 @@ def test_finishing_shuts_the_node_down(job):
     for rank in (0, 1):
         job.tell(RankExited(rank=rank, generation=0, returncode=0, t=1.0))
     assert job.core.fsm.state is RecoveryState.DONE
-    assert job.heard() == Shutdown()
+    assert job.heard() == Shutdown(generation=0)  # the generation it ended in
 
 
 def test_a_second_agent_for_the_same_node_is_refused(job, tmp_path):

@@ -112,7 +112,7 @@ def test_the_same_start_up_error_on_every_rank_fails_at_once(job):  # noqa: F811
         msg = f"unbroken-trainer[rank {rank}] in attach: error: the plan does not fit"
         job.tell(RankExited(rank=rank, generation=0, returncode=1, t=1.0 + rank, said=msg))
     assert job.core.fsm.state is RecoveryState.FAILED
-    assert job.heard() == Shutdown()
+    assert job.heard() == Shutdown(generation=0)  # the generation it ended in
     assert "every rank failed before its first iteration: in attach: error: the plan" in (
         job.core.done_reason
     )

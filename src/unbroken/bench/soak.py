@@ -201,10 +201,8 @@ def soak(
         iter_s = measure_iter_s(out / "calibrate")
         _say(f"calibration: {iter_s:.3f} s per iteration")
     faults, iterations, cfg = plan_soak(minutes, seed, iter_s, nodes)
-    _say(
-        f"seed {seed}: {len(faults)} faults over {iterations} iterations ({minutes:g} min, "
-        f"{nodes} node(s))"
-    )
+    plan = f"{len(faults)} faults over {iterations} iterations ({minutes:g} min, {nodes} node(s))"
+    _say(f"seed {seed}: {plan}")
     summary, samples, orphans, returns = _watched_run(cfg, out, interval_s, minutes)
     metrics = [m for m in read_jsonl(out / "job" / "metrics.jsonl") if m["run"] == "faulty"]
     events = [e for e in read_jsonl(out / "job" / "events.jsonl") if e["run"] == "faulty"]
@@ -220,11 +218,8 @@ def soak(
         world=cfg.parallel.world_size,
         returns=(len(returns), _node_returns(events)),
     )
+    result.update(seed=seed, minutes=minutes, iter_s_planned=iter_s, iterations=iterations)
     result.update(
-        seed=seed,
-        minutes=minutes,
-        iter_s_planned=iter_s,
-        iterations=iterations,
         schedule=[f.spec for f in faults],
         seconds=round(time.time() - t0, 1),
         faulty_wall_s=summary.faulty_wall_s,
@@ -291,18 +286,7 @@ def _result(
     recoveries = summary["recoveries"]
     failures = [(f.iteration, f.kind) for f in faults]
     steady = steady_iterations(metrics, failures, settle, world)
-    checks = _job_checks(summary, failstop, orphans)
-    lost_nodes = sum(f.kind == "nodeloss" for f in faults)
-    if lost_nodes:
-        checks.append(
-            Check(
-                "every lost node returned",
-                returns[0] == returns[1] == lost_nodes,
-                f"{returns[1]}/{lost_nodes}",
-                lost_nodes,
-                f"agent started again {returns[0]} times, node_returned {returns[1]} times",
-            )
-        )
+    checks = _job_checks(summary, failstop, orphans) + _return_checks(faults, returns)
     checks += leak_checks(samples, LEAK_GROUPS)
     checks.append(_ends_check("steady iteration time", [s for _, s in steady], tolerances[0]))
     checks.append(
@@ -318,23 +302,7 @@ def _result(
         "checks": [c.as_dict() for c in checks],
         "failures_scheduled": len(faults),
         "failstop_scheduled": failstop,
-        "recoveries": [
-            {
-                k: r.get(k)
-                for k in (
-                    "fault",
-                    "mode",
-                    "rank",
-                    "iteration",
-                    "phase",
-                    "detect_s",
-                    "init_s",
-                    "recompute_s",
-                    "total_s",
-                )
-            }
-            for r in recoveries
-        ],
+        "recoveries": [{k: r.get(k) for k in _RECOVERY_KEYS} for r in recoveries],
         "detect_s_median": _median([r["detect_s"] for r in recoveries]),
         "total_s_median": _median([r["total_s"] for r in recoveries]),
         "restart_s_median": _median([restart_s(r) for r in recoveries]),
@@ -348,6 +316,28 @@ def _result(
         "first_sample": samples[0] if samples else None,
         "last_sample": samples[-1] if samples else None,
     }
+
+
+_RECOVERY_KEYS = (
+    "fault", "mode", "rank", "iteration", "phase", "detect_s", "init_s", "recompute_s", "total_s"
+)  # fmt: skip
+
+
+def _return_checks(faults: list[ScheduledFault], returns: tuple[int, int]) -> list[Check]:
+    """Every lost node came back (none when no node was lost)."""
+    lost_nodes = sum(f.kind == "nodeloss" for f in faults)
+    if not lost_nodes:
+        return []
+    started, returned = returns
+    return [
+        Check(
+            "every lost node returned",
+            started == returned == lost_nodes,
+            f"{returned}/{lost_nodes}",
+            lost_nodes,
+            f"agent started again {started} times, node_returned {returned} times",
+        )
+    ]
 
 
 def _job_checks(summary: dict[str, Any], failstop: int, orphans: list[int]) -> list[Check]:
