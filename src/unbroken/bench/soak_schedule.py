@@ -32,7 +32,7 @@ This module never starts a process and never imports torch.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from unbroken.bench.faults import PHASES
 
@@ -159,8 +159,10 @@ class _Drawing:
     kinds: list[str]
     world: int
     nodes: int
-    lost: int = 0
-    """Devices of the last node lost since it was last replaced."""
+    lost: set[int] = field(default_factory=set)
+    """Devices of the last node lost since it was last replaced. A fault's `rank=` names a
+    device (the rank at launch: `unbroken.launch.session`), so a fault for a lost device
+    never fires."""
     node_back_t: float = float("-inf")
     """Planned time from which the last node is assumed back after a `nodeloss`."""
 
@@ -175,7 +177,8 @@ class _Drawing:
         if prev is not None and prev.kind == "slow":
             return "kill", prev.rank  # end the slow trainer; the kind drawn waits
         if prev is not None and prev.kind == "lose":
-            return "nodeloss", self.world - self.lost - 1  # the last rank: on the last node
+            # A device of that node that is still there (not the one just lost).
+            return "nodeloss", min(d for d in last_node if d not in self.lost)
         if t < self.node_back_t:
             # Node 0's ranks exist in every world; a loss waits for the whole world.
             k = next((i for i, k in enumerate(self.kinds) if k not in ("lose", "nodeloss")), None)
@@ -186,11 +189,11 @@ class _Drawing:
             return kind, rng.choice(last_node)
         return kind, drawn
 
-    def fired(self, kind: str, t: float) -> None:
+    def fired(self, kind: str, rank: int, t: float) -> None:
         if kind == "lose":
-            self.lost += 1
+            self.lost.add(rank)
         elif kind == "nodeloss":
-            self.lost = 0
+            self.lost.clear()
             self.node_back_t = t + NODE_BACK_S
 
 
@@ -246,7 +249,7 @@ def draw_schedule(
         it += max(3, round((gap - spent) / iter_s))
         spec = _spec(kind, rank, it, rng.choice(PHASES), rng, parity_pages)
         faults.append(ScheduledFault(kind=kind, spec=spec, iteration=it, rank=rank, t_s=t))
-        drawing.fired(kind, t)
+        drawing.fired(kind, rank, t)
         cost = RECOVERY_COST_S.get(kind, DEFAULT_COST_S)
 
     while drawing.kinds:
