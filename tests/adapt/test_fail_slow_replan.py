@@ -2,13 +2,13 @@
 micro-batches off the slow rank, the ranks adopt it at an iteration boundary they agree on,
 and the run stays bit-exact against the fault-free run on the original placement.
 
-The CI-tier test goes on to the return to the launch placement once the rank is healthy again
+The slow-tier test goes on to the return to the launch placement once the rank is healthy again
 (`until`). Until stop 29 the return was slow-tier: a rank left with one micro-batch computes it
 with the iteration's first-micro-batch overhead, and compared over all micro-batches its pace
 against its peers' read 0.68, 1.08 and above `detector.recover_ratio` in three runs. The watch
 now compares first micro-batches with first micro-batches (`FailSlowDetector._pace_against_peers`),
-and the return was found in 5 runs of 5 here. The re-plan alone, without the return, is the
-slow-tier test."""
+and the return was found in 5 runs of 5 alone; but in a full CI run rank 3 was reported slow
+twice, so the return is slow-tier again and the re-plan alone is the CI test."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from unbroken.metrics.log import read_jsonl
 from .conftest import adapt_job, events_of
 
 
-@pytest.mark.slow  # ~45 s; the CI tier's test below re-plans the same way, then returns
 @pytest.mark.timeout(900)
 def test_a_slow_rank_loses_micro_batches_at_a_boundary_and_the_run_stays_bit_exact(tmp_path):
     # Four micro-batches per shard: fine enough to move work off a slow rank. A large factor,
@@ -45,6 +44,7 @@ def test_a_slow_rank_loses_micro_batches_at_a_boundary_and_the_run_stays_bit_exa
     assert s["replans"][0]["iter"] == applied["iter"]
 
 
+@pytest.mark.slow  # in a full CI run rank 3 was reported twice (stop 29): see the docstring
 @pytest.mark.timeout(900)
 def test_a_slow_rank_loses_micro_batches_at_a_boundary_and_gets_them_back_when_healthy(tmp_path):
     # Four micro-batches per shard: fine enough to move work off a slow rank. A large factor,
