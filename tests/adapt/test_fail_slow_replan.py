@@ -3,12 +3,12 @@ micro-batches off the slow rank, the ranks adopt it at an iteration boundary the
 and the run stays bit-exact against the fault-free run on the original placement.
 
 The slow-tier test goes on to the return to the launch placement once the rank is healthy again
-(`until`). Until stop 29 the return was slow-tier: a rank left with one micro-batch computes it
-with the iteration's first-micro-batch overhead, and compared over all micro-batches its pace
-against its peers' read 0.68, 1.08 and above `detector.recover_ratio` in three runs. The watch
-now compares first micro-batches with first micro-batches (`FailSlowDetector._pace_against_peers`),
-and the return was found in 5 runs of 5 alone; but in a full CI run rank 3 was reported slow
-twice, so the return is slow-tier again and the re-plan alone is the CI test."""
+(`until`). A rank left with one micro-batch computes it with the iteration's first-micro-batch
+overhead; compared over all micro-batches its pace against its peers' read 0.68, 1.08 and
+above `detector.recover_ratio` in three runs. The watch now compares first micro-batches with
+first micro-batches (`FailSlowDetector._pace_against_peers`), and the return was found in 5
+runs of 5 alone. In a full CI run (stop 29) rank 3 was reported slow twice, so the return
+stays slow-tier and the re-plan alone is the CI test."""
 
 from __future__ import annotations
 
