@@ -24,6 +24,18 @@ def _detector_trace(out) -> str:
     return "\n".join(lines)
 
 
+def _shadow_trace(out) -> str:
+    """The faulty run's shadow and generation events, one line each: what a failed takeover
+    assertion shows."""
+    kinds = ("shadow", "trainer_ready", "failure_", "recovery_", "generation", "memory", "reclaim")
+    lines = []
+    for line in (out / "events.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        if e.get("run") == "faulty" and any(k in e["kind"] for k in kinds):
+            lines.append(line[:300])
+    return "\n".join(lines)
+
+
 def _takeovers_expected(out, summary) -> list[bool]:
     """For each recovery (in the summary's order): whether every rank's shadow for the next
     generation had reported ready before the failure was injected."""
@@ -99,7 +111,8 @@ def test_demo_quick_recovers_in_place_exactly_and_finds_the_slow_rank(tmp_path):
     assert any(expected), "no failure found every shadow ready: nothing checks the takeover"
     for rec, all_ready in zip(s["recoveries"], expected, strict=True):
         if all_ready:
-            assert (rec["shadow_level"], rec["shadows_ready"]) == (3, s["world_size"]), rec
+            got = (rec["shadow_level"], rec["shadows_ready"])
+            assert got == (3, s["world_size"]), (rec, _shadow_trace(out))
     # ETTR = T_ref / T_faulty over the same iterations. The two runs drift apart on a busy
     # machine, so the bound is in each run's own healthy iteration: the faulty run (three
     # recoveries, a 3x slow rank for its last 12 iterations) lasts more of its iterations than

@@ -140,6 +140,7 @@ def test_a_config_of_no_causal_lm_is_refused_in_one_line(tmp_path):
         assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow  # ~20 s; CI recovers a HF model in place on PP2 (tests/ecosystem/test_hf_pipeline)
 def test_a_hf_llama_recovers_in_place_bit_exact_from_kills_in_update_and_backward(tmp_path):
     cfg = load_config(JobConfig, LLAMA)
     cfg = dataclasses.replace(

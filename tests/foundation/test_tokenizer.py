@@ -205,6 +205,7 @@ def test_a_bad_tokenizer_is_one_clear_line(tmp_path, content, needle):
     assert needle in lines[0] and str(path) in lines[0] and str(cfg) in lines[0]
 
 
+@pytest.mark.slow  # ~11 s; CI keeps the BPE's determinism and its document boundaries
 def test_a_bpe_job_recovers_bit_exact_from_a_kill(texts, cache, tmp_path, monkeypatch):
     from unbroken.api import run_job
 

@@ -68,11 +68,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(cond, timeout: float, what: str):
+def _wait(cond, timeout: float, what: str, job: _Job | None = None):
     deadline = time.monotonic() + timeout
     while not (value := cond()):
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            seen = job.trail() if job else ""
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{seen}")
         time.sleep(0.05)
     return value
 
@@ -135,6 +136,13 @@ class _Job:
         path = self.out / "metrics.jsonl"
         rows = [m for m in read_jsonl(path) if m.get("run") == run] if path.exists() else []
         return max((m["iter"] + 1 for m in rows), default=0)
+
+    def trail(self, last: int = 40) -> str:
+        """The faulty run's last events and its iterations: what a timed-out wait shows."""
+        keep = ("kind", "t", "rank", "node", "generation", "mode", "reason", "state", "fault")
+        tail = [{k: e[k] for k in keep if k in e} for e in self.events()[-last:]]
+        lines = "\n".join(json.dumps(e) for e in tail)
+        return f"\n{self.iterations_done()} iterations done; last events:\n{lines}"
 
     def close(self) -> None:
         for p in self.procs:
@@ -210,11 +218,11 @@ def test_a_lost_node_is_planned_around_and_readmitted_when_it_returns(job_of):
     assert "unbroken.launch.trainer" in running and "unbroken.state.manager" in running
     t_kill = time.time()
     _kill_node(node1.pid, tree)
-    lost = _wait(lambda: job.kinds("node_lost"), 30, "node 1 to be declared lost")
+    lost = _wait(lambda: job.kinds("node_lost"), 30, "node 1 to be declared lost", job)
     assert lost[0]["node"] == 1, lost
     # Its connection closed: seen at once, not after the beats' timeout (docs/multinode.md).
     assert 0 <= lost[0]["t_detected"] - t_kill < 1.0, lost[0]["t_detected"] - t_kill
-    _wait(lambda: job.kinds("recovery_done"), 60, "the survivors to train again")
+    _wait(lambda: job.kinds("recovery_done"), 60, "the survivors to train again", job)
     back = job.node(1)  # the node returns: a fresh agent joins the job again
     summary = _summary(node0)
     _, err = back.communicate(timeout=60)

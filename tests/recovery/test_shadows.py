@@ -112,6 +112,7 @@ def test_a_lost_shadow_is_survived_by_fresh_processes(tmp_path):
     assert result["final_state_hash"] == ref["final_state_hash"]
 
 
+@pytest.mark.slow  # ~36 s on 2 cores; CI keeps the L3 takeover and the dead-shadow fallback
 def test_a_shadow_killed_mid_takeover_is_survived_exactly(tmp_path):
     """The promoted shadow dies while it attaches, repairs and resumes: that is a failure of the
     new generation, recovered like any other — in place — and the result is still exact.
