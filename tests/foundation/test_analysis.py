@@ -44,3 +44,20 @@ def test_breakdown_of_an_l3_takeover_reports_when_every_rank_has_a_shadow_again(
 def test_protection_not_restored_before_the_run_ended_is_none():
     (r,) = analyze_run(*_logs(second_shadow_ready=False))
     assert r.protected_again_s is None
+
+
+def test_a_takeover_logged_after_its_promoted_trainer_was_ready_still_counts():
+    """The coordinator logs the promotion when it reads the agent's message; on a loaded
+    machine the promoted trainer's `trainer_ready` came first (the demo's CI failure, stop
+    29). The promotion of the ready trainer's generation serves the recovery; one of another
+    generation does not."""
+    metrics, events = _logs(second_shadow_ready=True)
+    (ready,) = [e for e in events if e["kind"] == "trainer_ready"]
+    ready["generation"] = 1
+    (promoted,) = [e for e in events if e["kind"] == "shadows_promoted"]
+    promoted["t"] = ready["t"] + 0.3
+    (r,) = analyze_run(metrics, events)
+    assert (r.shadow_level, r.shadows_ready) == (3, 2)
+    promoted["generation"] = 2
+    (r,) = analyze_run(metrics, events)
+    assert (r.shadow_level, r.shadows_ready) == (0, 0)

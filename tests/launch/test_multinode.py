@@ -137,6 +137,11 @@ class _Job:
         rows = [m for m in read_jsonl(path) if m.get("run") == run] if path.exists() else []
         return max((m["iter"] + 1 for m in rows), default=0)
 
+    def parked(self, generation: int) -> set[int]:
+        """The ranks whose shadow for `generation` reported it is parked (`shadow_ready`)."""
+        ready = self.kinds("shadow_ready")
+        return {e["rank"] for e in ready if e["generation"] == generation}
+
     def trail(self, last: int = 40) -> str:
         """The faulty run's last events and its iterations: what a timed-out wait shows."""
         keep = ("kind", "t", "rank", "node", "generation", "mode", "reason", "state", "fault")
@@ -213,6 +218,9 @@ def test_a_lost_node_is_planned_around_and_readmitted_when_it_returns(job_of):
     node0 = job.node(0, "--reference")
     _wait(lambda: job.iterations_done() >= 5 or node0.poll() is not None, 200, "iteration 5")
     assert node0.poll() is None, node0.communicate()[1][-3000:]
+    # Node 0's shadows parked: only a parked shadow is taken into a changed world (one still
+    # forming its set's group would wait for node 1's), and the takeover is what this checks.
+    _wait(lambda: job.parked(1) >= {0, 1}, 120, "node 0's shadows for generation 1", job)
     tree = descendants(node1.pid) | {node1.pid}
     running = " ".join(Path(f"/proc/{p}/cmdline").read_text() for p in tree)
     assert "unbroken.launch.trainer" in running and "unbroken.state.manager" in running
@@ -223,6 +231,7 @@ def test_a_lost_node_is_planned_around_and_readmitted_when_it_returns(job_of):
     # Its connection closed: seen at once, not after the beats' timeout (docs/multinode.md).
     assert 0 <= lost[0]["t_detected"] - t_kill < 1.0, lost[0]["t_detected"] - t_kill
     _wait(lambda: job.kinds("recovery_done"), 60, "the survivors to train again", job)
+    _wait(lambda: job.parked(2) >= {0, 1}, 120, "node 0's shadows for generation 2", job)
     back = job.node(1)  # the node returns: a fresh agent joins the job again
     summary = _summary(node0)
     _, err = back.communicate(timeout=60)

@@ -167,9 +167,16 @@ def test_shadows_are_found_by_device_and_promoted_under_their_new_rank():
         devices={"0": 0, "1": 1, "2": 2},
     )
     pool.prepare(plan, level=3)
+    # Not parked yet: an L3 shadow may be inside its set's group formation with peers of the
+    # old world, which a lost node took with it. None is taken into a changed world.
+    assert pool.by_device(5) == {}
+    for r, t in pool.shadows.items():
+        t.beat = dataclasses.replace(_beat(r, -1), status=RankStatus.SHADOW_READY, level=3)
     assert pool.by_device(5) == {0: 0, 1: 1, 2: 2} and pool.by_device(4) == {}
     sup.procs[1].kill()  # device 1's shadow died with it
     assert pool.by_device(5) == {0: 0, 2: 2}
+    pool.shadows[0].beat = _beat(0, -1)  # a beat that says it is not parked (starting)
+    assert pool.by_device(5) == {2: 2}
     stdin = io.BytesIO()
     pool.shadows[2].proc.stdin = stdin  # type: ignore[attr-defined]
     t = pool.promote(2, "gen5.json", now=1.0, as_rank=1)

@@ -154,14 +154,17 @@ def _shadows(
     events: list[dict[str, Any]], t_fault: float, ready: dict[str, Any] | None
 ) -> tuple[dict[str, Any] | None, float | None]:
     """The promotion that served a recovery (None: processes restarted) and how long after the
-    failure every rank had a ready shadow again (None: never, or no shadows)."""
+    failure every rank had a ready shadow again (None: never, or no shadows).
+
+    The promotion of the generation the recovery's first ready trainer belongs to, not one
+    logged before that trainer's `trainer_ready`: the coordinator logs `shadows_promoted` when
+    it reads the agent's `Started`, and on a loaded machine a promoted shadow was once ready
+    (0.1-0.2 s after its promotion) before that, so the demo's takeover read as none."""
     promoted = next(
         (
             e
             for e in events
-            if e["kind"] == "shadows_promoted"
-            and e["t"] >= t_fault
-            and (ready is None or e["t"] <= ready["t"])
+            if e["kind"] == "shadows_promoted" and e["t"] >= t_fault and _serves(e, ready)
         ),
         None,
     )
@@ -175,6 +178,15 @@ def _shadows(
     ]
     again = max(nxt) - t_fault if n_ranks and len(nxt) >= n_ranks else None
     return promoted, again
+
+
+def _serves(promoted: dict[str, Any], ready: dict[str, Any] | None) -> bool:
+    """Whether a promotion after the failure is the one its first ready trainer came from."""
+    if ready is None:
+        return True
+    if "generation" in ready and "generation" in promoted:
+        return promoted["generation"] == ready["generation"]
+    return promoted["t"] <= ready["t"]  # logs from before events named their generation
 
 
 def _rank(det: dict[str, Any], inj: dict[str, Any] | None) -> int:

@@ -106,10 +106,7 @@ class ShadowPool:
 
     def ready_count(self, ranks: Collection[int]) -> int:
         """How many of `ranks`' shadows have reported they are parked at their level."""
-        return sum(
-            (b := self.shadows[r].beat) is not None and b.status is RankStatus.SHADOW_READY
-            for r in ranks
-        )
+        return sum(_parked(self.shadows[r]) for r in ranks)
 
     def find(self, rank: int) -> RankProc | None:
         return self.shadows.get(rank)
@@ -131,15 +128,22 @@ class ShadowPool:
         return t
 
     def by_device(self, generation: int) -> dict[int, int]:
-        """device -> the rank of its live shadow prepared for `generation` (the devices of the
-        generation start the shadows were prepared under)."""
+        """device -> the rank of its live shadow prepared for `generation` that is parked (the
+        devices of the generation start the shadows were prepared under).
+
+        Parked only: this is the world-change path, and a shadow still on its way to its level
+        may be inside its set's group formation (L3), waiting for peers of the old world that
+        are gone with a lost node. Promoted there, it waited out the collective timeout (60 s)
+        before the new world could train: a two-node CI run, where node 1 died 5 iterations
+        into the job, before node 0's shadows had parked on the loaded machine. A fresh trainer
+        starts instead."""
         if self.plan is None:
             return {}
         devices = self.plan.devices
         return {
             devices.get(str(r), r): r
             for r, t in self.shadows.items()
-            if t.generation == generation and t.alive()
+            if t.generation == generation and t.alive() and _parked(t)
         }
 
     def reclaim(self) -> None:
@@ -208,3 +212,8 @@ class ShadowPool:
             return
         self.relaunch_after = None
         self.relaunch(after.level, after.generation, ranks)
+
+
+def _parked(t: RankProc) -> bool:
+    """The shadow reported it is parked at its level (its last heartbeat)."""
+    return t.beat is not None and t.beat.status is RankStatus.SHADOW_READY
