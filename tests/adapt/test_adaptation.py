@@ -94,3 +94,29 @@ def test_a_slow_rank_back_at_full_speed_gets_the_launch_placement_back():
     assert capped.on_fail_slow(_slow(3, 3.0))
     assert not capped.on_recovered(3, 1.02)  # the cap bounds a job switching back and forth
     assert "max_replans" in log.events[-1][1]["reason"]
+
+
+def test_the_evict_policy_excludes_a_slow_device_and_plans_the_others_evenly():
+    """Evict-and-restart: the slow device is lost to the job (not planned around), the next
+    world runs the other three with the global batch spread evenly; the last device stays."""
+    a, store, log = _adaptation(policy="evict")
+    assert a.evicts and a.on_fail_slow(_slow(3, 4.0))
+    assert [k for k, _ in log.events] == ["device_evicted"] and store.placement_epoch() == 0
+    assert "evicted" in a.lost[3]
+    world = a.next_world()
+    assert world is not None and world.devices == (0, 1, 2)
+    assert sorted(world.placement.counts()) == [5, 5, 6]
+    assert log.events[-1][1]["trigger"]["kind"] == "device_lost"
+    for rank in (2, 1):
+        assert a.on_fail_slow(_slow(rank, 4.0)) and a.next_world() is not None
+    assert not a.on_fail_slow(_slow(0, 4.0))
+    assert "last device" in log.events[-1][1]["reason"]
+
+
+def test_the_greyhound_policy_moves_micro_batches_and_never_excludes():
+    a, store, log = _adaptation(policy="greyhound")
+    assert not a.evicts and not a.planner.exclusion
+    assert a.on_fail_slow(_slow(3, 4.0))
+    counts = a.placement.counts()
+    assert sum(counts) == 16 and 1 <= counts[3] < 4, counts
+    assert log.events[-1][0] == "replan" and store.placement_epoch() == 1

@@ -125,3 +125,21 @@ def test_the_transition_table_is_enforced():
             with pytest.raises(IllegalTransition, match=f"{old.value} -> {new.value}"):
                 m._go(new, "test")
             assert m.state is old and m.transitions == []
+
+
+def test_evict_and_restart_recovers_slow_and_lost_devices_from_a_checkpoint():
+    """The evict-and-restart baseline (`adapt.policy = "evict"`): a slow device evicted, then a
+    lost node, each restart from the newest checkpoint on the others, not in place."""
+    m = _running(world=4, replans=True, evicts=True)
+    assert isinstance(m.on_evict("rank 3 runs 4.00x slower"), Stop)
+    assert m.on_evict("a second report while stopping") is None
+    m.resize(3)
+    assert m.on_stopped(0) == Start(1, RestoreMode.CHECKPOINT, "ckpt_restart")
+    m.on_started(1)
+    assert isinstance(m.on_node_lost("agent connection closed"), Stop)
+    m.resize(2)
+    assert m.on_stopped(1) == Start(2, RestoreMode.CHECKPOINT, "ckpt_restart") and m.restarts == 2
+    # Without the policy, a slow device is not the state machine's business.
+    plain = _running(world=4, replans=True)
+    assert plain.on_evict("rank 3 runs 4.00x slower") is None
+    assert plain.state is RecoveryState.RUNNING

@@ -8,13 +8,22 @@ policy:
 
 - scenarios: `slow` (rank 3 computes `--factor` x slower from iteration I on), `lost` (device 1
   lost for good at iteration I);
-- policies: `ours` (`adapt.enabled`: the coordinator re-plans), `none` (no mitigation: the slow
-  rank keeps its micro-batches; a lost device fails the job, 0 tokens/s).
+- policies (`adapt.policy`, ResiHP §8.1's baselines run live): `ours` (`adapt.enabled`: the
+  coordinator re-plans), `none` (no mitigation: the slow rank keeps its micro-batches; a lost
+  device fails the job, 0 tokens/s), `evict` (evict-and-restart, Oobleck-like: the slow or lost
+  device leaves the job, which restarts from its newest checkpoint on the others with the
+  batch spread evenly), `greyhound` (micro-batches redistributed by measured speed, Greyhound's
+  `solve_dp`; no answer to a lost device: the job fails). Every run checkpoints every
+  `--ckpt-interval` iterations, so evict-and-restart has a checkpoint to go back to and every
+  policy pays the same saves.
 
 Per scenario and policy: median tokens/s over the iterations from `I + --settle` on, its ratio
 to ours, reconfiguration seconds (a lost device: detection to the first iteration on the
-survivors; a slow device: the boundary switch), checkpoint loads, bit-exactness. ResiHP's
-other baselines (evict-and-restart, Greyhound-style rebalancing) are not run here.
+survivors; a slow device: the boundary switch), checkpoint loads, bit-exactness. On a
+data-parallel job the scheduler's steps reduce to the micro-batch redistribution Greyhound also
+makes (its exclusion step keeps every rank at one micro-batch or more), so `greyhound` is
+expected at about ours on the slow scenario; the plans differ where PP or TP can be re-planned,
+which live jobs do not yet do.
 
 Caveat measured on the shared 2-core VM: four ranks oversubscribe two cores, so a rank that
 sleeps (the `slow` fault) frees CPU its peers use; the job is CPU-bound, the slow rank costs
@@ -34,7 +43,9 @@ from typing import Any
 
 __all__ = ["add_arguments", "run"]
 
-POLICIES = ("ours", "none")
+POLICIES = ("ours", "none", "evict", "greyhound")
+ADAPT_POLICY = {"ours": "resihp", "evict": "evict", "greyhound": "greyhound"}
+"""bench policy -> `adapt.policy` (`none` runs without `adapt.enabled`)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settle", type=int, default=10, help="iterations after it not measured")
     p.add_argument("--factor", type=float, default=4.0, help="slow scenario's factor (4)")
     p.add_argument("--world-size", type=int, default=4, help="ranks (default 4)")
+    p.add_argument(
+        "--ckpt-interval", type=int, default=5, help="iterations between checkpoints (default 5)"
+    )
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated subset of {','.join(POLICIES)} (ours always runs)",
+    )
     p.add_argument("--out", default=None, help="keep the run dirs here (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
 
@@ -51,7 +70,7 @@ def _say(text: str) -> None:
     print(f"[adapt] {text}", file=sys.stderr, flush=True)
 
 
-def _job(args: argparse.Namespace, inject: list[str], adapt: bool):
+def _job(args: argparse.Namespace, inject: list[str], policy: str):
     from unbroken.config import (
         AdaptConfig,
         CheckpointConfig,
@@ -68,9 +87,9 @@ def _job(args: argparse.Namespace, inject: list[str], adapt: bool):
         data=DataConfig(tokens_per_microbatch=64, microbatches=4, max_documents=200),
         train=TrainConfig(iterations=args.iterations, lr=1e-3),
         parallel=ParallelConfig(world_size=args.world_size, reduce="ordered"),
-        checkpoint=CheckpointConfig(interval=1000),
+        checkpoint=CheckpointConfig(interval=args.ckpt_interval),
         recovery=RecoveryConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5),
-        adapt=AdaptConfig(enabled=adapt),
+        adapt=AdaptConfig(enabled=policy != "none", policy=ADAPT_POLICY.get(policy, "resihp")),
         inject=inject,
     )
 
@@ -109,12 +128,12 @@ def _row(
     }
 
 
-def _one(args, root: Path, name: str, inject: list[str], adapt: bool) -> dict[str, Any]:
+def _one(args, root: Path, name: str, inject: list[str], policy: str) -> dict[str, Any]:
     from unbroken.api import run_job
     from unbroken.metrics.log import read_jsonl
 
     out = root / name
-    summary = run_job(_job(args, inject, adapt), out, quiet=True)
+    summary = run_job(_job(args, inject, policy), out, quiet=True)
     metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["run"] == "train"]
     events = [e for e in read_jsonl(out / "events.jsonl") if e["run"] == "train"]
     done = next((e for e in reversed(events) if e["kind"] == "trainer_done"), {})
@@ -131,12 +150,13 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table (or the rows as JSON). Returns the exit status."""
     root = Path(args.out or tempfile.mkdtemp(prefix="unbroken-adapt-"))
     t0 = time.time()
-    reference = _one(args, root, "reference", [], False)
+    policies = _policies(args.policies)
+    reference = _one(args, root, "reference", [], "none")
     _say(f"reference: {reference['summary']['faulty']['tokens_per_s']:.0f} tokens/s")
     rows = []
     for scenario, faults in _scenarios(args).items():
-        for policy in POLICIES:
-            s = _one(args, root, f"{scenario}-{policy}", faults, policy == "ours")
+        for policy in policies:
+            s = _one(args, root, f"{scenario}-{policy}", faults, policy)
             rows.append(_row(args, scenario, policy, s, reference))
             _say(f"{scenario}/{policy}: {rows[-1]}")
     for row in rows:
@@ -157,16 +177,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _policies(text: str) -> list[str]:
+    """`--policies`: known names, ours first and always."""
+    from unbroken.errors import UserError
+
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown:
+        raise UserError(f"--policies: unknown {', '.join(unknown)} (known: {', '.join(POLICIES)})")
+    return ["ours", *[p for p in POLICIES if p in names and p != "ours"]]
+
+
 def _print_table(rows: list[dict[str, Any]], ref_tps: float, start: int) -> None:
     print(f"fault-free reference: {ref_tps:.0f} tokens/s (iterations >= {start})")
     print(
-        f"{'scenario':10}{'policy':8}{'tokens/s':>10}{'vs ours':>9}{'reconfig s':>12}"
+        f"{'scenario':10}{'policy':10}{'tokens/s':>10}{'vs ours':>9}{'reconfig s':>12}"
         f"{'ckpt loads':>12}{'bit-exact':>11}"
     )
     for r in rows:
         ratio = f"{r['ratio_to_ours']:.2f}" if r["ratio_to_ours"] is not None else "-"
         reconfig = f"{r['reconfig_s']:.2f}" if r["reconfig_s"] is not None else "-"
         print(
-            f"{r['scenario']:10}{r['policy']:8}{r['tokens_per_s']:>10.0f}{ratio:>9}"
+            f"{r['scenario']:10}{r['policy']:10}{r['tokens_per_s']:>10.0f}{ratio:>9}"
             f"{reconfig:>12}{r['ckpt_loads']:>12}{r['bit_exact']!s:>11}"
         )

@@ -458,6 +458,10 @@ class MetricsConfig:
             raise ValueError("metrics.host must name an address, e.g. 127.0.0.1")
 
 
+ADAPT_POLICIES = ("resihp", "greyhound", "evict")
+"""`adapt.policy` values."""
+
+
 @dataclass(kw_only=True, slots=True)
 class AdaptConfig:
     """Live reconfiguration (issue 18): the running job follows the scheduler."""
@@ -473,12 +477,24 @@ class AdaptConfig:
     min_gain: float = 0.1
     """A re-plan for a slow device is executed only if the planner predicts an iteration at
     least this fraction faster than the running placement."""
+    policy: str = "resihp"
+    """What the coordinator does with a slow or lost device. "resihp": the scheduler's plan
+    (above). The baselines of ResiHP §8.1, run live by `unbroken bench adapt`: "greyhound" —
+    micro-batches redistributed by measured speed (the planner without its exclusion step:
+    Greyhound's `solve_dp`), and no answer to a lost device (the job fails, as without
+    re-planning); "evict" — evict-and-restart (Oobleck-like): a validated slow device is
+    excluded, and the job restarts from its newest checkpoint on the other devices with an
+    even plan; a lost device the same way (retained state and replicas are not used)."""
 
     def __post_init__(self) -> None:
         if self.max_replans < 0:
             raise ValueError("adapt.max_replans must be >= 0")
         if not 0 <= self.min_gain < 1:
             raise ValueError("adapt.min_gain must be in [0, 1)")
+        if self.policy not in ADAPT_POLICIES:
+            raise ValueError(
+                f"adapt.policy {self.policy!r} is unknown (one of {', '.join(ADAPT_POLICIES)})"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -9,6 +9,7 @@ and typed actions for the coordinator to execute.
     any live state --restart budget spent, crash loop, node lost, no plan--> FAILED
     STARTING/RUNNING/RESTARTING --a device or node lost--> STOPPING when the job re-plans
     RUNNING    --a lost node returned (re-plans)-->    STOPPING (planned: no restart counted)
+    RUNNING    --a slow device evicted (`evicts`)-->   STOPPING (restart from a checkpoint)
                                                          (`replans`), else FAILED
 
 Any other transition raises `IllegalTransition` (`ALLOWED` lists them): the machine cannot
@@ -137,6 +138,10 @@ class RecoveryMachine:
     retains_state: bool = False
     replans: bool = False
     """The job continues on fewer devices after one is lost (`adapt.enabled`)."""
+    evicts: bool = False
+    """Evict-and-restart (`adapt.policy = "evict"`): a lost device or node, or a device evicted
+    for being slow (`on_evict`), is recovered from the newest checkpoint on the others, not in
+    place."""
     state: RecoveryState = RecoveryState.STARTING
     generation: int = 0
     restarts: int = 0
@@ -193,8 +198,11 @@ class RecoveryMachine:
         cause = FailStopCause(event.cause)
         if cause is FailStopCause.NODE_LOST:
             return self.on_node_lost(event.reason)
+        live = self._live(event.generation if event.generation is not None else -1)
+        if cause is FailStopCause.DEVICE_LOST and self.evicts and live:
+            self.fallback = True
         if cause is FailStopCause.DEVICE_LOST and not self.replans:
-            if not self._live(event.generation if event.generation is not None else -1):
+            if not live:
                 return None
             self._go(_S.FAILED, f"{event.reason}; the job does not re-plan (adapt.enabled)")
             return Fail(self.generation, event.reason)
@@ -260,7 +268,17 @@ class RecoveryMachine:
             return Fail(self.generation, reason)
         if self.state is _S.STOPPING:
             return None
+        self.fallback = self.fallback or self.evicts
         return self._failure(f"node lost: {reason}")
+
+    def on_evict(self, reason: str) -> Stop | None:
+        """A device evicted for being slow (`evicts`): stop the running generation; the next
+        one starts from the newest checkpoint on the other devices (a restart is counted, like
+        any checkpoint restart). None when not running."""
+        if not self.evicts or self.state is not _S.RUNNING:
+            return None
+        self.fallback = True
+        return self._failure(f"evicted: {reason}")
 
     def on_grow(self, reason: str) -> Stop | None:
         """Devices came back (a lost node rejoined): a job that re-plans stops the running

@@ -129,7 +129,15 @@ class Adaptation:
         """device -> why it is lost."""
         self.returned: dict[int, str] = {}
         """device -> why it is usable again (lost before; not yet back in the world)."""
-        self.healthy_s = plan_for_state(self.state, PlannerConfig()).current_s
+        self.planner = PlannerConfig(exclusion=cfg.adapt.policy != "greyhound")
+        """The scheduler's steps: Greyhound's policy is the planner without exclusion."""
+        self.healthy_s = plan_for_state(self.state, self.planner).current_s
+
+    @property
+    def evicts(self) -> bool:
+        """Evict-and-restart (`adapt.policy = "evict"`): a slow device is excluded, not planned
+        around, and the job restarts from a checkpoint on the others."""
+        return self.cfg.adapt.policy == "evict"
 
     # -- reports ----------------------------------------------------------------------------
     def device_of(self, rank: int) -> int:
@@ -165,7 +173,7 @@ class Adaptation:
         if not gone:
             return self._grow() if self.grows else None
         before = self.placement
-        result = plan_for_state(self.state, PlannerConfig())
+        result = plan_for_state(self.state, self.planner)
         plan = result.plan()
         devices = tuple(sorted(plan.ranks))
         placement = _at_least_one(DataPlacement.from_plan(plan, devices, self.microbatches))
@@ -228,9 +236,11 @@ class Adaptation:
         trigger["device"] = device
         if self.replans >= self.cfg.adapt.max_replans:
             return self._skip(trigger, f"adapt.max_replans = {self.cfg.adapt.max_replans} reached")
+        if self.evicts:
+            return self._evict(device, trigger)
         self.state = self.state.apply(replace(event, rank=device))
         try:
-            result = plan_for_state(self.state, PlannerConfig())
+            result = plan_for_state(self.state, self.planner)
         except NoPlanError as exc:  # pragma: no cover - a slow device never empties the plan
             return self._skip(trigger, str(exc))
         gain = 1.0 - result.predicted_s / result.current_s
@@ -262,13 +272,27 @@ class Adaptation:
         if self.replans >= self.cfg.adapt.max_replans:
             return self._skip(trigger, f"adapt.max_replans = {self.cfg.adapt.max_replans} reached")
         self.state = self.state.with_healthy(device)
-        result = plan_for_state(self.state, PlannerConfig())
+        result = plan_for_state(self.state, self.planner)
         plan = result.plan()
         placement = _at_least_one(DataPlacement.from_plan(plan, self.devices, self.microbatches))
         if placement == self.placement:
             return self._skip(trigger, "the plan for the healthy device is the running one")
         self.replans += 1
         self._adopt(result, plan, self.devices, placement, trigger, self.placement, iter_s)
+        return True
+
+    def _evict(self, device: int, trigger: dict) -> bool:
+        """Evict-and-restart: `device` leaves the job like a lost one (the next generation's
+        world is planned without it, `next_world`); the caller restarts from a checkpoint. The
+        device stays excluded for the rest of the run (the baseline re-admits nothing)."""
+        if len(self.devices) - len([d for d in self.devices if d in self.lost]) <= 1:
+            return self._skip(trigger, "the last device of the job is not evicted")
+        self.replans += 1
+        self.note_lost(device, f"evicted: {trigger['factor']:.2f}x slower ({trigger['what']})")
+        self.events.emit("device_evicted", device=device, trigger=trigger)
+        self.say(
+            f"evict device {device} (slow {trigger['factor']:.2f}x): restart from a checkpoint"
+        )
         return True
 
     # -- decisions --------------------------------------------------------------------------

@@ -111,7 +111,8 @@ class CoordinatorCore:
             world_size=layout.world_size,
             max_restarts=cfg.recovery.max_restarts,
             retains_state=self.retains_state,
-            replans=cfg.adapt.enabled,
+            replans=cfg.adapt.enabled and cfg.adapt.policy != "greyhound",
+            evicts=cfg.adapt.enabled and cfg.adapt.policy == "evict",
         )
         self.adapt = Adaptation(cfg, store, events, monitor.say) if cfg.adapt.enabled else None
         self.devices: tuple[int, ...] = tuple(range(layout.world_size))
@@ -459,7 +460,11 @@ class CoordinatorCore:
         if event.kind is DetectionKind.FAIL_STOP:
             self._log_fail_stop(event, progressed, phase)
         elif self.adapt is not None and self.fsm.state is RecoveryState.RUNNING:
-            self.adapt.on_fail_slow(event, self._healthy_iter_s(event.iteration))
+            acted = self.adapt.on_fail_slow(event, self._healthy_iter_s(event.iteration))
+            if acted and self.adapt.evicts:
+                self.execute(
+                    self.fsm.on_evict(f"rank {event.rank} runs {event.factor:.2f}x slower")
+                )
         action = self.fsm.on_startup_failure(startup) if startup else self.fsm.on_detection(event)
         self.execute(action)  # to the live nodes only: a lost node's agent is gone
         if event.cause == FailStopCause.NODE_LOST:

@@ -1,0 +1,38 @@
+"""`unbroken bench adapt`'s policies, without running jobs: each bench policy is the job's
+`adapt.policy` (or no re-planning), every run checkpoints at the same interval, and a
+`--policies` subset always runs ours first."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from unbroken.bench import adapt as bench
+from unbroken.errors import UserError
+
+
+def _args(**kw) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
+
+
+def test_each_policy_is_the_jobs_adapt_policy_and_every_run_checkpoints_alike():
+    args = _args(ckpt_interval=3)
+    jobs = {p: bench._job(args, [], p) for p in bench.POLICIES}
+    assert {p: (j.adapt.enabled, j.adapt.policy) for p, j in jobs.items()} == {
+        "ours": (True, "resihp"),
+        "none": (False, "resihp"),
+        "evict": (True, "evict"),
+        "greyhound": (True, "greyhound"),
+    }
+    assert {j.checkpoint.interval for j in jobs.values()} == {3}
+    assert {j.parallel.reduce for j in jobs.values()} == {"ordered"}
+
+
+def test_a_policy_subset_runs_ours_first_and_an_unknown_name_is_one_line():
+    assert bench._policies("greyhound,none") == ["ours", "none", "greyhound"]
+    assert bench._policies(_args().policies) == list(bench.POLICIES)
+    with pytest.raises(UserError, match="unknown oobleck"):
+        bench._policies("ours,oobleck")
