@@ -36,3 +36,14 @@ def test_a_policy_subset_runs_ours_first_and_an_unknown_name_is_one_line():
     assert bench._policies(_args().policies) == list(bench.POLICIES)
     with pytest.raises(UserError, match="unknown oobleck"):
         bench._policies("ours,oobleck")
+
+
+def test_the_load_scenario_is_fault_free_and_its_line_compares_ours_with_none():
+    assert bench._scenarios(_args())["load"] == []
+    rows = [
+        {"scenario": "load", "policy": "ours", "tokens_per_s": 980.0, "replans": 1},
+        {"scenario": "load", "policy": "none", "tokens_per_s": 1000.0, "replans": 0},
+    ]
+    line = bench._load_line(rows)
+    assert line is not None and "re-planned 1 time(s)" in line and "+2.0% lower" in line
+    assert bench._load_line(rows[:1]) is None  # no mitigation not run: nothing to compare
