@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -135,13 +136,25 @@ def test_a_promoted_shadow_returns_to_the_jobs_priority_not_to_zero():
     os.setpriority(os.PRIO_PROCESS, 0, 3)  # a job started under `nice -n 3`
     try:
         pool = ShadowPool(FakeSupervisor())  # type: ignore[arg-type]
-        shadow = subprocess.Popen(  # a shadow: lower priority, waiting for its promotion
-            ["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, preexec_fn=lambda: os.nice(5)
+        # A shadow: lower priority, with a second thread started at that priority (its
+        # heartbeat, gloo's threads), waiting for its promotion on stdin.
+        code = (
+            "import sys, threading; threading.Thread(target=sys.stdin.readline, daemon=True)"
+            ".start(); print(flush=True); sys.stdin.readline()"
         )
+        shadow = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            preexec_fn=lambda: os.nice(5),
+        )
+        assert shadow.stdout is not None and shadow.stdout.readline() == b"\n"  # both threads up
         pool.shadows[0] = RankProc(0, 1, shadow, Liveness(spawned=0.0))
-        assert os.getpriority(os.PRIO_PROCESS, shadow.pid) == 8
+        tasks = [int(t) for t in os.listdir(f"/proc/{shadow.pid}/task")]
+        assert len(tasks) == 2 and {os.getpriority(os.PRIO_PROCESS, t) for t in tasks} == {8}
         pool.promote(0, "spec.json", now=1.0)
-        assert os.getpriority(os.PRIO_PROCESS, shadow.pid) == 3
+        # Every thread at the job's priority: niceness is per thread on Linux.
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in tasks} == {3}
     finally:
         os.setpriority(os.PRIO_PROCESS, 0, before)
         shadow.kill()

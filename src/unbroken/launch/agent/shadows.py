@@ -116,8 +116,7 @@ class ShadowPool:
         """Turn `rank`'s shadow into the trainer of the generation whose final spec is `spec`
         (check `alive_for` first); `as_rank`: its rank in a changed world (it regroups)."""
         t = self.shadows.pop(rank)
-        with contextlib.suppress(OSError):  # the job's priority now (needs privilege)
-            os.setpriority(os.PRIO_PROCESS, t.proc.pid, self.job_nice)
+        _renice_threads(t.proc.pid, self.job_nice)
         assert t.proc.stdin is not None
         msg = Promote(spec=spec, rank=as_rank, regroup=as_rank is not None)
         t.proc.stdin.write(encode_json(msg) + b"\n")
@@ -217,3 +216,20 @@ class ShadowPool:
 def _parked(t: RankProc) -> bool:
     """The shadow reported it is parked at its level (its last heartbeat)."""
     return t.beat is not None and t.beat.status is RankStatus.SHADOW_READY
+
+
+def _renice_threads(pid: int, nice: int) -> None:
+    """Every thread of `pid` to the job's priority (needs privilege to raise it; else left).
+
+    Every thread, not the process: on Linux a niceness belongs to a thread, and
+    `setpriority(PRIO_PROCESS, pid)` changes only the thread whose id is `pid`. A shadow's other
+    threads — its heartbeat, gloo's communication threads from the group it formed at L3 —
+    were created at the shadow's niceness and kept it after promotion, so a promoted trainer's
+    collectives ran at +10 beside fresh trainers at 0 on a loaded machine."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:  # gone, or no /proc: the process alone
+        tids = [pid]
+    for tid in tids:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile; no privilege
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
