@@ -80,6 +80,20 @@ def startup_error(said: str) -> str:
     return rest if sep and head.startswith("unbroken-trainer[rank ") else said
 
 
+def _machine(cfg: JobConfig, world_size: int) -> RecoveryMachine:
+    """The run's recovery state machine: re-planning around lost devices unless the job does
+    not adapt or follows Greyhound's policy (no answer to them); evict-and-restart under
+    `adapt.policy = "evict"`."""
+    adapt = cfg.adapt
+    return RecoveryMachine(
+        world_size=world_size,
+        max_restarts=cfg.recovery.max_restarts,
+        retains_state=cfg.recovery.mode == "inplace",
+        replans=adapt.enabled and adapt.policy != "greyhound",
+        evicts=adapt.enabled and adapt.policy == "evict",
+    )
+
+
 class CoordinatorCore:
     """Args: cfg, run_dir, run_name, layout (ranks per node), endpoints (where the store
     listens), send (`(node, message)` to an agent), events (the run's event log), monitor
@@ -107,13 +121,7 @@ class CoordinatorCore:
         self.search_path = search_path or []
         self.debug = debug
         self.retains_state = cfg.recovery.mode == "inplace"
-        self.fsm = RecoveryMachine(
-            world_size=layout.world_size,
-            max_restarts=cfg.recovery.max_restarts,
-            retains_state=self.retains_state,
-            replans=cfg.adapt.enabled and cfg.adapt.policy != "greyhound",
-            evicts=cfg.adapt.enabled and cfg.adapt.policy == "evict",
-        )
+        self.fsm = _machine(cfg, layout.world_size)
         self.adapt = Adaptation(cfg, store, events, monitor.say) if cfg.adapt.enabled else None
         self.devices: tuple[int, ...] = tuple(range(layout.world_size))
         """rank -> device of the running world (devices are numbered as the ranks at launch)."""
