@@ -8,9 +8,9 @@ and typed actions for the coordinator to execute.
     RESTARTING --every node started its trainers-->      RUNNING
     any live state --restart budget spent, crash loop, node lost, no plan--> FAILED
     STARTING/RUNNING/RESTARTING --a device or node lost--> STOPPING when the job re-plans
+                                                         (`replans`), else FAILED
     RUNNING    --a lost node returned (re-plans)-->    STOPPING (planned: no restart counted)
     RUNNING    --a slow device evicted (`evicts`)-->   STOPPING (restart from a checkpoint)
-                                                         (`replans`), else FAILED
 
 Any other transition raises `IllegalTransition` (`ALLOWED` lists them): the machine cannot
 wander into a state nobody designed. Each transition is recorded with its reason for the event

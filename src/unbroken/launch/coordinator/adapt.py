@@ -285,7 +285,7 @@ class Adaptation:
         """Evict-and-restart: `device` leaves the job like a lost one (the next generation's
         world is planned without it, `next_world`); the caller restarts from a checkpoint. The
         device stays excluded for the rest of the run (the baseline re-admits nothing)."""
-        if len(self.devices) - len([d for d in self.devices if d in self.lost]) <= 1:
+        if sum(d not in self.lost for d in self.devices) <= 1:
             return self._skip(trigger, "the last device of the job is not evicted")
         self.replans += 1
         self.note_lost(device, f"evicted: {trigger['factor']:.2f}x slower ({trigger['what']})")

@@ -80,7 +80,7 @@ def startup_error(said: str) -> str:
     return rest if sep and head.startswith("unbroken-trainer[rank ") else said
 
 
-def _machine(cfg: JobConfig, world_size: int) -> RecoveryMachine:
+def _machine(cfg: JobConfig, world_size: int, retains_state: bool) -> RecoveryMachine:
     """The run's recovery state machine: re-planning around lost devices unless the job does
     not adapt or follows Greyhound's policy (no answer to them); evict-and-restart under
     `adapt.policy = "evict"`."""
@@ -88,7 +88,7 @@ def _machine(cfg: JobConfig, world_size: int) -> RecoveryMachine:
     return RecoveryMachine(
         world_size=world_size,
         max_restarts=cfg.recovery.max_restarts,
-        retains_state=cfg.recovery.mode == "inplace",
+        retains_state=retains_state,
         replans=adapt.enabled and adapt.policy != "greyhound",
         evicts=adapt.enabled and adapt.policy == "evict",
     )
@@ -121,7 +121,7 @@ class CoordinatorCore:
         self.search_path = search_path or []
         self.debug = debug
         self.retains_state = cfg.recovery.mode == "inplace"
-        self.fsm = _machine(cfg, layout.world_size)
+        self.fsm = _machine(cfg, layout.world_size, self.retains_state)
         self.adapt = Adaptation(cfg, store, events, monitor.say) if cfg.adapt.enabled else None
         self.devices: tuple[int, ...] = tuple(range(layout.world_size))
         """rank -> device of the running world (devices are numbered as the ranks at launch)."""
