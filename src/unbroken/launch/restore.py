@@ -145,8 +145,11 @@ def restore_state(
         if rank == 0 or not summary.held:
             events.emit("inplace_fallback", rank=rank, reason=decision.reason)
         return None
+    finish_ms = 0.0
     if decision.path is RestorePath.RESUME:
+        t_finish = time.perf_counter()
         finish_update(updater, decision, rank, hook)
+        finish_ms = (time.perf_counter() - t_finish) * 1e3
         fill_from_replicas(executor.state, decision, rank, group)
         start, action = decision.next_iteration, decision.reason
         if decision.actions[rank] is RankAction.FILL:
@@ -170,6 +173,7 @@ def restore_state(
         localize_ms=retained.localize_ms,
         remap_ms=retained.remap_ms,
         reconstruct_ms=report.reconstruct_ms,
+        finish_ms=finish_ms,
         lost_pages=report.lost_pages,
         fixup=fixup,
         action=action,

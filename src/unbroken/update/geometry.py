@@ -95,12 +95,12 @@ class StateGeometry:
         d = self.stripe_pages
         return rows[ref.group * d : (ref.group + 1) * d, ref.byte_lo // _F32 : ref.byte_hi // _F32]
 
-    def element_index(self, ref: ChunkRef) -> torch.Tensor:
-        """Flat element indices of chunk `ref`, shaped like `chunk_view`."""
+    def row_intervals(self, ref: ChunkRef) -> list[tuple[int, int]]:
+        """The flat element indices [lo, hi) of each row of chunk `ref`'s `chunk_view` (a
+        stripe page's slice: row r holds elements lo..hi-1 of the flat state)."""
         d, e = self.stripe_pages, self.elems_per_page
-        rows = torch.arange(ref.group * d, (ref.group + 1) * d, dtype=torch.int64)[:, None]
-        cols = torch.arange(ref.byte_lo // _F32, ref.byte_hi // _F32, dtype=torch.int64)[None, :]
-        return rows * e + cols
+        lo, hi = ref.byte_lo // _F32, ref.byte_hi // _F32
+        return [(r * e + lo, r * e + hi) for r in range(ref.group * d, (ref.group + 1) * d)]
 
     def group_pages(self, segment: torch.Tensor, group: int) -> list[torch.Tensor]:
         """The d uint8 pages of `segment` in `group` (views)."""

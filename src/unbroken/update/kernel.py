@@ -13,6 +13,8 @@ after) compute exactly what a single decay boundary did.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from unbroken.config import TrainConfig
@@ -27,18 +29,32 @@ from unbroken.update.rule import ChunkContext, ChunkRule, Mask, Ranges
 __all__ = ["ChunkStep"]
 
 
-def _ranges_mask(idx: torch.Tensor, ranges: Ranges) -> Mask:
-    """Which of the flat indices `idx` fall in the sorted, disjoint `ranges`."""
+def _ranges_mask(rows: list[tuple[int, int]], ranges: Ranges) -> Mask:
+    """Which elements of a chunk fall in the sorted, disjoint `ranges`; the chunk's row r holds
+    the flat indices [lo, hi) of `rows[r]` (`StateGeometry.row_intervals`). True / False when
+    all / none do, else a CPU bool mask shaped like the chunk's views.
+
+    Interval arithmetic, not a per-element search: a promoted trainer builds the masks of every
+    chunk its resumed update touches, and searching 16 M indices of a 2 MiB-page chunk on the
+    host took 0.75 s per chunk (9 s of a 1b L3 recovery on the H200)."""
     if not ranges:
         return False
-    starts = torch.tensor([a for a, _ in ranges], dtype=torch.int64)
-    ends = torch.tensor([b for _, b in ranges], dtype=torch.int64)
-    k = torch.searchsorted(starts, idx, right=True) - 1
-    mask = (k >= 0) & (idx < ends[k.clamp(min=0)])
-    if bool(mask.all()):
-        return True
-    if not bool(mask.any()):
+    ends = [b for _, b in ranges]
+    pieces: list[tuple[int, int, int]] = []  # (row, first column, end column) inside a range
+    for r, (lo, hi) in enumerate(rows):
+        j = bisect.bisect_right(ends, lo)  # the first range ending after lo
+        while j < len(ranges) and ranges[j][0] < hi:
+            a, b = ranges[j]
+            pieces.append((r, max(a, lo) - lo, min(b, hi) - lo))
+            j += 1
+    if not pieces:
         return False
+    width = rows[0][1] - rows[0][0]
+    if sum(e - s for _, s, e in pieces) == width * len(rows):
+        return True
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for r, s, e in pieces:
+        mask[r, s:e] = True
     return mask
 
 
@@ -127,11 +143,11 @@ class ChunkStep:
         key = (ref.group, ref.chunk)
         masks = self._masks.get(key)
         if masks is None:
-            idx = self.geometry.element_index(ref)
+            rows = self.geometry.row_intervals(ref)
             masks = self._masks[key] = (
-                _ranges_mask(idx, self.decay),
-                _ranges_mask(idx, self.frozen),
-                {k: _ranges_mask(idx, r) for k, r in self._rule_ranges.items()},
+                _ranges_mask(rows, self.decay),
+                _ranges_mask(rows, self.frozen),
+                {k: _ranges_mask(rows, r) for k, r in self._rule_ranges.items()},
             )
         return masks
 
