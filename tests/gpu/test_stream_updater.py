@@ -91,6 +91,24 @@ def test_a_marker_written_by_the_stream_has_the_host_writers_bytes_in_all_three_
         assert ProgressMarker(pages[0, :MARKER_BYTES]).read() == state
 
 
+@pytest.mark.gpu
+@cuda
+def test_a_dropped_marker_unregisters_the_host_pages_it_registered():
+    """Freed host memory left registered poisons the next allocation at its address."""
+    import gc
+
+    from unbroken.update.device_marker import DeviceMarker
+
+    pages = torch.zeros((3, MARKER_PAGE), dtype=torch.uint8)  # pageable: the marker registers it
+    dm = DeviceMarker(pages, torch.device("cuda"))
+    writer = ProgressMarker(torch.zeros(MARKER_BYTES, dtype=torch.uint8))
+    dm.write(writer.write(stage=Stage.IDLE, iteration=0, done_iter=-1))
+    assert pages.is_pinned()
+    del dm
+    gc.collect()
+    assert not pages.is_pinned()
+
+
 def _kinds():
     from unbroken.update.graph import GraphUpdater
     from unbroken.update.stream import StreamUpdater

@@ -25,6 +25,7 @@ a CRC-stamped record from a GPU stream into host memory.
 from __future__ import annotations
 
 import struct
+import weakref
 import zlib
 from functools import cache
 
@@ -118,8 +119,18 @@ def register_host(t: torch.Tensor) -> bool:
     return True
 
 
+def _unregister_host(pages: torch.Tensor, device: torch.device) -> None:
+    """Undo `register_host` once the writes into `pages` have landed. Held by the marker's
+    finalizer, which keeps `pages` alive until then: freed host memory that stays registered
+    poisons the next allocation at its address (a later asynchronous copy from it failed with
+    `cudaErrorInvalidValue` on the H200, in `bench gpu` after a resumable trainer was dropped)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.cudart().cudaHostUnregister(pages.data_ptr())
+
+
 class DeviceMarker:
-    """Enqueues marker writes on the current stream of `device`.
+    """Enqueues marker writes on the current stream of `device`. The pages stay registered
+    with CUDA while the marker lives (or until `reregister`), and no longer.
 
     Args:
         pages: the marker region's three pages, a uint8 host tensor [3, MARKER_PAGE].
@@ -135,7 +146,7 @@ class DeviceMarker:
         self._table = torch.from_numpy(table).to(device)
         self._crc0 = z
         self._registered = False
-        self._owned = False
+        self._unregister: weakref.finalize | None = None
 
     def write(self, state: MarkerState) -> None:
         """Enqueue the write of `state` into slot `state.seq % 2` of every marker page."""
@@ -154,7 +165,9 @@ class DeviceMarker:
 
     def _ensure_registered(self) -> None:
         if not self._registered:
-            self._owned = register_host(self.pages)
+            if register_host(self.pages):
+                self._unregister = weakref.finalize(self, _unregister_host, self.pages, self.device)
+                self._unregister.atexit = False  # the process's exit releases it anyway
             self._registered = True
 
     @staticmethod
@@ -190,6 +203,7 @@ class DeviceMarker:
 
     def reregister(self) -> None:
         """Register the pages again at the next write (after the manager remapped them)."""
-        if self._owned:
-            torch.cuda.cudart().cudaHostUnregister(self.pages.data_ptr())
-        self._registered = self._owned = False
+        if self._unregister is not None:
+            self._unregister()  # the old mapping's registration, once
+            self._unregister = None
+        self._registered = False
