@@ -129,9 +129,12 @@ class Coordinator:
         store = JobStore.host(host, self.cfg.recovery.collective_timeout_s)
         self.server = ControlServer(host, self.secret, self.endpoints.control_port)
         self.endpoints = Endpoints(host=host, store_port=store.port, control_port=self.server.port)
-        (self.run_dir / f"coordinator-{self.run_name}.json").write_text(
-            f'{{"host": "{host}", "port": {self.server.port}, "pid": {os.getpid()}}}\n'
-        )
+        # Written whole, then renamed: a reader polling for the file (`unbroken control`, the
+        # tests) never sees it empty (one CI run read it between the create and the write).
+        info = self.run_dir / f"coordinator-{self.run_name}.json"
+        tmp = info.with_suffix(".json.tmp")
+        tmp.write_text(f'{{"host": "{host}", "port": {self.server.port}, "pid": {os.getpid()}}}\n')
+        os.replace(tmp, info)
         core = CoordinatorCore(
             self.cfg,
             self.run_dir,
