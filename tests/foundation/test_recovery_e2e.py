@@ -38,6 +38,8 @@ def test_two_runs_of_one_config_have_identical_per_iteration_hashes(tmp_path):
     assert a["final_state_hash"] == b["final_state_hash"]
 
 
+@pytest.mark.slow  # 58 s; CI restarts from checkpoints in the async-checkpoint job, the corrupt
+# newest checkpoint, Young's interval and the lost device without retained state
 def test_kill_in_every_phase_recovers_bit_exact_by_checkpoint_restart(tmp_path):
     # One fault per phase, each in a different iteration; checkpoints every 3 iterations, so
     # every recovery reloads an older state and recomputes.

@@ -39,7 +39,8 @@ _SLOW = pytest.mark.slow
         pytest.param("inplace", True, id="inplace-tied+frozen"),
         pytest.param("inplace", False, id="inplace-tied", marks=_SLOW),
         pytest.param("ckpt_restart", False, id="ckpt_restart-tied", marks=_SLOW),
-        pytest.param("ckpt_restart", True, id="ckpt_restart-tied+frozen"),
+        # 49 s: CI keeps the in-place variant and checkpoint restart of the reference model
+        pytest.param("ckpt_restart", True, id="ckpt_restart-tied+frozen", marks=_SLOW),
     ],
 )
 def test_a_tied_user_model_recovers_bit_exact_from_a_kill_in_its_update(tmp_path, mode, freeze):
@@ -59,7 +60,10 @@ def test_a_tied_user_model_recovers_bit_exact_from_a_kill_in_its_update(tmp_path
 
 
 # CI keeps the in-place run; a tied model under checkpoint restart is the user model's case
-@pytest.mark.parametrize("mode", ["inplace", pytest.param("ckpt_restart", marks=_SLOW)])
+# 36 s for in place: CI keeps the tied HF Qwen2 on PP2 recovering in place (test_hf_pipeline).
+@pytest.mark.parametrize(
+    "mode", [pytest.param(m, marks=_SLOW) for m in ("inplace", "ckpt_restart")]
+)
 def test_a_tied_reference_model_on_a_pp2_plan_recovers_bit_exact(tmp_path, mode):
     # rank 1 runs the last stage and holds the head's copy of the tied embedding
     cfg = tiny_job(
