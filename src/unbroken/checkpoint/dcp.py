@@ -17,6 +17,11 @@ position: the sampler is pure) and `rng_seed`, the seed that with the iteration 
 every random draw of the model (`unbroken.train.rng`); loading into a job with another seed is
 refused, since it would silently continue with other data and other dropout masks.
 
+`layout.json` (when the saver gives one) names the parallel layout the flat buffers were
+saved under — which rank holds which layers and which tensor-parallel shard — so a job under
+another plan can load them (`unbroken.engine.ckpt_layout`); rank 0 writes it before the seal,
+which digests it with the rest.
+
 Two ways to save: `save_checkpoint` blocks until the checkpoint is complete;
 `save_checkpoint_async` blocks only while the state is copied into pinned host memory
 (`CheckpointStager`) and returns a `PendingSave` whose files, digests and manifest are written
@@ -50,12 +55,14 @@ __all__ = [
     "find_latest_valid",
     "list_checkpoints",
     "load_checkpoint",
+    "read_layout",
     "save_checkpoint",
     "save_checkpoint_async",
     "verify_checkpoint",
 ]
 
 MANIFEST = "manifest.json"
+LAYOUT = "layout.json"
 _WRITE_THREADS = 8
 """Files DCP writes per rank in parallel (and the digests computed in parallel)."""
 _STAMP_AGE_NS = 1_000_000_000
@@ -102,9 +109,12 @@ class CheckpointMismatch(RuntimeError):
     """The checkpoint belongs to a job with another seed."""
 
 
-def _seal(path: Path, iteration: int, stamp_ns: int) -> None:
-    """Rank 0, after every rank's files are complete: digest, stamp and record every file,
-    then publish the manifest atomically (see [Note: checkpoint seal])."""
+def _seal(path: Path, iteration: int, stamp_ns: int, layout: str = "") -> None:
+    """Rank 0, after every rank's files are complete: the layout record, then digest, stamp
+    and record every file, then publish the manifest atomically (see [Note: checkpoint
+    seal])."""
+    if layout:
+        (path / LAYOUT).write_text(layout)
     files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
     files = [p for p in files if p.name != MANIFEST]
     digests = _digests(files)
@@ -138,10 +148,12 @@ def save_checkpoint(
     keep: int,
     shard: str = "",
     rng_seed: int = 0,
+    layout: str = "",
 ) -> float:
     """Save the state before `iteration` runs; returns the seconds it took (all ranks).
 
-    Every rank calls this; rank 0 writes the manifest and prunes old checkpoints.
+    Every rank calls this; rank 0 writes the layout record (`layout`, if any) and the
+    manifest, and prunes old checkpoints.
     """
     t0 = time.perf_counter()
     stamp = time.time_ns() - _STAMP_AGE_NS
@@ -159,7 +171,7 @@ def save_checkpoint(
     if group is not None:
         dist.barrier(group=group)
     if rank == 0:
-        _seal(path, iteration, stamp)
+        _seal(path, iteration, stamp, layout)
         _prune(root, keep)
     if group is not None:
         dist.barrier(group=group)
@@ -273,6 +285,7 @@ def save_checkpoint_async(
     shard: str = "",
     rng_seed: int = 0,
     stager: CheckpointStager,
+    layout: str = "",
 ) -> PendingSave:
     """Start saving the state before `iteration`: blocks while the state is staged into
     `stager`'s host buffers, then writes, digests, seals and prunes in a background thread.
@@ -306,7 +319,7 @@ def save_checkpoint_async(
             # DCP's last step gathers every rank's write results at rank 0 before it writes
             # the metadata: when it returns there, every rank's files are complete.
             if rank == 0:
-                _seal(path, iteration, stamp)
+                _seal(path, iteration, stamp, layout)
                 _prune(root, keep)
         except BaseException as exc:  # re-raised by wait()
             pending._error.append(exc)
@@ -316,6 +329,13 @@ def save_checkpoint_async(
     pending._thread.start()
     stager._pending = pending
     return pending
+
+
+def read_layout(info: CheckpointInfo) -> str | None:
+    """The layout record the checkpoint was saved with; None when it has none (saved before
+    layouts were recorded, or by a caller that gave none)."""
+    f = info.path / LAYOUT
+    return f.read_text() if f.exists() else None
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -33,6 +33,7 @@ from unbroken.checkpoint.dcp import (
     checkpoint_path,
     find_latest_valid,
     load_checkpoint,
+    read_layout,
     save_checkpoint,
     save_checkpoint_async,
     verify_checkpoint,
@@ -71,6 +72,10 @@ class CheckpointPolicy:
         emit: appends an event to the job's log.
         shard: per-rank key prefix when ranks hold different state (engine plans).
         rng_seed: train.seed, saved with every checkpoint and checked on load.
+        layout: this rank's parallel layout record (`unbroken.engine.ckpt_layout`), saved
+            with every checkpoint; "" records none.
+        reshard: loads a checkpoint saved under another layout into this rank's state
+            (collective-free; returns the next iteration), or None when this rank cannot.
     """
 
     cfg: CheckpointConfig
@@ -82,6 +87,8 @@ class CheckpointPolicy:
     emit: Callable[..., Any]
     shard: str = ""
     rng_seed: int = 0
+    layout: str = ""
+    reshard: Callable[[CheckpointInfo], int] | None = None
     interval: int | None = None
     cost_s: float | None = None
     """The checkpoint cost this generation measured (its iteration-0 save)."""
@@ -112,6 +119,7 @@ class CheckpointPolicy:
             "keep": self.cfg.keep,
             "shard": self.shard,
             "rng_seed": self.rng_seed,
+            "layout": self.layout,
         }
         if self.cfg.asynchronous:
             pending = save_checkpoint_async(
@@ -160,16 +168,25 @@ class CheckpointPolicy:
         if holder[0] is None:
             return None
         path = Path(holder[0])
+        info = CheckpointInfo(path, int(path.name[5:]))
         t0 = time.time()
-        start = load_checkpoint(
-            CheckpointInfo(path, int(path.name[5:])),
-            state,
-            group=self.group,
-            shard=self.shard,
-            rng_seed=self.rng_seed,
-        )
+        saved = read_layout(info)
+        # Every rank reads the same record, so every rank takes the same branch.
+        if saved is None or not self.layout or saved == self.layout:
+            start = load_checkpoint(
+                info, state, group=self.group, shard=self.shard, rng_seed=self.rng_seed
+            )
+            resharded = False
+        elif self.reshard is None:
+            raise RuntimeError(
+                f"{path}: saved under another parallel layout, which this rank cannot load"
+            )
+        else:
+            start, resharded = self.reshard(info), True
         if self.rank == 0:
-            self.emit("checkpoint_loaded", iter=start, seconds=time.time() - t0)
+            self.emit(
+                "checkpoint_loaded", iter=start, seconds=time.time() - t0, resharded=resharded
+            )
         return start
 
     # -- when -----------------------------------------------------------------------------

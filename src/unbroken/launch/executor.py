@@ -36,6 +36,10 @@ class Executor(Protocol):
     data-parallel way (an engine rank's shard of the full model), else None."""
     checkpoint_shard: str
     """Per-rank checkpoint key prefix when ranks hold different state ("" when replicated)."""
+    checkpoint_layout: str
+    """The layout record saved with checkpoints (`unbroken.engine.ckpt_layout`)."""
+    reshard: Callable[[Any], int] | None
+    """Loads a checkpoint saved under another layout into this rank (`load_resharded`)."""
     replica_sets: tuple[tuple[int, ...], ...]
     """Sets of ranks that hold identical state (data-parallel replicas of the same shard): the
     audit checks that each set's hashes agree."""
@@ -79,6 +83,8 @@ class DataParallelExecutor:
     replica_sets: tuple[tuple[int, ...], ...] = ()
     reinit: Callable[[], None] | None = None
     checkpoint_shard: str = ""
+    checkpoint_layout: str = ""
+    reshard: Callable[[Any], int] | None = None
 
     def hook(self, phase: Any, iteration: int, step: int = 0, n_steps: int = 1) -> None:
         self.trainer._hook(phase, iteration, step, n_steps)
@@ -116,6 +122,8 @@ class PlanExecutor:
     updater: Updater
     reinit: Callable[[], None] | None
     checkpoint_shard: str
+    checkpoint_layout: str = ""
+    reshard: Callable[[Any], int] | None = None
     replica_sets: tuple[tuple[int, ...], ...] = ()
 
     def hook(self, phase: Any, iteration: int, step: int = 0, n_steps: int = 1) -> None:
@@ -184,7 +192,9 @@ def build_executor(
 
 def _data_parallel_executor(cfg, rank, group, device, retained, hooks, autocast, search, placement):
     from unbroken.detect.timing import PhaseTimer
+    from unbroken.engine.ckpt_layout import layout_record
     from unbroken.engine.replica import build_training
+    from unbroken.engine.tp import TPGroup
     from unbroken.train import Trainer
 
     # Last among the hooks: a `slow` stall lands in the interval it times. On a GPU it times
@@ -220,12 +230,26 @@ def _data_parallel_executor(cfg, rank, group, device, retained, hooks, autocast,
         built.geometry,
         updater,
         replica_sets=(tuple(range(world)),) if world > 1 else (),
+        checkpoint_layout=layout_record(None),
+        reshard=_resharder(cfg, built.state, TPGroup(), search),
     )
+
+
+def _resharder(cfg, state, tp, search) -> Callable[[Any], int]:
+    """Loads a checkpoint of another layout into `state` (`load_resharded`)."""
+
+    from unbroken.engine.ckpt_layout import load_resharded
+
+    def load(info) -> int:
+        return load_resharded(info, state, state.layout, tp, cfg, search=search)
+
+    return load
 
 
 def _plan_executor(cfg, plan, group, device, retained, hooks, autocast, search):
     """A plan's worker times itself (its waits are not at phase hooks): no PhaseTimer."""
     from unbroken.engine.build import build_worker, full_initial_params
+    from unbroken.engine.ckpt_layout import layout_record
     from unbroken.engine.sharding import load_from_full
 
     rank_engine = build_worker(
@@ -254,5 +278,7 @@ def _plan_executor(cfg, plan, group, device, retained, hooks, autocast, search):
         updater=worker.updater,
         reinit=reinit,
         checkpoint_shard=f"rank{dist.get_rank(group)}",
+        checkpoint_layout=layout_record(plan),
+        reshard=_resharder(cfg, state, tp, search),
         replica_sets=plan_replica_sets(plan),
     )

@@ -300,6 +300,8 @@ class RankSession:
             group=self.group,
             emit=self.events.emit,
             shard=self.executor.checkpoint_shard,
+            layout=self.executor.checkpoint_layout,
+            reshard=self.executor.reshard,
             rng_seed=cfg.train.seed,
         )
         start = restore_state(
