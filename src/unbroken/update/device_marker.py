@@ -122,8 +122,9 @@ def register_host(t: torch.Tensor) -> bool:
 def _unregister_host(pages: torch.Tensor, device: torch.device) -> None:
     """Undo `register_host` once the writes into `pages` have landed. Held by the marker's
     finalizer, which keeps `pages` alive until then: freed host memory that stays registered
-    poisons the next allocation at its address (a later asynchronous copy from it failed with
-    `cudaErrorInvalidValue` on the H200, in `bench gpu` after a resumable trainer was dropped)."""
+    poisons the next allocation at its address (the likely cause of an asynchronous copy that
+    failed with `cudaErrorInvalidValue` on the H200, in `bench gpu` after a resumable trainer
+    with host-allocated marker pages was dropped)."""
     torch.cuda.synchronize(device)
     torch.cuda.cudart().cudaHostUnregister(pages.data_ptr())
 
