@@ -1,6 +1,6 @@
 """`unbroken bench gpu`'s harness, run on the CPU (`--device cpu` smoke-tests it; the figures
 are for the H200 only): one run prints every headline key with a value, the resumable update
-and the checkpoint round trip included. Slow tier: about two minutes on this machine."""
+and the checkpoint round trip included. Slow tier (about 20 s): a benchmark's harness."""
 
 from __future__ import annotations
 
