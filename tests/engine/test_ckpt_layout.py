@@ -1,7 +1,7 @@
 """A checkpoint saved by a real TP2 x PP2 job loads under other layouts (the whole model, PP2,
 TP2) with every parameter and moment where the new layout needs it, and under its own layout
-to the same bits as the plain load; the checkpoint policy takes that path when the layouts
-differ (`unbroken.engine.ckpt_layout`)."""
+to the same bits as the plain load; a data-parallel job's loads under PP2; the checkpoint
+policy takes that path when the layouts differ (`unbroken.engine.ckpt_layout`)."""
 
 from __future__ import annotations
 
@@ -129,6 +129,28 @@ def test_the_policy_reshards_when_the_layouts_differ_and_says_so(saved):
     assert kind == "checkpoint_loaded" and event["resharded"] is True
     whole = _whole(cfg, info)
     assert torch.equal(layout.views(st.params)["embed.weight"], whole["params"]["embed.weight"])
+
+
+def test_a_data_parallel_checkpoint_loads_under_a_pipeline_plan(tmp_path):
+    """The other direction: a replicated checkpoint (one replica's buffers, no rank keys) cut
+    into PP2 stages; the reference is the plain load into the whole model."""
+    cfg = tiny_job(world_size=2, iterations=3, interval=2)
+    assert run_job(cfg, tmp_path, quiet=True)["state"] == "done"
+    info = find_latest_valid(next(p for p in tmp_path.rglob("checkpoints/*") if p.is_dir()))
+    assert info is not None and read_layout(info) == layout_record(None)
+    whole_layout = rank_layout(cfg, None)
+    whole = _state(whole_layout, cfg)
+    load_checkpoint(info, whole, group=None)
+    target = _cfg(2, 1, 2)
+    record = json.loads(layout_record(plan_from_config(target)))
+    for entry in record["ranks"].values():
+        layout = rank_layout(target, entry)
+        st = _state(layout, target)
+        assert load_resharded(info, st, layout, TPGroup(), target) == info.iteration
+        for seg, flat in st.persistent().items():
+            want = whole_layout.views(whole.persistent()[seg])
+            for slot in layout.stored:
+                assert torch.equal(layout.views(flat)[slot.name], want[slot.name]), slot.name
 
 
 def test_a_checkpoint_of_another_seed_is_refused(saved):
