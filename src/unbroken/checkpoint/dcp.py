@@ -51,6 +51,7 @@ __all__ = [
     "CheckpointMismatch",
     "CheckpointStager",
     "PendingSave",
+    "check_seed",
     "checkpoint_path",
     "find_latest_valid",
     "list_checkpoints",
@@ -331,6 +332,18 @@ def save_checkpoint_async(
     return pending
 
 
+def check_seed(info: CheckpointInfo, saved: int, rng_seed: int) -> None:
+    """Refuse a checkpoint saved with another `train.seed` than the job's.
+
+    Raises:
+        CheckpointMismatch: the seeds differ.
+    """
+    if saved != rng_seed:
+        raise CheckpointMismatch(
+            f"{info.path}: saved by a job with train.seed = {saved}, this job has {rng_seed}"
+        )
+
+
 def read_layout(info: CheckpointInfo) -> str | None:
     """The layout record the checkpoint was saved with; None when it has none (saved before
     layouts were recorded, or by a caller that gave none)."""
@@ -443,10 +456,8 @@ def load_checkpoint(
         dcp.load(host, checkpoint_id=str(info.path), process_group=group)
     saved = int(host.pop("rng_seed"))
     sd.pop("rng_seed")
-    if rng_seed is not None and saved != rng_seed:
-        raise CheckpointMismatch(
-            f"{info.path}: saved by a job with train.seed = {saved}, this job has {rng_seed}"
-        )
+    if rng_seed is not None:
+        check_seed(info, saved, rng_seed)
     for k, v in sd.items():
         if v.data_ptr() != host[k].data_ptr():
             v.copy_(host[k], non_blocking=host[k].is_pinned())

@@ -54,6 +54,7 @@ __all__ = [
     "make_source",
     "model_layers",
     "plan_from_config",
+    "stage_layers",
 ]
 
 
@@ -156,7 +157,7 @@ def _check_fits(cfg: JobConfig, plan: ParallelPlan, search: list[str]) -> Transf
     return args
 
 
-def _stage_layers(plan: ParallelPlan, rank: int) -> list[tuple[int, int]]:
+def stage_layers(plan: ParallelPlan, rank: int) -> list[tuple[int, int]]:
     """The layer ranges of every virtual stage `rank` holds (none for a standby)."""
     if not plan.actions.get(rank):
         return []
@@ -176,13 +177,13 @@ def _stage_and_groups(
     name. The reference stage is on "meta" and initialized from `full_initial_params`; an own
     model's is cut from the factory's full model, whose values it still holds."""
     if args is None:
-        model = factory_stage(cfg, _stage_layers(plan, dist.get_rank(world)), search)
+        model = factory_stage(cfg, stage_layers(plan, dist.get_rank(world)), search)
         tied = model.tied[0] if model.tied else ()
         initial = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
         return model, PlanGroups.build(plan, world, tied=tuple(tied)), initial
     groups = PlanGroups.build(plan, world, args)
     try:
-        model = StageModel(args, _stage_layers(plan, groups.rank), groups.tp, device="meta")
+        model = StageModel(args, stage_layers(plan, groups.rank), groups.tp, device="meta")
     except ValueError as exc:
         raise UserError(f"plan: {exc}") from None
     return model, groups, None

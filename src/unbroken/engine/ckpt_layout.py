@@ -33,8 +33,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from unbroken.checkpoint import CheckpointInfo, CheckpointMismatch
+from unbroken.checkpoint import CheckpointInfo, check_seed, read_layout
 from unbroken.config import JobConfig
+from unbroken.engine.build import stage_layers
 from unbroken.engine.sharding import load_from_full, unshard
 from unbroken.engine.stage import StageModel
 from unbroken.engine.tp import TPGroup
@@ -52,13 +53,10 @@ def layout_record(plan: ParallelPlan | None) -> str:
     if plan is None:
         return json.dumps(_REPLICATED, sort_keys=True)
     ranks = {}
-    for d, rep in enumerate(plan.replicas):
-        if d:
-            break  # one complete replica: the others hold the same state
-        for s, group in enumerate(rep.stages[: plan.pp]):
-            layers = [list(g.layers) for k, g in enumerate(rep.stages) if k % plan.pp == s]
-            for i, r in enumerate(group.ranks):
-                ranks[str(r)] = {"layers": layers, "tp": len(group.ranks), "tp_rank": i}
+    for group in plan.replicas[0].stages[: plan.pp]:  # one replica: the others hold the same
+        layers = [list(x) for x in stage_layers(plan, group.ranks[0])]
+        for i, r in enumerate(group.ranks):
+            ranks[str(r)] = {"layers": layers, "tp": len(group.ranks), "tp_rank": i}
     return json.dumps({"kind": "plan", "ranks": ranks}, sort_keys=True)
 
 
@@ -110,7 +108,8 @@ def _full_tensors(
     if record["kind"] == "replicated":
         sources = [("", None)]
     else:
-        sources = [(f"rank{r}/", e) for r, e in sorted(record["ranks"].items(), key=_rank_key)]
+        ranks = sorted(record["ranks"].items(), key=lambda item: int(item[0]))
+        sources = [(f"rank{r}/", e) for r, e in ranks]
     shards: dict[str, dict[str, dict[int, torch.Tensor]]] = {s: {} for s in segments}
     for prefix, entry in sources:
         layout = rank_layout(cfg, entry, search)
@@ -127,10 +126,6 @@ def _full_tensors(
         seg: {n: unshard(n, [by_pos[i] for i in sorted(by_pos)]) for n, by_pos in per.items()}
         for seg, per in shards.items()
     }
-
-
-def _rank_key(item: tuple[str, Any]) -> int:
-    return int(item[0])
 
 
 def load_resharded(
@@ -150,22 +145,17 @@ def load_resharded(
         ValueError: the checkpoint has no layout record, or misses a parameter this rank
             stores.
     """
-    path = info.path / "layout.json"
-    if not path.exists():
+    text = read_layout(info)
+    if text is None:
         raise ValueError(f"{info.path}: no layout record to reshard from")
-    record = json.loads(path.read_text())
+    scalars = _read(info, ["iteration", "rng_seed"])
+    check_seed(info, int(scalars["rng_seed"]), cfg.train.seed)  # before reading the state
     segments = list(state.persistent())
     wanted = {s.name for s in layout.stored}
-    full = _full_tensors(info, record, cfg, segments, wanted, list(search))
+    full = _full_tensors(info, json.loads(text), cfg, segments, wanted, list(search))
     missing = wanted - set(full[segments[0]])
     if missing:
         raise ValueError(f"{info.path}: the checkpoint holds no {sorted(missing)}")
-    scalars = _read(info, ["iteration", "rng_seed"])
-    if int(scalars["rng_seed"]) != cfg.train.seed:
-        raise CheckpointMismatch(
-            f"{info.path}: saved by a job with train.seed = {int(scalars['rng_seed'])}, "
-            f"this job has {cfg.train.seed}"
-        )
     targets = state.persistent()
     for seg in segments:
         host = torch.zeros(targets[seg].numel(), dtype=targets[seg].dtype)
