@@ -1,0 +1,48 @@
+"""A pipeline job's plan on fewer devices, when the scheduler has none (issue 18, lost stages).
+
+The scheduler (`plan_for_state`) keeps the pipeline depth: it plans around a lost device with
+a surviving replica of its stage, a TP group that shrinks, or a standby. A job of one replica
+at TP 1 has none of these — its lost device held the only copy of a stage — so
+`plan_for_state` raises `NoPlanError`. What such a job can still do is what Oobleck does on
+every failure: run a fresh even plan on the devices it has left, from its newest checkpoint
+loaded under that plan (`unbroken.engine.ckpt_layout`). `shrink_pipeline` is that plan:
+
+- one replica (the data-parallel degree and so the global batch stay as they were: the
+  replica keeps its micro-batches);
+- min(pp, survivors, layers) stages, ranks 0..n-1 in the survivors' order, layers split
+  evenly (`make_plan`);
+- TP 1 on every stage, the same schedule; an interleaved schedule keeps its virtual stages
+  while the layers allow it, else falls back to 1F1B (interleaving on one stage is not a
+  pipeline).
+
+At TP 1 a stage computes the reference model's bits whatever its depth and schedule
+(docs/engine.md), so a job that continues on the smaller plan stays bit-exact against its
+fault-free run on the original one.
+"""
+
+from __future__ import annotations
+
+from unbroken.parallel import ParallelPlan, make_plan
+from unbroken.plan.exclusion import NoPlanError
+
+__all__ = ["shrink_pipeline"]
+
+
+def shrink_pipeline(plan: ParallelPlan, devices: int) -> ParallelPlan:
+    """`plan`'s job (one replica at TP 1) on `devices` devices, ranks 0..devices-1.
+
+    Raises:
+        NoPlanError: no device is left.
+        ValueError: `plan` is not a single replica at TP 1 (the scheduler's case, not this).
+    """
+    if devices < 1:
+        raise NoPlanError("no device is left to run the pipeline on")
+    if plan.dp != 1 or any(g.tp != 1 for g in plan.replicas[0].stages):
+        raise ValueError("shrink_pipeline plans a single replica at TP 1")
+    layers, (microbatches,) = plan.num_layers, plan.microbatches
+    pp = max(1, min(plan.pp, devices, layers))
+    v = plan.virtual_stages
+    if v > 1 and pp > 1 and pp * v <= layers and microbatches % pp == 0:
+        return make_plan(1, pp, 1, layers, microbatches, plan.schedule, virtual_stages=v)
+    schedule = "1f1b" if plan.schedule == "interleaved_1f1b" else plan.schedule
+    return make_plan(1, pp, 1, layers, microbatches, schedule)

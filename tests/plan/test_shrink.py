@@ -1,0 +1,50 @@
+"""`shrink_pipeline`: a single-replica TP-1 pipeline on fewer devices — even stages over ranks
+0..n-1, the micro-batches and schedule kept (interleaving only where it still applies)."""
+
+from __future__ import annotations
+
+import pytest
+
+from unbroken.parallel import make_plan
+from unbroken.plan import NoPlanError
+from unbroken.plan.shrink import shrink_pipeline
+
+
+def _stages(plan):
+    return [(g.ranks, g.layers) for g in plan.replicas[0].stages]
+
+
+def test_one_survivor_runs_every_layer_with_the_same_microbatches_and_schedule():
+    plan = shrink_pipeline(make_plan(1, 2, 1, 4, 6, "zb_h1"), 1)
+    assert _stages(plan) == [((0,), (0, 4))]
+    assert (plan.microbatches, plan.schedule, plan.dp) == ((6,), "zb_h1", 1)
+
+
+def test_three_survivors_of_four_split_the_layers_evenly_over_ranks_0_to_2():
+    plan = shrink_pipeline(make_plan(1, 4, 1, 8, 4), 3)
+    assert [r for r, _ in _stages(plan)] == [(0,), (1,), (2,)]
+    spans = [hi - lo for _, (lo, hi) in _stages(plan)]
+    assert sum(spans) == 8 and max(spans) - min(spans) <= 1
+
+
+def test_more_survivors_than_layers_leave_the_rest_as_standbys():
+    plan = shrink_pipeline(make_plan(1, 4, 1, 4, 4), 3)
+    assert len(plan.ranks) == 3
+    plan = shrink_pipeline(make_plan(1, 2, 1, 2, 4), 1)
+    assert len(plan.ranks) == 1
+
+
+def test_interleaving_is_kept_where_it_applies_and_dropped_where_not():
+    kept = shrink_pipeline(make_plan(1, 4, 1, 8, 4, "interleaved_1f1b", virtual_stages=2), 2)
+    assert (kept.schedule, kept.virtual_stages, kept.pp) == ("interleaved_1f1b", 2, 2)
+    one = shrink_pipeline(make_plan(1, 4, 1, 8, 4, "interleaved_1f1b", virtual_stages=2), 1)
+    assert (one.schedule, one.virtual_stages, one.pp) == ("1f1b", 1, 1)
+
+
+def test_it_refuses_what_the_scheduler_plans_and_an_empty_world():
+    with pytest.raises(ValueError, match="single replica at TP 1"):
+        shrink_pipeline(make_plan(2, 2, 1, 4, 4), 2)
+    with pytest.raises(ValueError, match="single replica at TP 1"):
+        shrink_pipeline(make_plan(1, 2, 2, 4, 4), 2)
+    with pytest.raises(NoPlanError):
+        shrink_pipeline(make_plan(1, 2, 1, 4, 4), 0)
