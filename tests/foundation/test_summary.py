@@ -85,3 +85,31 @@ def test_iterations_hashed_in_only_one_run_are_not_compared():
 def test_without_a_reference_there_is_no_verdict():
     s = build_summary(None, _run(HASHES, "a3"), CONFIG)
     assert "bit_exact" not in s and "per_iteration_mismatches" not in s
+
+
+def _pipeline_run(job: list[str], ranks: list[list[str]], generations: list[int], relaid: bool):
+    """A PP2 run whose iterations from generation 1 on ran one stage (a lost stage re-planned:
+    `plan_applied` with stages) when `relaid`."""
+    run = _run(job, job[-1])
+    for m, own, g in zip(run["metrics"], ranks, generations, strict=True):
+        m["rank_hashes"], m["generation"] = own, g
+    run["rank_hashes"] = ranks[-1]
+    if relaid:
+        run["events"] = [{"kind": "plan_applied", "generation": 1, "iter": 2, "stages": []}]
+    return run
+
+
+def test_after_a_pipeline_re_plan_the_job_hash_decides_not_the_ranks():
+    """Two stages, then one rank holding the whole model: its own hash cannot match either
+    reference rank's, the per-parameter job hash can — and still catches a difference."""
+    reference = _pipeline_run(HASHES, [["r0", "s0"]] * 4, [0] * 4, relaid=False)
+    ranks = [["r0", "s0"], ["r0", "s0"], ["w2"], ["w3"]]
+    faulty = _pipeline_run(HASHES, ranks, [0, 0, 1, 1], relaid=True)
+    s = build_summary(reference, faulty, CONFIG)
+    assert s["bit_exact"] is True and s["rank_mismatches"] == []
+    wrong = _pipeline_run(["a0", "a1", "a2", "x3"], ranks, [0, 0, 1, 1], relaid=True)
+    s = build_summary(reference, wrong, CONFIG)
+    assert s["bit_exact"] is False and s["per_iteration_mismatches"] == [3]
+    # Without the re-plan's record, the same ranks are compared and differ.
+    unmarked = _pipeline_run(HASHES, ranks, [0, 0, 1, 1], relaid=False)
+    assert build_summary(reference, unmarked, CONFIG)["bit_exact"] is False

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -53,8 +53,12 @@ class Executor(Protocol):
         """This rank's compute timings and workload of `iteration` for the fail-slow watch
         (`timings.jsonl`), or None when it has none."""
 
+    def rank_hash(self) -> str:
+        """This rank's own state hash (replicas of one shard must agree on it)."""
+
     def job_hash(self, rank_hashes: list[str]) -> str:
-        """The job's model state hash from every rank's own (`TrainState.state_hash`)."""
+        """The job's model state hash from every rank's own (`rank_hash`); every rank calls
+        it (it may gather)."""
 
 
 def _make_updater(retained, cfg: JobConfig):
@@ -102,6 +106,9 @@ class DataParallelExecutor:
             "doc_lengths": [list(x) for x in result.doc_lengths],
         }
 
+    def rank_hash(self) -> str:
+        return self.state.state_hash()
+
     def job_hash(self, rank_hashes: list[str]) -> str:
         return rank_hashes[0]  # every replica holds all of it (`replica_sets` checks that)
 
@@ -125,6 +132,10 @@ class PlanExecutor:
     checkpoint_layout: str = ""
     reshard: Callable[[Any], int] | None = None
     replica_sets: tuple[tuple[int, ...], ...] = ()
+    shard_tag: str = ""
+    """Appended to parameter names in the state hash: the TP position of this rank's shards
+    ("" at TP 1)."""
+    _slots: dict[str, str] = field(default_factory=dict)
 
     def hook(self, phase: Any, iteration: int, step: int = 0, n_steps: int = 1) -> None:
         self.worker._hook(phase, iteration, step, n_steps)
@@ -142,9 +153,29 @@ class PlanExecutor:
             "doc_lengths": [list(x) for x in result.doc_lengths],
         }
 
+    def rank_hash(self) -> str:
+        """sha256 over this rank's per-parameter hashes (kept for `job_hash`)."""
+        from unbroken.train.digest import slot_digests
+
+        self._slots = slot_digests(self.state, self.shard_tag)
+        joined = "".join(f"{k}={v};" for k, v in sorted(self._slots.items()))
+        return hashlib.sha256(joined.encode()).hexdigest()[:16]
+
     def job_hash(self, rank_hashes: list[str]) -> str:
-        """A hash over every rank's shard hash in rank order."""
-        return hashlib.sha256("".join(rank_hashes).encode()).hexdigest()[:16]
+        """A hash over every parameter's hash by name, whichever rank holds it: the same
+        model state gives the same hash under any pipeline layout, so a job re-planned onto
+        fewer stages is audited against its fault-free run on the original plan. (A tensor
+        shard's name carries its TP position: TP layouts hash by shard.) Gathers."""
+        if not self._slots:
+            self.rank_hash()
+        gathered: list[dict[str, str] | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, self._slots, group=self.group)
+        merged: dict[str, str] = {}
+        for slots in gathered:
+            for name, h in (slots or {}).items():
+                merged.setdefault(name, h)  # replicas hold the same (their rank hashes agree)
+        joined = "".join(f"{k}={v};" for k, v in sorted(merged.items()))
+        return hashlib.sha256(joined.encode()).hexdigest()[:16]
 
 
 def plan_replica_sets(plan) -> tuple[tuple[int, ...], ...]:
@@ -170,15 +201,17 @@ def build_executor(
     autocast: torch.dtype | None,
     search: Sequence[str] = (),
     placement=None,
+    plan=None,
 ) -> Executor:
     """This rank's executor on its (retained or fresh) buffers, with `hooks` at every phase.
 
     `placement` (`unbroken.parallel.DataPlacement`, data-parallel jobs with
     `parallel.reduce = "ordered"`): who computes which micro-batch; None, rank r computes
-    shard r."""
+    shard r. `plan` (`unbroken.parallel.ParallelPlan`): the plan this generation runs instead
+    of the config's (a pipeline job re-planned around a lost device)."""
     from unbroken.engine.build import job_plan
 
-    plan = job_plan(cfg, search)
+    plan = plan if plan is not None else job_plan(cfg, search)
     if plan is not None:
         return _plan_executor(cfg, plan, group, device, retained, hooks, autocast, search)
     if cfg.ordered_reduction and placement is None:
@@ -281,4 +314,5 @@ def _plan_executor(cfg, plan, group, device, retained, hooks, autocast, search):
         checkpoint_layout=layout_record(plan),
         reshard=_resharder(cfg, state, tp, search),
         replica_sets=plan_replica_sets(plan),
+        shard_tag=f"@tp{tp.rank}/{tp.size}" if tp.size > 1 else "",
     )

@@ -81,7 +81,7 @@ class TrainingLoop:
     def audit(self) -> Audit:
         """Gather every rank's hash (collective)."""
         ex = self.executor
-        hashes = gather_hashes(ex.state.state_hash(), self.group)
+        hashes = gather_hashes(ex.rank_hash(), self.group)
         return Audit(ex.job_hash(hashes), hashes, replica_mismatches(hashes, ex.replica_sets))
 
     def _write_metrics(self, result: IterationResult, audit: Audit | None, ckpt_s: float) -> None:

@@ -140,18 +140,31 @@ def _final_devices(events: list[dict[str, Any]]) -> list[int] | None:
     return done[-1].get("devices") if done else None
 
 
+def _relaid_from(events: list[dict[str, Any]]) -> int | None:
+    """The first generation of a run that ran another pipeline plan than the reference (a
+    `plan_applied` with stages: a lost stage re-planned, issue 18); None when none did."""
+    gens = [e["generation"] for e in events if e["kind"] == "plan_applied" and "stages" in e]
+    return min(gens) if gens else None
+
+
 def audit(reference: dict[str, Any], faulty: dict[str, Any]) -> dict[str, Any]:
     """The bit-exact audit of a faulty run against its fault-free reference: the job's final
     hash, every rank's own final hash, and every hashed iteration — per rank — must match.
+
+    Once a run runs another pipeline plan (`_relaid_from`), its ranks hold other parts of the
+    model than the reference's ranks: their own hashes are not compared from that generation
+    on, and the job's hash decides. A plan job's hash is taken per parameter, whichever rank
+    holds it (`PlanExecutor.job_hash`), so it covers the state of every rank under either plan.
 
     Returns:
         bit_exact, rank_mismatches (ranks whose final state differs), and
         per_iteration_mismatches (iterations where the job's or some rank's hash differs,
         with the ranks: [{"iter", "ranks"}]).
     """
+    relaid = _relaid_from(faulty.get("events", []))
     ranks = _rank_diff(
         reference.get("rank_hashes"),
-        faulty.get("rank_hashes"),
+        None if relaid is not None else faulty.get("rank_hashes"),
         _final_devices(faulty.get("events", [])),
     )
     ref_rows = {m["iter"]: m for m in reference["metrics"]}
@@ -160,7 +173,10 @@ def audit(reference: dict[str, Any], faulty: dict[str, Any]) -> dict[str, Any]:
         ref = ref_rows.get(m["iter"])
         if ref is None or m["state_hash"] is None or ref["state_hash"] is None:
             continue  # an iteration one of the runs did not hash
-        diff = set(_rank_diff(ref.get("rank_hashes"), m.get("rank_hashes"), m.get("devices")))
+        own = m.get("rank_hashes")
+        if relaid is not None and m.get("generation", 0) >= relaid:
+            own = None
+        diff = set(_rank_diff(ref.get("rank_hashes"), own, m.get("devices")))
         if diff or m["state_hash"] != ref["state_hash"]:
             per_iter.setdefault(m["iter"], set()).update(diff)
     final_equal = bool(faulty["final_state_hash"]) and (

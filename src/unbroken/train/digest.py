@@ -25,7 +25,7 @@ import hashlib
 
 import torch
 
-__all__ = ["SLICE_WORDS", "device_digest"]
+__all__ = ["SLICE_WORDS", "device_digest", "slot_digests"]
 
 P = (1 << 31) - 1
 WEIGHTS = ((0x5BD1E995 % P, 0x27D4EB2F % P), (0x165667B1 % P, 0x61C88647 % P))
@@ -47,3 +47,23 @@ def device_digest(t: torch.Tensor, *, slice_words: int = SLICE_WORDS) -> bytes:
     if sums:
         h.update(torch.stack(sums).cpu().numpy().tobytes())
     return h.digest()
+
+
+def slot_digests(state, tag: str = "") -> dict[str, str]:
+    """Per parameter this state owns (`FlatLayout.slots`: copies of another rank's parameters
+    left out), a hash of its values and both AdamW moments, keyed by its name plus `tag` (a
+    TP shard's position). The same parameter holds the same bits wherever a plan puts it, so
+    these hashes, gathered over the ranks, fingerprint the model state independently of the
+    pipeline layout that holds it (`PlanExecutor.job_hash`)."""
+    out = {}
+    tensors = list(state.persistent().values())
+    for s in state.layout.slots:
+        h = hashlib.sha256()
+        for t in tensors:
+            piece = t[s.offset : s.offset + s.numel]
+            if piece.is_cuda:
+                h.update(device_digest(piece))
+            else:
+                h.update(piece.detach().contiguous().view(torch.uint8).numpy().data)
+        out[s.name + tag] = h.hexdigest()[:16]
+    return out
