@@ -33,6 +33,7 @@ _CONFIG = """
 inject = {inject}
 [model]
 preset = "tiny"
+n_layers = {layers}
 [data]
 tokens_per_microbatch = 64
 microbatches = 2
@@ -44,7 +45,7 @@ lr = 1e-3
 world_size = 4
 pp = {pp}
 [checkpoint]
-interval = 1000
+interval = {interval}
 [recovery]
 heartbeat_interval_s = 0.1
 heartbeat_timeout_s = 1.5
@@ -82,7 +83,17 @@ class _Job:
     """A two-node job: a config, a secret file, and one `unbroken train` per node."""
 
     def __init__(
-        self, tmp: Path, *, iterations=12, inject=(), adapt=False, join_timeout=60, pp=1, nnodes="2"
+        self,
+        tmp: Path,
+        *,
+        iterations=12,
+        inject=(),
+        adapt=False,
+        join_timeout=60,
+        pp=1,
+        nnodes="2",
+        layers=2,
+        interval=1000,
     ):
         self.tmp, self.out, self.port = tmp, tmp / "out", _free_port()
         self.config = tmp / "job.toml"
@@ -93,6 +104,8 @@ class _Job:
                 adapt=str(adapt).lower(),
                 join_timeout=join_timeout,
                 pp=pp,
+                layers=layers,
+                interval=interval,
             )
         )
         self.secret = self.secret_file("s3cret-of-the-job")
@@ -359,3 +372,27 @@ def test_a_spare_node_takes_the_place_of_a_lost_one(job_of):
     assert {len(m["rank_hashes"]) for m in rows if m.get("rank_hashes")} == {4}
     starts = [e for e in job.kinds("agent_joined")] + job.kinds("spare_joined")
     assert {(e["node"], e["host"]) for e in starts} >= {(2, "127.0.0.3")}
+
+
+@pytest.mark.slow  # ~60 s; the CI tier loses a pipeline's stage on one host (tests/adapt)
+@pytest.mark.timeout(300)
+def test_a_pipeline_that_loses_node_1_continues_on_node_0_from_a_checkpoint(job_of):
+    """PP=4 over 2 nodes x 2 ranks (the tiny model with 4 layers): node 1 dies with stages 2
+    and 3, the only copies of their state. The job re-plans onto node 0 as PP=2 and loads its
+    newest checkpoint under that plan; bit-exact against the fault-free PP=4 run."""
+    job = job_of(iterations=24, adapt=True, join_timeout=240, pp=4, layers=4, interval=4)
+    node1 = job.node(1)
+    node0 = job.node(0, "--reference")
+    _wait(lambda: job.iterations_done() >= 7 or node0.poll() is not None, 200, "iteration 7")
+    assert node0.poll() is None, node0.communicate()[1][-3000:]
+    _kill_node(node1.pid, descendants(node1.pid) | {node1.pid})
+    summary = _summary(node0)
+    assert summary["bit_exact"] is True, summary
+    (replan,) = job.kinds("replan")
+    assert sorted(replan["trigger"]["devices"]) == [2, 3], replan
+    assert (replan["devices_before"], replan["devices_after"]) == ([0, 1, 2, 3], [0, 1])
+    assert [st["layers"] for st in replan["after"]] == [[0, 2], [2, 4]], replan
+    (loaded,) = job.kinds("checkpoint_loaded")
+    assert loaded["resharded"] is True and loaded["iter"] >= 4, loaded
+    assert [e["mode"] for e in job.kinds("recovery_start")] == ["ckpt_restart"]
+    assert summary["iterations"] == 24 and summary["state"] == "done", summary

@@ -470,7 +470,9 @@ class AdaptConfig:
     """A lost device (its health check failed) or a validated fail-slow report makes the
     coordinator re-plan (`unbroken.plan`) and the job continue on the new placement: for a lost
     device on the remaining ranks without a checkpoint, for a slow one at an iteration boundary.
-    Data-parallel jobs (parallel.tp = pp = 1); implies parallel.reduce = "ordered"."""
+    Data-parallel jobs (parallel.tp = pp = 1); implies parallel.reduce = "ordered". A pipeline
+    job of one replica (parallel.pp > 1, tp = dp = 1) re-plans around a lost device only: the
+    survivors run a smaller pipeline from the newest checkpoint."""
     max_replans: int = 4
     """Most re-plans for slow devices a job makes, and for their return to full speed (a cap
     on a detector that fires on noise)."""
@@ -528,10 +530,16 @@ class JobConfig:
         self.model, self.data = resolve_vocabulary(self.model, self.data)
         parallel = self.parallel
         self.nodes.per_node(parallel.world_size)  # raises when the nodes do not hold the world
-        if self.adapt.enabled and parallel.planned:
+        if self.adapt.enabled and parallel.planned and (parallel.tp > 1 or parallel.dp > 1):
             raise ValueError(
-                "adapt.enabled re-plans data-parallel jobs only (parallel.tp = pp = 1); "
-                "set parallel.tp = parallel.pp = 1 or adapt.enabled = false"
+                "adapt.enabled re-plans data-parallel jobs (parallel.tp = pp = 1) and pipeline "
+                "jobs of one replica (parallel.pp > 1, tp = dp = 1); re-planning TP or DP x PP "
+                "plans is not built: set adapt.enabled = false"
+            )
+        if self.adapt.enabled and parallel.planned and self.adapt.policy != "resihp":
+            raise ValueError(
+                f'adapt.policy = "{self.adapt.policy}" is a data-parallel baseline; a pipeline '
+                'job re-plans with adapt.policy = "resihp"'
             )
         if self.adapt.enabled and parallel.reduce == "allreduce":
             raise ValueError(

@@ -57,6 +57,10 @@ class RetainedState:
     lost: dict[str, list[int]] | None = None
     nothing: str = ""
     """Why this rank retained nothing ("" when it retained something; see `repair_locally`)."""
+    relayout: bool = False
+    """The trainer does not resume from these regions (a checkpoint restart): a region whose
+    geometry differs from this layout's — the device ran another plan before — is freed and
+    made again, instead of refused."""
 
     def allocate(
         self, layout: FlatLayout, geometry: StateGeometry, device: torch.device
@@ -69,6 +73,8 @@ class RetainedState:
         updater's buffers live on the device, where the codec runs; the marker, written after
         every operation and read first on recovery, stays in host memory."""
         specs = RetainedLayout.of(geometry, self.cfg.protection).regions()
+        if self.relayout:
+            self._free_other_geometry(specs, device, geometry.page_bytes)
         self.regions = {
             s.name: self.client.allocate(
                 s.name, s.nbytes, **_placement(s, device, geometry.page_bytes)
@@ -87,6 +93,24 @@ class RetainedState:
                 self.remap_ms += self.client.remap(name, pages)
         tensors = {name: r.tensor for name, r in self.regions.items()}
         return state_from_regions(layout, geometry, tensors), self.fresh
+
+    def _free_other_geometry(self, specs, device: torch.device, page_bytes: int) -> None:
+        """Free the regions that exist with another geometry than `specs` give them."""
+        have = {r["name"]: r for r in self.client.list()}
+        for s in specs:
+            old = have.get(s.name)
+            if old is None:
+                continue
+            want = _placement(s, device, page_bytes)
+            size = -(-s.nbytes // want["page_bytes"]) * want["page_bytes"]
+            same = (old["nbytes"], old["page_bytes"], old["protected"], old.get("device")) == (
+                size,
+                want["page_bytes"],
+                want["protected"],
+                want.get("device"),
+            )
+            if not same:
+                self.client.free(s.name)
 
     def page_loss_target(self, geometry: StateGeometry):
         """The page-loss injector's target: destroys pages of one protection group for real

@@ -229,6 +229,7 @@ class RankSession:
 
         from unbroken.inject import Injector, parse_fault
         from unbroken.launch.executor import build_executor
+        from unbroken.recovery import RestoreMode
 
         spec, cfg, rank = self.spec, self.cfg, self.rank
         if spec.retains_state:
@@ -238,7 +239,10 @@ class RankSession:
             client = RetainedClient(
                 spec.state_sockets[str(rank)], timeout_s=60, generation=spec.generation
             )
-            self.retained = RetainedState(cfg, client)
+            # A generation that restarts from a checkpoint may run another plan than the one
+            # this device's regions were made for: they take the new geometry.
+            relayout = spec.restore is not RestoreMode.IN_PLACE
+            self.retained = RetainedState(cfg, client, relayout=relayout)
         job_t0 = self.store.job_t0(time.time() if rank == 0 else None)
         faults = [parse_fault(f) for f in cfg.inject]
         # Faults name devices (the ranks at launch): after a device is lost the survivors run
@@ -251,11 +255,6 @@ class RankSession:
             autocast = torch.bfloat16
         # The heartbeat first: it records the phase a failure (an injected one too) happened in.
         hooks = ([self.hb] if self.hb else []) + [self.injector]
-        placement = None
-        if spec.placement is not None:
-            from unbroken.parallel import DataPlacement
-
-            placement = DataPlacement.from_dict(spec.placement)
         self.executor = build_executor(
             cfg,
             rank=rank,
@@ -265,7 +264,8 @@ class RankSession:
             hooks=hooks,
             autocast=autocast,
             search=spec.search_path,
-            placement=placement,
+            placement=spec.data_placement(),
+            plan=spec.engine_plan(),
         )
         self.injector.bitflip_target = self.executor.state.params
         if self.retained is not None:
@@ -380,7 +380,23 @@ class RankSession:
         self._enter(SessionStage.TRAINED)
 
     def _switch(self, start: int) -> Any:
-        """The boundary agreement on re-planned placements (`adapt.enabled`, data-parallel)."""
+        """The boundary agreement on re-planned placements (`adapt.enabled`, data-parallel);
+        a re-planned pipeline's first iteration is logged (`plan_applied`)."""
+        spec = self.spec
+        if self.rank == 0 and spec.plan is not None:
+            from unbroken.launch.coordinator.adapt_plan import plan_summary
+
+            plan = spec.engine_plan()
+            self.events.emit(
+                "plan_applied",
+                epoch=spec.plan_epoch,
+                iter=start,
+                stages=plan_summary(plan),
+                counts=list(plan.microbatches),
+                generation=spec.generation,
+                devices=[spec.device_of(r) for r in range(spec.world_size)],
+                switch_s=0.0,
+            )
         if not self.cfg.adapt.enabled or not hasattr(self.executor, "set_placement"):
             return None
         from unbroken.launch.switch import PlacementSwitch

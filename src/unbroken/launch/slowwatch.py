@@ -67,12 +67,15 @@ class SlowWatch:
         peers' pace again (`DetectorConfig.recover_ratio`); the coordinator offers its device
         back to the plan."""
 
-    def reset(self, world_size: int) -> None:
+    def reset(self, world_size: int, plan: ParallelPlan | None = None) -> None:
         """The job continues on a world of `world_size` ranks (a lost device was planned
-        around, issue 18): ranks are renumbered, so a fresh detector learns the new world
-        (it warms up again); reports go to the same sink."""
+        around, issue 18) and, for a pipeline job, under `plan`: ranks are renumbered, so a
+        fresh detector learns the new world (it warms up again); reports go to the same
+        sink."""
         sink = self.detector.sink
         self.world_size = world_size
+        if plan is not None:
+            self.plan = plan
         self.detector = FailSlowDetector(self.detector.cfg, plan=self.plan, sink=sink)
         self._timings.clear()
         self._metrics.clear()

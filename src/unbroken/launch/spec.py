@@ -41,12 +41,32 @@ class GenerationSpec:
     None: rank r computes shard r."""
     plan_epoch: int = 0
     """The epoch of `placement` in the job store (`JobStore.placement_epoch`)."""
+    plan: dict[str, Any] | None = None
+    """The engine plan this generation runs (`unbroken.parallel.ParallelPlan.to_dict`, ranks of
+    this world); None: the config's (`engine.build.job_plan`). A pipeline job that lost a
+    device runs a smaller one (issue 18)."""
     device_registry: str = ""
     """The directory of the devices' health on CPU ranks (`unbroken.devices`)."""
 
     def device_of(self, rank: int) -> int:
         """The device `rank` runs on."""
         return self.devices[rank] if self.devices else rank
+
+    def data_placement(self):
+        """`placement` as a `DataPlacement` (None: rank r computes shard r)."""
+        if self.placement is None:
+            return None
+        from unbroken.parallel import DataPlacement
+
+        return DataPlacement.from_dict(self.placement)
+
+    def engine_plan(self):
+        """`plan` as a `ParallelPlan` (None: the config's)."""
+        if self.plan is None:
+            return None
+        from unbroken.parallel import ParallelPlan
+
+        return ParallelPlan.from_dict(self.plan)
 
     @property
     def resume(self) -> bool:

@@ -89,7 +89,8 @@ class NewWorld:
 
     devices: tuple[int, ...]
     """rank -> device."""
-    placement: DataPlacement
+    placement: DataPlacement | None
+    """Who computes which micro-batch (data-parallel jobs; None for a pipeline job's plan)."""
     epoch: int
 
 
@@ -132,6 +133,18 @@ class Adaptation:
         self.planner = PlannerConfig(exclusion=cfg.adapt.policy != "greyhound")
         """The scheduler's steps: Greyhound's policy is the planner without exclusion."""
         self.healthy_s = plan_for_state(self.state, self.planner).current_s
+
+    plan = None
+    """The engine plan the job runs: none, the data-parallel trainer runs it."""
+    relayout = False
+    """Never: a data-parallel re-plan keeps every survivor's layout (its retained replica)."""
+
+    def spec_fields(self) -> dict:
+        """The generation spec's fields of the running placement."""
+        return {
+            "placement": self.placement.to_dict() if self.epoch else None,
+            "plan_epoch": self.epoch,
+        }
 
     @property
     def evicts(self) -> bool:

@@ -27,6 +27,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from unbroken.config import JobConfig, to_dict
@@ -35,6 +36,7 @@ from unbroken.devices import DeviceRegistry
 from unbroken.inject import parse_fault
 from unbroken.jobstore import JobStore
 from unbroken.launch.coordinator.adapt import Adaptation
+from unbroken.launch.coordinator.adapt_plan import PipelineAdaptation
 from unbroken.launch.coordinator.monitor import RunMonitor
 from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
 from unbroken.launch.spec import GenerationSpec
@@ -80,6 +82,22 @@ def startup_error(said: str) -> str:
     return rest if sep and head.startswith("unbroken-trainer[rank ") else said
 
 
+def _adaptation(
+    cfg: JobConfig, store: JobStore | None, events: JsonlLog, monitor: RunMonitor, search: list[str]
+) -> Adaptation | PipelineAdaptation | None:
+    """How the job follows the scheduler (`adapt.enabled`): the data-parallel adaptation, or
+    a pipeline job's (`parallel.pp` > 1; the config admits TP = DP = 1 only)."""
+    if not cfg.adapt.enabled:
+        return None
+    if not cfg.parallel.planned:
+        return Adaptation(cfg, store, events, monitor.say)
+    from unbroken.engine.build import job_plan
+
+    plan = job_plan(cfg, search)
+    assert plan is not None  # planned
+    return PipelineAdaptation(plan, events, monitor.say)
+
+
 def _machine(cfg: JobConfig, world_size: int, retains_state: bool) -> RecoveryMachine:
     """The run's recovery state machine: re-planning around lost devices unless the job does
     not adapt or follows Greyhound's policy (no answer to them); evict-and-restart under
@@ -122,7 +140,7 @@ class CoordinatorCore:
         self.debug = debug
         self.retains_state = cfg.recovery.mode == "inplace"
         self.fsm = _machine(cfg, layout.world_size, self.retains_state)
-        self.adapt = Adaptation(cfg, store, events, monitor.say) if cfg.adapt.enabled else None
+        self.adapt = _adaptation(cfg, store, events, monitor, self.search_path)
         self.devices: tuple[int, ...] = tuple(range(layout.world_size))
         """rank -> device of the running world (devices are numbered as the ranks at launch)."""
         self._worlds: dict[int, tuple[int, ...]] = {}
@@ -585,8 +603,7 @@ class CoordinatorCore:
             state_sockets=self._state_sockets(),
             debug=self.debug,
             devices=list(self.devices),
-            placement=self.adapt.placement.to_dict() if self.adapt and self.adapt.epoch else None,
-            plan_epoch=self.adapt.epoch if self.adapt else 0,
+            **(self.adapt.spec_fields() if self.adapt else {}),
             device_registry=str(self.registry),
         )
         path = self.run_dir / "specs" / f"{self.run_name}-gen{generation}.json"
@@ -617,7 +634,7 @@ class CoordinatorCore:
         self.devices = world.devices
         self.layout = NodeLayout.for_devices(world.devices, self.node_of_device)
         self.fsm.resize(len(world.devices))
-        self.monitor.slow_watch.reset(len(world.devices))
+        self.monitor.slow_watch.reset(len(world.devices), self.adapt.plan)
         return True
 
     def _start(self, action: Start) -> None:
@@ -627,6 +644,10 @@ class CoordinatorCore:
             self.execute(self.fsm.give_up(f"no devices left to re-plan on: {exc}"))
             return
         self._worlds[action.generation] = self.devices
+        if changed and self.adapt is not None and self.adapt.relayout:
+            # The survivors' retained state holds the old plan's layout: checkpoint, resharded.
+            self.adapt.relayout = False
+            action = replace(action, restore=RestoreMode.CHECKPOINT)
         spec = self.write_spec(action.generation, action.restore)
         if action.generation > 0:
             self.events.emit(

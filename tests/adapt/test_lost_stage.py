@@ -1,0 +1,49 @@
+"""A pipeline job (one replica at TP 1) that loses a device for good continues on the devices
+left: the coordinator gives them a smaller even pipeline (`shrink_pipeline`), the generation
+spec carries it, the survivors' state managers take the new geometry, and the newest checkpoint
+is loaded under the new plan (`unbroken.engine.ckpt_layout`). At TP 1 the plan's depth does not
+change the bits, so the run is bit-exact against the fault-free run on the original plan, whose
+state hash is taken per parameter, whichever rank holds it (`PlanExecutor.job_hash`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from unbroken.api import run_job
+from unbroken.config import ParallelConfig
+from unbroken.metrics.log import read_jsonl
+
+from .conftest import adapt_job, events_of
+
+
+def pipeline_job(*, pp: int, inject, iterations: int = 8, interval: int = 2, mode="inplace"):
+    cfg = adapt_job(world_size=pp, iterations=iterations, inject=inject)
+    return dataclasses.replace(
+        cfg,
+        parallel=ParallelConfig(world_size=pp, pp=pp),
+        checkpoint=dataclasses.replace(cfg.checkpoint, interval=interval),
+        recovery=dataclasses.replace(cfg.recovery, mode=mode),
+    )
+
+
+@pytest.mark.timeout(900)
+def test_a_lost_stage_continues_on_a_shorter_pipeline_from_a_checkpoint_bit_exact(tmp_path):
+    cfg = pipeline_job(pp=2, inject=["lose:rank=1,iter=5,phase=backward"])
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert (s["failures_detected"], s["failures_recovered"]) == (1, 1)
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    (replan,) = events_of(events, "replan")
+    assert replan["trigger"]["kind"] == "device_lost" and replan["trigger"]["devices"] == [1]
+    assert (replan["devices_before"], replan["devices_after"]) == ([0, 1], [0])
+    assert [st["layers"] for st in replan["before"]] == [[0, 1], [1, 2]]  # the tiny model
+    assert [st["layers"] for st in replan["after"]] == [[0, 2]]
+    (loaded,) = events_of(events, "checkpoint_loaded")
+    assert loaded["resharded"] is True and 0 < loaded["iter"] <= 5
+    (applied,) = events_of(events, "plan_applied")
+    assert applied["iter"] == loaded["iter"] and applied["devices"] == [0]
+    done = events_of(events, "trainer_done")[-1]
+    assert done["devices"] == [0] and len(done["rank_hashes"]) == 1

@@ -1,0 +1,91 @@
+"""The coordinator's decisions for a pipeline job (`PipelineAdaptation`), without processes:
+a lost device shrinks the pipeline onto the survivors and asks for a checkpoint restart; what
+is not built (slow devices, growing back) is skipped with its reason."""
+
+from __future__ import annotations
+
+from unbroken.detect.events import DetectionEvent, DetectionKind
+from unbroken.launch.coordinator.adapt_plan import PipelineAdaptation
+from unbroken.metrics.log import JsonlLog, read_jsonl
+from unbroken.parallel import ParallelPlan, make_plan
+
+
+def _adapt(tmp_path, pp=4, layers=8):
+    events = JsonlLog(tmp_path / "events.jsonl", run="t")
+    said: list[str] = []
+    return PipelineAdaptation(make_plan(1, pp, 1, layers, 4), events, said.append), said
+
+
+def _events(tmp_path, kind):
+    return [e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == kind]
+
+
+def test_an_unchanged_world_keeps_its_plan_and_spec(tmp_path):
+    adapt, _ = _adapt(tmp_path)
+    assert adapt.next_world() is None
+    assert adapt.spec_fields() == {"plan": None, "plan_epoch": 0} and not adapt.relayout
+
+
+def test_a_lost_device_shrinks_the_pipeline_onto_the_survivors(tmp_path):
+    adapt, said = _adapt(tmp_path)
+    adapt.note_lost(2, "device 2 lost (health check)")
+    world = adapt.next_world()
+    assert world is not None and world.devices == (0, 1, 3) and world.epoch == 1
+    assert world.placement is None and adapt.relayout
+    fields = adapt.spec_fields()
+    plan = ParallelPlan.from_dict(fields["plan"])
+    assert fields["plan_epoch"] == 1 and plan.pp == 3 and sorted(plan.ranks) == [0, 1, 2]
+    (replan,) = _events(tmp_path, "replan")
+    assert replan["trigger"]["devices"] == [2] and replan["restore"] == "checkpoint"
+    assert replan["devices_after"] == [0, 1, 3] and len(replan["after"]) == 3
+    assert "pipeline 4 -> 3" in said[-1]
+    # A second loss shrinks again, from the running world's devices.
+    adapt.note_lost(3, "device 3 lost")
+    assert adapt.next_world().devices == (0, 1)
+
+
+def test_returned_devices_stay_standbys_once_the_pipeline_shrank(tmp_path):
+    adapt, _ = _adapt(tmp_path)
+    adapt.note_lost(1, "lost")
+    adapt.next_world()
+    adapt.note_returned([1], "node 0 returned")
+    (skip,) = _events(tmp_path, "replan_skipped")
+    assert "growing a pipeline plan back is not built" in skip["reason"]
+    assert adapt.next_world() is None and not adapt.grows
+
+
+def test_devices_back_before_the_world_shrank_keep_the_running_plan(tmp_path):
+    adapt, _ = _adapt(tmp_path)
+    adapt.note_lost(3, "node 1 lost")
+    adapt.note_returned([3], "spare node 2 replaces lost node 1")
+    assert adapt.next_world() is None and not _events(tmp_path, "replan_skipped")
+
+
+def test_a_slow_device_is_not_planned_around(tmp_path):
+    adapt, _ = _adapt(tmp_path)
+    event = DetectionEvent(
+        kind=DetectionKind.FAIL_SLOW, iteration=5, rank=1, factor=2.0, cause="compute"
+    )
+    assert adapt.on_fail_slow(event) is False
+    (skip,) = _events(tmp_path, "replan_skipped")
+    assert "slow device is not built" in skip["reason"]
+
+
+def _config(**parallel):
+    from unbroken.config import AdaptConfig, JobConfig, ParallelConfig
+
+    policy = parallel.pop("policy", "resihp")
+    return JobConfig(
+        parallel=ParallelConfig(**parallel), adapt=AdaptConfig(enabled=True, policy=policy)
+    )
+
+
+def test_the_config_admits_pipeline_jobs_of_one_replica_and_says_what_it_refuses():
+    import pytest
+
+    assert _config(world_size=4, pp=4).parallel.planned
+    for parallel in ({"world_size": 4, "pp": 2}, {"world_size": 4, "tp": 2, "pp": 2}):
+        with pytest.raises(ValueError, match="re-planning TP or DP x PP plans is not built"):
+            _config(**parallel)
+    with pytest.raises(ValueError, match="a pipeline job re-plans with adapt"):
+        _config(world_size=2, pp=2, policy="evict")
