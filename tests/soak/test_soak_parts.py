@@ -8,12 +8,15 @@ import itertools
 import json
 import os
 import random
+import threading
+import time
 
 import pytest
 
 from unbroken.bench.soak_checks import (
     BOUNDS,
     coordinator_checks,
+    cpu_ends,
     disturbed,
     ends_ratio,
     fit_slope,
@@ -26,7 +29,13 @@ from unbroken.bench.soak_checks import (
     with_recoveries,
 )
 from unbroken.bench.soak_schedule import KINDS, NODE_BACK_S, draw_schedule
-from unbroken.bench.soak_watch import CLASSES, _EventTail, classify, sample_processes
+from unbroken.bench.soak_watch import (
+    CLASSES,
+    _cpu_rates,
+    _EventTail,
+    classify,
+    sample_processes,
+)
 from unbroken.inject import parse_fault
 
 
@@ -119,11 +128,25 @@ def test_fit_slope_is_least_squares():
     assert fit_slope([(0, 0.0), (1, 1.0), (2, 0.0), (3, 1.0)]) == pytest.approx(0.2)
 
 
-def _sample(recoveries: int, fds: int, in_recovery: bool = False, rss_kib: int = 100 << 10):
+def _sample(
+    recoveries: int,
+    fds: int,
+    in_recovery: bool = False,
+    rss_kib: int = 100 << 10,
+    threads: int = 40,
+):
     classes = {
-        c: {"procs": 0, "fds": 0, "memfds": 0, "rss_kib": 0, "shmem_kib": 0} for c in CLASSES
+        c: {"procs": 0, "fds": 0, "memfds": 0, "threads": 0, "rss_kib": 0, "shmem_kib": 0}
+        for c in CLASSES
     }
-    classes["trainer"] = {"procs": 4, "fds": fds, "memfds": 8, "rss_kib": rss_kib, "shmem_kib": 0}
+    classes["trainer"] = {
+        "procs": 4,
+        "fds": fds,
+        "memfds": 8,
+        "threads": threads,
+        "rss_kib": rss_kib,
+        "shmem_kib": 0,
+    }
     return {"recoveries": recoveries, "in_recovery": in_recovery, "classes": classes}
 
 
@@ -138,6 +161,10 @@ def test_leak_checks_find_one_fd_per_recovery_and_ignore_recovery_transients():
     assert checks["leak trainer.fds/recovery"].value == pytest.approx(1.0)
     assert checks["leak trainer.memfds/recovery"].passed is True
     assert set(BOUNDS) == {c.split(".")[1].split("/")[0] for c in checks}
+    threads = [_sample(k, 40, threads=20 + 2 * k) for k in range(10) for _ in range(3)]
+    checks = {c.name: c for c in leak_checks(threads, {"trainer": ["trainer"]})}
+    assert checks["leak trainer.threads/recovery"].passed is False
+    assert checks["leak trainer.fds/recovery"].passed is True
 
 
 def test_leak_checks_sum_a_group_so_a_promoted_shadow_is_not_a_leak():
@@ -238,6 +265,32 @@ def test_sampling_reads_this_process_as_the_coordinator():
         assert sample_processes(os.getpid())["coordinator"]["memfds"] == me["memfds"] + 1
     finally:
         os.close(fd)
+    assert me["threads"] >= 1
+    halt = threading.Event()
+    extra = threading.Thread(target=halt.wait)
+    extra.start()
+    try:
+        assert sample_processes(os.getpid())["coordinator"]["threads"] >= me["threads"] + 1
+    finally:
+        halt.set()
+        extra.join()
+
+
+def test_the_sampler_reports_each_class_s_cpu_in_cores_between_samples():
+    """CPU this process burns between two samples shows as the coordinator class's (this
+    process's) cores over the interval; a process absent from the previous sample counts 0."""
+    before: dict[int, tuple[str, float]] = {}
+    sample_processes(os.getpid(), before)
+    cpu0 = time.process_time()
+    while time.process_time() - cpu0 < 0.3:  # burn CPU in this process
+        sum(range(1000))
+    burnt = time.process_time() - cpu0
+    after: dict[int, tuple[str, float]] = {}
+    sample_processes(os.getpid(), after)
+    used = after[os.getpid()][1] - before[os.getpid()][1]
+    assert used == pytest.approx(burnt, abs=0.05)  # clock ticks of /proc/PID/stat
+    assert _cpu_rates(before, after, 2.0)["coordinator"] == pytest.approx(used / 2, abs=0.02)
+    assert _cpu_rates({}, after, 1.0)["coordinator"] == 0.0
 
 
 def test_steady_iterations_leave_out_failures_recomputation_and_slow_stretches():
@@ -382,3 +435,18 @@ def test_a_coordinator_pass_that_grows_with_the_run_fails_the_stall_check():
         e["poll_ms_max"] = 12.0
     *_, stall = coordinator_checks(events)
     assert stall.passed is True
+
+
+def test_cpu_ends_compare_each_class_s_cores_at_the_start_and_the_end():
+    rows = []
+    for k in range(40):
+        row = _sample(k // 4, 40)
+        for c in CLASSES:
+            row["classes"][c]["cpu"] = 0.1
+        row["classes"]["agent"]["cpu"] = 0.1 + 0.01 * k  # an agent that takes more and more
+        rows.append(row)
+    rows.append({**_sample(9, 40, in_recovery=True)})  # no cpu: mid-recovery, left out
+    ends = cpu_ends(rows)
+    assert ends["trainer"] == (0.1, 0.1)
+    first, last = ends["agent"]
+    assert first == pytest.approx(0.115) and last == pytest.approx(0.475)  # 4 samples each

@@ -46,6 +46,7 @@ from typing import Any
 from unbroken.bench.soak_checks import (
     Check,
     coordinator_checks,
+    cpu_ends,
     ends_ratio,
     fit_slope,
     leak_checks,
@@ -309,6 +310,7 @@ def _result(
         "recompute_ratio_ends": recompute,
         "steady_iterations": len(steady),
         "steady_iter_s_median": _median([s for _, s in steady]),
+        "cpu_cores_ends": cpu_ends(samples),
         "events_kib_per_recovery": fit_slope(events) if len(events) > 1 else None,
         "coordinator_stats": len(stats),
         "store_keys": [(r, k) for r, k, _ in stats_points(stats)],
@@ -417,5 +419,7 @@ def run(args: argparse.Namespace) -> int:
             f"{result['detect_s_median']} s, total {result['total_s_median']} s); "
             f"{result['seconds']:.0f} s; samples in {args.out}/soak.jsonl"
         )
+        cpu = ", ".join(f"{c} {a:.2f}->{b:.2f}" for c, (a, b) in result["cpu_cores_ends"].items())
+        print(f"cores used per class, first -> last tenth (steady samples): {cpu or '-'}")
         print("PASS" if result["passed"] else "FAIL")
     return 0 if result["passed"] else 1

@@ -10,9 +10,9 @@ recoveries finished so far, each group reduced to its median (a group's samples 
 steady state; the median drops a sample caught mid-spawn), and a least-squares line is fitted
 through (recoveries, median). The bound on its slope, per recovery:
 
-- fds 0.5, memfds 0.25, processes 0.1, zombies 0.1: these are counts, steady between
-  recoveries; a leak of one per recovery (an fd, a memfd segment, a zombie shadow per
-  generation) gives a slope of 1, and the steady level is the same after every recovery, so
+- fds 0.5, memfds 0.25, threads 0.5, processes 0.1, zombies 0.1: these are counts, steady
+  between recoveries; a leak of one per recovery (an fd, a memfd segment, a thread left
+  running — a heartbeat, a process group's — a zombie shadow per generation) gives a slope of 1, and the steady level is the same after every recovery, so
   the fitted slope of a leak-free run is ~0;
 - RSS 2 MiB per class (a class sums 4 processes or more): RSS drifts with the allocator and
   with which shadow was promoted, a few MiB up or down; a leaked copy of a rank's retained
@@ -89,6 +89,7 @@ __all__ = [
 BOUNDS = {
     "fds": 0.5,
     "memfds": 0.25,
+    "threads": 0.5,
     "procs": 0.1,
     "rss_mib": 2.0,
     "shmem_mib": 1.0,
@@ -138,7 +139,7 @@ def fit_slope(points: Sequence[tuple[float, float]]) -> float | None:
 
 def _value(row: dict[str, Any], classes: Sequence[str], resource: str) -> float:
     key = {"rss_mib": "rss_kib", "shmem_mib": "shmem_kib"}.get(resource, resource)
-    total = sum(row["classes"][c][key] for c in classes)
+    total = sum(row["classes"][c].get(key, 0) for c in classes)  # (older rows: no threads)
     return total / 1024 if key != resource else float(total)
 
 
@@ -274,6 +275,21 @@ def ends_ratio(values: Sequence[float], fraction: float = 0.1, minimum: int = 3)
     n = min(n, len(values) // 2)
     first, last = statistics.median(values[:n]), statistics.median(values[-n:])
     return first, last, last / first if first else None
+
+
+def cpu_ends(samples: Sequence[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """Per process class, the median cores it used over the steady samples of the first tenth
+    of the run and of the last (`ends_ratio`'s ends; samples without `cpu`: none). Not a
+    verdict: what a rise of the steady iteration time is read against on a machine whose
+    ranks share cores (the trainers get what the other classes leave)."""
+    steady = [r for r in samples if not r["in_recovery"] and not r.get("degraded")]
+    out = {}
+    for cls in dict.fromkeys(c for r in steady for c in r["classes"]):
+        values = [r["classes"][cls]["cpu"] for r in steady if "cpu" in r["classes"][cls]]
+        ends = ends_ratio(values)
+        if ends is not None:
+            out[cls] = (round(ends[0], 3), round(ends[1], 3))
+    return out
 
 
 def _recovery_key(r: dict[str, Any]) -> tuple[str, str]:

@@ -2,8 +2,8 @@
 runtime), every process of the running job — the job's process tree below the bench process,
 read from /proc — and appends one JSON row per sample to `soak.jsonl`.
 
-Per process: open fds (`/proc/PID/fd`), memfds among them (links naming `memfd:`), RSS and
-shared memory (`VmRSS`, `RssShmem` of `/proc/PID/status`), summed per class: `coordinator` (the
+Per process: open fds (`/proc/PID/fd`), memfds among them (links naming `memfd:`), threads,
+RSS and shared memory (`Threads`, `VmRSS`, `RssShmem` of `/proc/PID/status`), summed per class: `coordinator` (the
 bench process itself: `run_job` runs the coordinator in the calling process), `agent`,
 `state_manager`, `trainer`, `shadow` (the fork server and every process forked from it: idle
 shadows, and promoted shadows that now train — a fork keeps its server's cmdline), `zombie`
@@ -11,6 +11,10 @@ shadows, and promoted shadows that now train — a fork keeps its server's cmdli
 from `events.jsonl`: each sample is labelled with the number of recoveries finished in the
 faulty run (`recovery_done` events), whether one is in progress, and whether the job runs on
 fewer devices than it launched with (`degraded`: a node lost and not yet grown back).
+Per class also `cpu`: the CPU time its processes used since the previous sample, in cores
+(utime + stime of `/proc/PID/stat` over the interval, processes alive at both samples): on a
+machine whose ranks share cores, what the other processes take is what the trainers lose, so a
+steady iteration time that rises over a run is read against it.
 
 Samples are taken only once the faulty run has started (the fault-free reference before it
 runs without shadows or retained state: another process set).
@@ -114,25 +118,44 @@ def _read_process(pid: int) -> dict[str, Any] | None:
         "class": classify(cmdline, state),
         "fds": fds,
         "memfds": memfds,
+        "threads": int(fields.get("Threads", "0").split()[0] or 0),
         "rss_kib": _kib(fields.get("VmRSS")),
         "shmem_kib": _kib(fields.get("RssShmem")),
     }
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of `pid` in seconds; None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) * _TICK_S
 
 
 def _kib(value: str | None) -> int:
     return int(value.split()[0]) if value else 0
 
 
-def sample_processes(root_pid: int) -> dict[str, dict[str, int]]:
-    """Per class: live processes, fds, memfds, RSS and shared memory (KiB), summed over the
-    root process (as `coordinator`) and every process below it."""
-    totals = {c: {"procs": 0, "fds": 0, "memfds": 0, "rss_kib": 0, "shmem_kib": 0} for c in CLASSES}
+def sample_processes(
+    root_pid: int, cpu: dict[int, tuple[str, float]] | None = None
+) -> dict[str, dict[str, int]]:
+    """Per class: live processes, fds, memfds, threads, RSS and shared memory (KiB), summed
+    over the root process (as `coordinator`) and every process below it. `cpu`, when given,
+    receives pid -> (class, CPU seconds so far) of every process read."""
+    keys = ("procs", "fds", "memfds", "threads", "rss_kib", "shmem_kib")
+    totals = {c: dict.fromkeys(keys, 0) for c in CLASSES}
     for pid in [root_pid, *sorted(descendants(root_pid))]:
         info = _read_process(pid)
         if info is None:
             continue
         cls = "coordinator" if pid == root_pid else info.pop("class")
         info.pop("class", None)
+        if cpu is not None and (used := cpu_seconds(pid)) is not None:
+            cpu[pid] = (cls, used)
         row = totals[cls]
         row["procs"] += 1
         for key, value in info.items():
@@ -203,6 +226,8 @@ class ResourceSampler(threading.Thread):
         self.rows: list[dict[str, Any]] = []
         self._halt = threading.Event()
         self.t0 = time.monotonic()
+        self._cpu: dict[int, tuple[str, float]] = {}
+        self._t_cpu = self.t0
 
     def stop(self) -> None:
         self._halt.set()
@@ -222,7 +247,12 @@ class ResourceSampler(threading.Thread):
         self.events.poll()
         if not self.events.started:
             return None
-        per_class = sample_processes(os.getpid())
+        cpu: dict[int, tuple[str, float]] = {}
+        per_class = sample_processes(os.getpid(), cpu)
+        now = time.monotonic()
+        for cls, cores in _cpu_rates(self._cpu, cpu, now - self._t_cpu).items():
+            per_class[cls]["cpu"] = cores
+        self._cpu, self._t_cpu = cpu, now
         self.events.poll()  # a recovery that ended while sampling counts as in progress
         try:
             events_bytes = self.events_path.stat().st_size
@@ -237,3 +267,17 @@ class ResourceSampler(threading.Thread):
             "events_lines": self.events.lines,
             "classes": per_class,
         }
+
+
+def _cpu_rates(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], dt: float
+) -> dict[str, float]:
+    """Per class, the cores its processes used between two samples `dt` seconds apart (only
+    processes alive at both: one that started or ended between them is left out)."""
+    rates = dict.fromkeys(CLASSES, 0.0)
+    if dt <= 0:
+        return rates
+    for pid, (cls, used) in after.items():
+        if pid in before:
+            rates[cls] += max(0.0, used - before[pid][1]) / dt
+    return {c: round(v, 3) for c, v in rates.items()}
