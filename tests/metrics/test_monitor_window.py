@@ -74,3 +74,56 @@ def test_the_monitor_replaying_a_run_reports_the_whole_runs_breakdown(run, tmp_p
     assert [tuple(d[k] for k in fields) for d in done] == [
         (r.mode, r.rank, r.detect_s, r.restored_iter, r.iteration) for r in whole
     ]
+
+
+QUICK_RETURN = Path(__file__).parent / "fixtures" / "soak-quick-return"
+
+
+def test_a_recovery_whose_iteration_left_no_row_is_still_found():
+    """A lost node back at once: the iteration it was lost in was finished by the survivors'
+    generation, stopped for the larger world before rank 0 logged it; training resumed past it
+    in place. The analysis counts it recovered (it once said "not recovered", and the live
+    monitor then held every later report back behind it)."""
+    rows = list(read_jsonl(QUICK_RETURN / "metrics.jsonl"))
+    events = list(read_jsonl(QUICK_RETURN / "events.jsonl"))
+    assert 779 not in {m["iter"] for m in rows}, "the fixture's hole"
+    found = analyze_run(rows, events, healthy_s=healthy_iter_s(rows))
+    (lost,) = [r for r in found if r.fault == "nodeloss"]
+    assert (lost.iteration, lost.restored_iter, lost.recompute_s) == (779, 779, 0.0)
+    assert lost.init_s < 1.0  # the survivors trained again within the second
+    detected = [e for e in events if e["kind"] in ("failure_detected", "node_lost")]
+    assert len(found) == len(detected)
+
+
+def test_the_monitor_drops_a_pending_failure_it_cannot_analyze_once_a_later_one_recovers(
+    tmp_path,
+):
+    """A pending failure the analysis never finds (here: a detection with no run behind it)
+    does not hold back the later failures' reports; it is logged `recovery_unanalyzed`."""
+    from unbroken.launch.coordinator.monitor import RunMonitor
+
+    rows = list(read_jsonl(QUICK_RETURN / "metrics.jsonl"))
+    events = list(read_jsonl(QUICK_RETURN / "events.jsonl"))
+    log = _Emitted()
+    mon = RunMonitor(tmp_path, rows[0]["run"], 4, 2000, log, quiet=True)
+    phantom = rows[0]["t_end"] + 0.01
+    mon.failure_detected(phantom)  # nothing in the logs belongs to it
+    timeline = sorted(
+        [(m["t_end"], "metrics.jsonl", m) for m in rows]
+        + [(e.get("t", 0.0), "events.jsonl", e) for e in events],
+        key=lambda x: x[0],
+    )
+    for t, file, rec in timeline:
+        with open(tmp_path / file, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        if file == "events.jsonl" and rec["kind"] in ("failure_detected", "node_lost"):
+            mon.failure_detected(rec.get("t_detected", t))
+        mon.poll()
+    mon.finish()
+    kinds = [k for k, _ in log.records]
+    assert kinds.count("recovery_unanalyzed") == 1
+    (unanalyzed,) = [f for k, f in log.records if k == "recovery_unanalyzed"]
+    assert unanalyzed["detected_t"] == phantom
+    detected = [e for e in events if e["kind"] in ("failure_detected", "node_lost")]
+    assert kinds.count("recovery_done") == len(detected)
+    assert not mon._pending

@@ -144,6 +144,12 @@ def _resumed(
         return ready["t"], 0.0
     redone = next((m for m in after if m["iter"] == k), None)
     if redone is None:
+        if any(m["iter"] > k for m in after):
+            # Training went on past k, whose row was never written: a stop cut the generation
+            # that finished k before its rank 0 logged it (a lost node back at once: the
+            # survivors' generation is stopped for the larger world), and the next one resumed
+            # in place after k. Recovered when training ran again; nothing recomputed.
+            return (ready["t"] if ready is not None else after[0]["t_start"]), 0.0
         return None  # not recovered (the summary counts it as unrecovered)
     t_j = after[0]["t_start"]
     t_remain = max(0.0, healthy - ran)
