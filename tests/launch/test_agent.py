@@ -207,6 +207,21 @@ def test_exits_and_hangs_are_reported_typed_and_nothing_outlives_shutdown(node):
     assert len(pids) == 4 and all(_gone(p) for p in pids)
 
 
+def test_a_running_trainer_wakes_the_loop_through_its_pidfd(node):
+    """The loop waits on each unreported trainer's pidfd, so an exit is seen when it happens,
+    not at the next tick; the pidfd is closed once the exit is reported."""
+    spec = node.spec(0, {0: {"iteration": 3, "go": True, "exit": 0}})
+    node.start(0, spec, [0])
+    _wait_until(lambda: node.seen_beat(0, RankStatus.TRAINING), "rank 0 beat")
+    pid = node.agent.trainers[0].proc.pid
+    _wait_until(lambda: pid in node.agent._pidfds, "rank 0's pidfd in the selector")
+    assert node.agent.sel.get_key(node.agent._pidfds[pid]).data == "exit"
+    node.go(0)
+    node.coordinator.expect(RankExited, rank=0)
+    _wait_until(lambda: pid not in node.agent._pidfds, "its pidfd closed")
+    node.shutdown()
+
+
 def test_ready_shadows_are_promoted_into_the_next_generation(node):
     spec1 = node.spec(1, {0: {"exit": 5}, 1: {"exit": 6}})
     spec0 = node.spec(0, {0: {"then": "run"}, 1: {"then": "run"}})

@@ -103,7 +103,8 @@ def _rank_faults(repeats: int, out: Path) -> tuple[LatencyResult, LatencyResult]
     exit_ = LatencyResult(
         "process exit (trainer SIGKILL)",
         TICK_S + _COORDINATOR_LOOP_S,
-        f"agent tick {TICK_S * 1000:.0f} ms + coordinator loop {_COORDINATOR_LOOP_S * 1000:.0f} ms",
+        f"agent woken by the trainer's pidfd (at worst one tick, {TICK_S * 1000:.0f} ms) + "
+        f"coordinator loop {_COORDINATOR_LOOP_S * 1000:.0f} ms",
     )
     hang = LatencyResult(
         "hang (trainer SIGSTOP)",

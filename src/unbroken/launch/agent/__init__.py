@@ -15,7 +15,8 @@ A thin event loop over four parts, each owning one thing:
   reclaimed, relaunched), and `reclaim.Reclaimer`: frees their memory when training needs it
   (the memory budget's controller, the device level policy).
 
-Detection: a child that exits is noticed at once (`Popen.poll` every tick, `TICK_S`); a child
+Detection: a child that exits is noticed at once (its pidfd wakes the agent's loop; a child
+that exits before its pidfd is open is found by the poll of the next tick, `TICK_S`); a child
 whose heartbeats (`RankBeat` datagrams on the agent's Unix socket, sent by a trainer thread
 every `heartbeat_interval_s`) stop for `heartbeat_timeout_s` is declared hung unless it is
 still burning CPU (`hang`). Only decisions go to the coordinator (`RankExited`, `RankHung`),

@@ -55,8 +55,11 @@ from unbroken.messages import (
 
 __all__ = ["TICK_S", "Agent", "datagram_socket", "main"]
 
-TICK_S = 0.005
-"""The loop's period: an exit is seen within one tick."""
+TICK_S = 0.02
+"""The loop's period for what has no file descriptor to wait on (hang verdicts, shadows to
+spawn, the memory sample, the node's beat). A trainer's exit wakes the loop at once: each
+trainer's pidfd is in the selector (`_watch_exits`). Measured on the 2-core VM: a 5 ms poll
+cost each agent ~0.05 of a core, which its node's trainers did not get."""
 
 
 class Agent:
@@ -103,6 +106,8 @@ class Agent:
         self.fenced = ""
         """Why the coordinator refused this node (it was declared lost earlier)."""
         self.sel = selectors.DefaultSelector()
+        self._pidfds: dict[int, int] = {}
+        """pid -> the pidfd in the selector of each trainer not yet reported."""
 
     # -- commands -------------------------------------------------------------------------
     def handle(self, msg: Message) -> None:
@@ -289,12 +294,29 @@ class Agent:
             completed=t.completed,
         )
 
+    def _watch_exits(self) -> None:
+        """Keep a pidfd in the selector for every trainer not yet reported (its exit makes it
+        readable, so the loop wakes at once), and drop those of the others."""
+        live = {t.proc.pid for t in self.trainers.values() if not t.reported}
+        for pid in [p for p in self._pidfds if p not in live]:
+            fd = self._pidfds.pop(pid)
+            self.sel.unregister(fd)
+            os.close(fd)
+        for pid in live - self._pidfds.keys():
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:  # already gone (the tick's poll sees it) or no pidfd support
+                continue
+            self._pidfds[pid] = fd
+            self.sel.register(fd, selectors.EVENT_READ, "exit")
+
     def tick(self) -> None:
         # Beats that arrived since the select first: a rank that beat and then exited within
         # this tick is reported with the iteration and phase it was in.
         for beat in _datagrams(self.hb, RankBeat):
             self.on_beat(beat)
         self.check_children()
+        self._watch_exits()
         self.pool.spawn_pending()
         if self.running:
             self.reclaimer.sample()
@@ -336,6 +358,8 @@ class Agent:
                 self.on_reclaim_request(req)
         elif what == "oom":
             self.reclaimer.on_oom(self.trainers.keys())
+        elif what == "exit":
+            pass  # a trainer exited: the tick that follows reports it
         else:
             data = self.channel.sock.recv(65536)
             if not data:
