@@ -384,14 +384,12 @@ class RankSession:
         a re-planned pipeline's first iteration is logged (`plan_applied`)."""
         spec = self.spec
         if self.rank == 0 and spec.plan is not None:
-            from unbroken.launch.coordinator.adapt_plan import plan_summary
-
             plan = spec.engine_plan()
             self.events.emit(
                 "plan_applied",
                 epoch=spec.plan_epoch,
                 iter=start,
-                stages=plan_summary(plan),
+                stages=plan.stage_records(),
                 counts=list(plan.microbatches),
                 generation=spec.generation,
                 devices=[spec.device_of(r) for r in range(spec.world_size)],

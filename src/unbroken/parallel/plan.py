@@ -360,6 +360,14 @@ class ParallelPlan:
         """Inverse of `to_json`."""
         return cls.from_dict(json.loads(text))
 
+    def stage_records(self) -> list[dict[str, Any]]:
+        """Each stage of each replica as a JSON record: replica, stage, ranks, layers, TP."""
+        return [
+            {"replica": d, "stage": s, "ranks": list(g.ranks), "layers": list(g.layers), "tp": g.tp}
+            for d, rep in enumerate(self.replicas)
+            for s, g in enumerate(rep.stages)
+        ]
+
     def describe(self) -> str:
         """One line per rank: ``r3 (replica 0, stage 1): 1RECV_F0<-r1 1F0 ...`` for humans."""
         lines = [f"{self.schedule}: dp={self.dp} pp={self.pp} v={self.virtual_stages}"]

@@ -31,16 +31,7 @@ from unbroken.parallel import ParallelPlan
 from unbroken.plan import NoPlanError
 from unbroken.plan.shrink import shrink_pipeline
 
-__all__ = ["PipelineAdaptation", "plan_summary"]
-
-
-def plan_summary(plan: ParallelPlan) -> list[dict[str, Any]]:
-    """Each stage of the plan's replicas: its ranks, layers and TP degree (for events)."""
-    return [
-        {"replica": d, "stage": s, "ranks": list(g.ranks), "layers": list(g.layers), "tp": g.tp}
-        for d, rep in enumerate(plan.replicas)
-        for s, g in enumerate(rep.stages)
-    ]
+__all__ = ["PipelineAdaptation"]
 
 
 class PipelineAdaptation:
@@ -120,8 +111,8 @@ class PipelineAdaptation:
             trigger=trigger,
             devices_before=list(devices_before),
             devices_after=list(self.devices),
-            before=plan_summary(before),
-            after=plan_summary(self.plan),
+            before=before.stage_records(),
+            after=self.plan.stage_records(),
             counts_before=list(before.microbatches),
             counts_after=list(self.plan.microbatches),
             predicted_before=None,
