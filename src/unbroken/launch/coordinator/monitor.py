@@ -55,15 +55,25 @@ def run_info(cfg: JobConfig, run_name: str, plan: ParallelPlan | None) -> RunInf
     )
 
 
-ANALYSIS_WINDOW_S = 600.0
-"""How far before a pending failure the monitor's analysis looks: the failure's injection, the
-iterations before it and its detection (a hang's timeout, a node's beats) lie well inside."""
+ANALYSIS_WINDOW_S = 120.0
+"""How far before a pending failure the monitor's analysis looks, at least: the failure's
+injection, the iteration before it and its detection (a hang's timeout, a node's beats) lie
+well inside (`analysis_window_s` widens it for longer timeouts). The analysis walks every row
+and event of the window on each poll while a failure is pending: with 600 s the coordinator's
+longest poll grew to ~50 ms on the 2-core VM as the window filled (a 15-minute soak)."""
+
+
+def analysis_window_s(heartbeat_timeout_s: float, node_timeout_s: float) -> float:
+    """The window for a run whose failures are detected within these timeouts: ten times the
+    slower detection, and never less than `ANALYSIS_WINDOW_S`."""
+    return max(ANALYSIS_WINDOW_S, 10 * max(heartbeat_timeout_s, node_timeout_s))
 
 
 class RunMonitor:
     """Args: run_dir, run_name, world_size, iterations, events (the run's event log), plan
     (the plan the job runs, if any), quiet (no terminal output), info and observers (the run
-    as its live observers see it, and those observers)."""
+    as its live observers see it, and those observers), window_s (how far before a pending
+    failure its analysis looks, `analysis_window_s`)."""
 
     def __init__(
         self,
@@ -77,8 +87,11 @@ class RunMonitor:
         quiet: bool = False,
         info: RunInfo | None = None,
         observers: Sequence[RunObserver] = (),
+        window_s: float = ANALYSIS_WINDOW_S,
     ) -> None:
         self.run_name = run_name
+        self.window_s = window_s
+        """How far before a pending failure its analysis looks (`analysis_window_s`)."""
         self.observers = list(observers)
         self.info = info or RunInfo(
             run=run_name,
@@ -172,7 +185,7 @@ class RunMonitor:
     def _report_recovered(self) -> None:
         """Log the breakdown of every pending failure the rows show recovered.
 
-        Only the run's rows and events from `ANALYSIS_WINDOW_S` before the oldest pending
+        Only the run's rows and events from `window_s` before the oldest pending
         failure are analyzed (with the healthy iteration time of the whole run): analyzing the
         whole history at every row while a failure is pending grew with the run — 0.37 s per
         row after an hour of the soak, on an idle core — and stalled the coordinator's loop
@@ -182,7 +195,7 @@ class RunMonitor:
         recovery left no row to read) is logged `recovery_unanalyzed` and dropped: left
         pending, it held back every later report and kept the window open behind it, so the
         analysis grew with the run again (a 15-minute soak's longest poll rose to 0.45 s)."""
-        since = self._pending[0] - ANALYSIS_WINDOW_S
+        since = self._pending[0] - self.window_s
         rows = [
             m
             for m in self.rows[bisect.bisect_left(self._row_t, since) :]

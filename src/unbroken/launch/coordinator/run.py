@@ -35,7 +35,7 @@ from unbroken.config import JobConfig
 from unbroken.jobstore import JobStore
 from unbroken.launch.coordinator.core import CoordinatorCore
 from unbroken.launch.coordinator.load import LoadStats
-from unbroken.launch.coordinator.monitor import RunMonitor, run_info
+from unbroken.launch.coordinator.monitor import RunMonitor, analysis_window_s, run_info
 from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
 from unbroken.launch.coordinator.server import ControlServer, Dropped, Received
 from unbroken.messages import Hello, Shutdown
@@ -118,6 +118,9 @@ class Coordinator:
             quiet=quiet,
             info=run_info(cfg, run_name, plan),
             observers=observers,
+            window_s=analysis_window_s(
+                cfg.recovery.heartbeat_timeout_s, cfg.recovery.node_timeout_s
+            ),
         )
         self.agent_proc: subprocess.Popen | None = None
         self.agent_silent = False
