@@ -43,6 +43,22 @@ class _Emitted:
         self.records.append((kind, fields))
 
 
+def _replay(mon, rows, events, tmp_path) -> None:
+    """Feed a recorded run to the monitor as it grew: each row and event appended to its log
+    in time order, a detection passed on as the coordinator passes it, a poll after each."""
+    timeline = sorted(
+        [(m["t_end"], "metrics.jsonl", m) for m in rows]
+        + [(e.get("t", 0.0), "events.jsonl", e) for e in events],
+        key=lambda x: x[0],
+    )
+    for t, file, rec in timeline:
+        with open(tmp_path / file, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        if file == "events.jsonl" and rec["kind"] in ("failure_detected", "node_lost"):
+            mon.failure_detected(rec.get("t_detected", t))
+        mon.poll()
+
+
 @pytest.mark.parametrize("run", RUNS, ids=[p.name for p in RUNS])
 def test_the_monitor_replaying_a_run_reports_the_whole_runs_breakdown(run, tmp_path):
     """The live monitor (incremental window, median kept sorted, one analysis per poll) fed a
@@ -57,17 +73,7 @@ def test_the_monitor_replaying_a_run_reports_the_whole_runs_breakdown(run, tmp_p
     whole = analyze_run(rows, events, healthy_s=healthy_iter_s(rows))
     log = _Emitted()
     mon = RunMonitor(tmp_path, name, 4, len(rows), log, quiet=True)
-    timeline = sorted(
-        [(m["t_end"], "metrics.jsonl", m) for m in rows]
-        + [(e.get("t", 0.0), "events.jsonl", e) for e in events],
-        key=lambda x: x[0],
-    )
-    for t, file, rec in timeline:
-        with open(tmp_path / file, "a") as fh:
-            fh.write(json.dumps(rec) + "\n")
-        if file == "events.jsonl" and rec["kind"] in ("failure_detected", "node_lost"):
-            mon.failure_detected(rec.get("t_detected", t))  # as the coordinator passes it
-        mon.poll()
+    _replay(mon, rows, events, tmp_path)
     mon.finish()
     done = [f for k, f in log.records if k == "recovery_done"]
     fields = ("mode", "rank", "detect_s", "restored_iter", "resumed_iter")
@@ -108,17 +114,7 @@ def test_the_monitor_drops_a_pending_failure_it_cannot_analyze_once_a_later_one_
     mon = RunMonitor(tmp_path, rows[0]["run"], 4, 2000, log, quiet=True)
     phantom = rows[0]["t_end"] + 0.01
     mon.failure_detected(phantom)  # nothing in the logs belongs to it
-    timeline = sorted(
-        [(m["t_end"], "metrics.jsonl", m) for m in rows]
-        + [(e.get("t", 0.0), "events.jsonl", e) for e in events],
-        key=lambda x: x[0],
-    )
-    for t, file, rec in timeline:
-        with open(tmp_path / file, "a") as fh:
-            fh.write(json.dumps(rec) + "\n")
-        if file == "events.jsonl" and rec["kind"] in ("failure_detected", "node_lost"):
-            mon.failure_detected(rec.get("t_detected", t))
-        mon.poll()
+    _replay(mon, rows, events, tmp_path)
     mon.finish()
     kinds = [k for k, _ in log.records]
     assert kinds.count("recovery_unanalyzed") == 1
