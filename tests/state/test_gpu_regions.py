@@ -1,14 +1,19 @@
 """Retained GPU memory (CUDA virtual-memory allocations, one per page, owned by the state
 manager): data outlive a trainer killed with SIGKILL and come back in a new process, bit for
-bit; a lost page is found and given new memory alone; without a GPU the manager refuses the
-request with a clear error and keeps serving."""
+bit; a lost page is found and given new memory alone; the manager holds no file descriptor per
+page, so one manager and its trainer retain 100 GB (51,200 pages) under the H200 machine's
+20,000-fd limit; without a GPU the manager refuses the request with a clear error and keeps
+serving."""
 
 from __future__ import annotations
 
+import os
+import resource
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -99,3 +104,84 @@ def test_gpu_region_without_a_gpu_is_refused_clearly(client):
         client.allocate("model", 2 * MIB2, page_bytes=MIB2, protected=True, device=0)
     host = client.allocate("grads", 65536, page_bytes=65536, protected=False)  # still serving
     assert host.device is None and host.fresh
+
+
+def test_export_of_a_host_region_is_refused(client):
+    client.allocate("grads", 65536, page_bytes=65536, protected=False)
+    with pytest.raises(RetainedStateError, match="host memory"):
+        client._call("export", name="grads", pages=[0])  # GPU pages only; a memfd comes whole
+    assert client.list()[0]["name"] == "grads"  # still serving
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+# Fill and check 100 GB in slices of 1 GiB: a pattern from each int64's index, so no second copy
+# of the data is needed to compare against.
+FILL_100GB = textwrap.dedent(
+    """
+    import os, signal, sys, time, torch
+    from unbroken.state import RetainedClient
+    GIB, N, PER = 2**30, int(sys.argv[2]), int(sys.argv[3])
+    client = RetainedClient(sys.argv[1], timeout_s=600)
+    start = time.perf_counter()
+    regions = [client.allocate(f"r{i}", PER * GIB, page_bytes=2 * 2**20, protected=True,
+                               device=0) for i in range(N)]
+    print(f"allocate {time.perf_counter() - start:.2f} s", flush=True)
+    for i, region in enumerate(regions):
+        words = region.view(torch.int64)
+        for at in range(0, words.numel(), GIB // 8):
+            n = min(GIB // 8, words.numel() - at)
+            idx = torch.arange(at, at + n, device="cuda", dtype=torch.int64)
+            words[at : at + n] = idx * 6364136223846793005 + i
+    torch.cuda.synchronize()
+    print(f"fds {len(os.listdir('/proc/self/fd'))}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_100_gb_retained_by_one_manager_survive_sigkill_of_the_trainer(manager):
+    """Four regions of 25 GiB (107 GB, 51,200 pages of 2 MiB): written by a trainer that is then
+    killed, attached by the next one bit for bit; neither the manager nor a trainer holds an fd
+    per page, so the 20,000-fd limit of the H200 machine does not cap retention."""
+    n, per = 4, 25
+    total = n * per * 2**30
+    assert total >= 100e9
+    free, _ = torch.cuda.mem_get_info()
+    assert free > total + (4 << 30), (
+        f"needs {total / 1e9:.0f} GB free on the GPU, has {free / 1e9:.0f}"
+    )
+    proc, path = manager
+    fds_before = _fds(proc.pid)
+    writer = subprocess.run(
+        [sys.executable, "-c", FILL_100GB, str(path), str(n), str(per)],
+        env=manager_env(),
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    assert writer.returncode == -signal.SIGKILL, writer.stderr
+    writer_fds = int(writer.stdout.split("fds ")[1].split()[0])
+    assert writer_fds < 1000, writer.stdout  # no fd per page in the trainer
+    assert _fds(proc.pid) - fds_before < 10  # nor in the manager, which holds all 51,200 pages
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    start = time.perf_counter()
+    with RetainedClient(path, timeout_s=600) as client:
+        regions = [client.attach(f"r{i}") for i in range(n)]
+        attach_s = time.perf_counter() - start
+        assert sum(r.nbytes for r in regions) == total
+        assert sum(r.n_pages for r in regions) == total // MIB2
+        for i, region in enumerate(regions):
+            words = region.view(torch.int64)
+            for at in range(0, words.numel(), 2**27):
+                m = min(2**27, words.numel() - at)
+                idx = torch.arange(at, at + m, device="cuda", dtype=torch.int64)
+                assert torch.equal(words[at : at + m], idx * 6364136223846793005 + i), (i, at)
+    print(
+        f"retained {total / 1e9:.1f} GB in {total // MIB2} pages; {writer.stdout.splitlines()[0]};"
+        f" attach {attach_s:.2f} s; fd limit {limit}; manager fds {_fds(proc.pid)}"
+    )

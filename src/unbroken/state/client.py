@@ -1,10 +1,11 @@
 """Trainer side of the Resilient Memory Pool: connect, get regions, map them zero-copy.
 
 `RetainedClient` talks to this rank's state manager (`unbroken.state.manager`); each region
-arrives as an fd (SCM_RIGHTS) and is mapped once and wrapped without a copy as a `torch.uint8`
-tensor: a host region (memfd) with `mmap(MAP_SHARED)`, a GPU region (an exported CUDA
-allocation) through the driver's virtual-memory API (`unbroken.state.cuda_vmm`) as a CUDA
-tensor. The client owns its mappings; closing them never affects the retained memory, which
+is mapped once and wrapped without a copy as a `torch.uint8` tensor: a host region (its memfd,
+passed by SCM_RIGHTS) with `mmap(MAP_SHARED)`, a GPU region (one CUDA allocation per page,
+fetched in batches of exported fds, each imported as a handle and closed at once, so the
+client's fd use stays bounded) through the driver's virtual-memory API
+(`unbroken.state.cuda_vmm`) as a CUDA tensor. The client owns its mappings; closing them never affects the retained memory, which
 the manager owns.
 
 A fresh host region is backed by zeros from its creation (no holes); a fresh GPU region's
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from unbroken.state._wire import FrameError, recv_reply, send_frame
+from unbroken.state._wire import FDS_PER_MESSAGE, FrameError, recv_reply, send_frame
 
 __all__ = ["LocalizationReport", "RetainedClient", "RetainedRegion", "RetainedStateError"]
 
@@ -69,7 +70,9 @@ class RetainedRegion:
         tensor: a zero-copy `torch.uint8` tensor over the whole mapping.
     """
 
-    def __init__(self, info: dict[str, Any], fds: list[int]) -> None:
+    def __init__(
+        self, info: dict[str, Any], fds: list[int], handles: list[Any] | None = None
+    ) -> None:
         self.name: str = info["name"]
         self.nbytes: int = info["nbytes"]
         self.page_bytes: int = info["page_bytes"]
@@ -90,8 +93,8 @@ class RetainedRegion:
 
             self.fd = -1
             self._gpu = DeviceMapping(
-                fds, self.nbytes, self.page_bytes, self.device, info.get("missing", ())
-            )  # closes the fds
+                handles or [], self.nbytes, self.page_bytes, self.device, info.get("missing", ())
+            )  # owns the handles
             self.tensor = self._gpu.tensor
 
     @property
@@ -114,10 +117,11 @@ class RetainedRegion:
         start = index * self.page_bytes
         return self.tensor[start : start + self.page_bytes]
 
-    def map_pages(self, pages: list[int], fds: list[int]) -> None:
-        """GPU regions: map new allocations (`fds`, closed here) as `pages` (after a remap)."""
+    def map_pages(self, pages: list[int], handles: list[Any]) -> None:
+        """GPU regions: map new allocations (imported `handles`, owned from here) as `pages`
+        (after a remap)."""
         assert self._gpu is not None, "host regions are remapped in place by the manager"
-        self._gpu.map_pages(pages, fds)
+        self._gpu.map_pages(pages, handles)
 
     def unmap_pages(self, pages: list[int]) -> None:
         """GPU regions: drop this process's mapping of `pages` (page-loss injection: with the
@@ -223,14 +227,10 @@ class RetainedClient:
         """Give `pages` of `name` healthy memory again (host: zeroed; GPU: new allocations,
         mapped here); returns the manager's ms."""
         pages = sorted({int(p) for p in pages})
-        reply, fds = self._call("remap", name=name, pages=pages)
-        if fds:
-            region = self._regions.get(name)
-            if region is None or region.device is None or len(fds) != len(pages):
-                for fd in fds:
-                    os.close(fd)
-                raise RetainedStateError(f"remap of {name!r}: {len(fds)} fds for {pages}")
-            region.map_pages(pages, fds)
+        reply, _ = self._call("remap", name=name, pages=pages)
+        region = self._regions.get(name)
+        if region is not None and region.device is not None:
+            region.map_pages(pages, self._import_pages(name, pages))
         return reply["ms"]
 
     def discard(self, name: str, pages: list[int]) -> None:
@@ -259,14 +259,12 @@ class RetainedClient:
         self.close()
 
     def _adopt(self, info: dict[str, Any], fds: list[int]) -> RetainedRegion:
-        want = 1
-        if info.get("device") is not None:
-            want = info["nbytes"] // info["page_bytes"] - len(info.get("missing", ()))
-        if len(fds) != want:
+        gpu = info.get("device") is not None
+        if len(fds) != (0 if gpu else 1):
             for fd in fds:
                 os.close(fd)
             raise RetainedStateError(
-                f"expected {want} fd(s) for {info.get('name')!r}, got {len(fds)}"
+                f"expected {0 if gpu else 1} fd(s) for {info.get('name')!r}, got {len(fds)}"
             )
         old = self._regions.get(info["name"])
         if old is not None and old.serial == info.get("serial", 0) and _same_file(old, fds):
@@ -276,9 +274,43 @@ class RetainedClient:
             return old
         if old is not None:
             old.close()  # the manager freed and re-created it: the old mapping is stale
-        region = RetainedRegion(info, fds)
+        handles = None
+        if gpu:
+            lost = set(info.get("missing", ()))
+            n_pages = info["nbytes"] // info["page_bytes"]
+            handles = self._import_pages(info["name"], [p for p in range(n_pages) if p not in lost])
+        region = RetainedRegion(info, fds, handles)
         self._regions[region.name] = region
         return region
+
+    def _import_pages(self, name: str, pages: list[int]) -> list[Any]:
+        """Handles to `pages` of GPU region `name`: exported by the manager a batch at a time,
+        each fd imported and closed on arrival (the fds in flight stay within one batch)."""
+        from unbroken.state import cuda_vmm
+
+        handles: list[Any] = []
+        try:
+            for at in range(0, len(pages), FDS_PER_MESSAGE):
+                batch = pages[at : at + FDS_PER_MESSAGE]
+                _, fds = self._call("export", name=name, pages=batch)
+                if len(fds) != len(batch):
+                    for fd in fds:
+                        os.close(fd)
+                    raise RetainedStateError(
+                        f"export of {name!r}: {len(fds)} fds for {len(batch)} pages"
+                    )
+                for i, fd in enumerate(fds):
+                    try:
+                        handles.append(cuda_vmm.import_fd(fd))  # closes fd
+                    except cuda_vmm.CudaVmmError as exc:
+                        for rest in fds[i + 1 :]:
+                            os.close(rest)
+                        raise RetainedStateError(f"export of {name!r}: {exc}") from exc
+        except BaseException:
+            for handle in handles:
+                cuda_vmm.release(handle)
+            raise
+        return handles
 
     def _call(self, op: str, **fields: Any) -> tuple[dict[str, Any], list[int]]:
         if self.generation is not None:

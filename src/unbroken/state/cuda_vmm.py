@@ -9,13 +9,21 @@ mapping, or an exported fd — is open. So:
 
 - the state manager (`unbroken.state.pool`) calls `create_allocation`: `cuInit` only, no context
   (PLATFORM-FACTS: cuMemCreate works without one, so the manager costs no GPU memory beyond the
-  allocations), then creates, exports the fd, and drops its own handle — the fd is the whole
-  ownership, passed to trainers by SCM_RIGHTS like a memfd;
-- a trainer calls `DeviceMapping(fd, nbytes, device)`: import the handle, reserve a virtual
-  range, map, grant read/write to its device, and wrap the range zero-copy as a torch tensor
-  (via ``__cuda_array_interface__``). A trainer killed at any moment leaves the allocation to
-  the manager's fd; the next trainer maps it again and finds the bytes intact (measured on the
-  H200: a 4-page allocation re-imported and mapped in 0.08 s after SIGKILL of its creator).
+  allocations), and keeps the allocation's handle — the handle is the whole ownership and costs
+  no file descriptor;
+- a trainer asks for the pages it maps in batches: the manager exports each handle as a POSIX
+  fd (`export_fd`), passes the batch by SCM_RIGHTS and closes its copies; the trainer turns
+  each fd back into a handle (`import_fd`, which closes the fd) and `DeviceMapping` maps the
+  handles: reserve a virtual range, map, grant read/write to its device, and wrap the range
+  zero-copy as a torch tensor (via ``__cuda_array_interface__``). A trainer killed at any
+  moment leaves the allocation to the manager's handle; the next trainer maps it again and
+  finds the bytes intact (measured on the H200: a 4-page allocation re-imported and mapped in
+  0.08 s after SIGKILL of its creator).
+
+Why handles and not fds in the manager: a retained page used to be held as its exported fd,
+one per 2 MiB page, and the H200 machine's open-file limit (20,000, soft = hard) capped a state
+manager near 40 GB. Handles have no such limit; fds exist only in flight, at most one batch
+(`unbroken.state._wire.FDS_PER_MESSAGE`) per side at a time, so retention scales to the GPU.
 
 Each page of a region is its own allocation (2 MiB, the granularity), so a page can be lost
 alone: the manager and the trainer drop their references and the driver frees it; the next
@@ -28,7 +36,18 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["CudaVmmError", "DeviceMapping", "available", "create_allocation", "granularity"]
+from unbroken.state.localize import page_runs
+
+__all__ = [
+    "CudaVmmError",
+    "DeviceMapping",
+    "available",
+    "create_allocation",
+    "export_fd",
+    "granularity",
+    "import_fd",
+    "release",
+]
 
 
 class CudaVmmError(RuntimeError):
@@ -92,28 +111,54 @@ def granularity(device: int) -> int:
     )
 
 
-def create_allocation(nbytes: int, device: int) -> int:
-    """Create `nbytes` of device memory on `device`; return the exported POSIX fd that owns it.
+def create_allocation(nbytes: int, device: int) -> Any:
+    """Create `nbytes` of device memory on `device`; return its handle (the caller owns it:
+    `release` drops it, and the memory goes once no process maps or holds it).
 
-    `nbytes` must be a multiple of `granularity(device)`. The caller owns the fd; closing it
-    (with no trainer mapping the memory) frees the allocation.
+    `nbytes` must be a multiple of `granularity(device)`.
 
     Raises:
         CudaVmmError: the driver refused (out of memory, bad device, no VMM support).
     """
     drv = _driver()
-    handle = _check(drv, "cuMemCreate", drv.cuMemCreate(nbytes, _prop(drv, device), 0))
+    return _check(drv, "cuMemCreate", drv.cuMemCreate(nbytes, _prop(drv, device), 0))
+
+
+def export_fd(handle: Any) -> int:
+    """A new POSIX fd for the allocation behind `handle` (the caller closes it).
+
+    Raises:
+        CudaVmmError: the driver refused (the handle was released, out of fds).
+    """
+    drv = _driver()
+    posix = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    fd = _check(
+        drv, "cuMemExportToShareableHandle", drv.cuMemExportToShareableHandle(handle, posix, 0)
+    )
+    return int(fd)
+
+
+def import_fd(fd: int) -> Any:
+    """This process's handle to the allocation an exported `fd` names; closes `fd`.
+
+    Raises:
+        CudaVmmError: the fd is not an exported allocation.
+    """
+    import os
+
+    drv = _driver()
+    posix = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     try:
-        fd = _check(
-            drv,
-            "cuMemExportToShareableHandle",
-            drv.cuMemExportToShareableHandle(
-                handle, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
-            ),
+        return _check(
+            drv, "cuMemImportFromShareableHandle", drv.cuMemImportFromShareableHandle(fd, posix)
         )
     finally:
-        _check(drv, "cuMemRelease", drv.cuMemRelease(handle))
-    return int(fd)
+        os.close(fd)
+
+
+def release(handle: Any) -> None:
+    """Drop this process's reference to an allocation (errors ignored: used on cleanup)."""
+    _driver().cuMemRelease(handle)
 
 
 class _ArrayInterface:
@@ -129,12 +174,12 @@ class _ArrayInterface:
 
 
 class DeviceMapping:
-    """A GPU region mapped into this process: one exported allocation per page, mapped side by
-    side into one reserved virtual range and wrapped as one uint8 CUDA tensor.
+    """A GPU region mapped into this process: one allocation per page, mapped side by side into
+    one reserved virtual range and wrapped as one uint8 CUDA tensor.
 
     Args:
-        fds: the present pages' exported fds, in page order (this process's copies; each is
-            closed once imported).
+        handles: the present pages' allocations, in page order (imported with `import_fd`);
+            the mapping owns them from here (released on unmap, or here if mapping fails).
         nbytes: the region's size, `page_bytes` x pages.
         page_bytes: size of each page's allocation.
         device: CUDA device ordinal the memory lives on (in this process's numbering, which
@@ -148,7 +193,7 @@ class DeviceMapping:
 
     def __init__(
         self,
-        fds: list[int],
+        handles: list[Any],
         nbytes: int,
         page_bytes: int,
         device: int,
@@ -162,16 +207,25 @@ class DeviceMapping:
         self.nbytes, self.page_bytes, self.device = nbytes, page_bytes, device
         self._drv = drv
         self._handles: dict[int, Any] = {}
-        self._ptr = _check(
-            drv, "cuMemAddressReserve", drv.cuMemAddressReserve(nbytes, granularity(device), 0, 0)
-        )
+        self._ptr = None
         lost = set(missing)
         present = [p for p in range(nbytes // page_bytes) if p not in lost]
-        if len(present) != len(fds):
-            self.close()
-            raise CudaVmmError(f"{len(fds)} allocations for {len(present)} present pages")
+        if len(present) != len(handles):
+            for handle in handles:
+                release(handle)
+            raise CudaVmmError(f"{len(handles)} allocations for {len(present)} present pages")
         try:
-            self.map_pages(present, fds)
+            self._ptr = _check(
+                drv,
+                "cuMemAddressReserve",
+                drv.cuMemAddressReserve(nbytes, granularity(device), 0, 0),
+            )
+        except CudaVmmError:
+            for handle in handles:
+                release(handle)
+            raise
+        try:
+            self.map_pages(present, handles)
         except CudaVmmError:
             self.close()
             raise
@@ -179,33 +233,30 @@ class DeviceMapping:
             _ArrayInterface(int(self._ptr), nbytes), device=torch.device("cuda", device)
         )
 
-    def map_pages(self, pages: list[int], fds: list[int]) -> None:
-        """Import each fd and map it as page `pages[i]` (closing the fds)."""
-        import os
-
+    def map_pages(self, pages: list[int], handles: list[Any]) -> None:
+        """Map each allocation `handles[i]` as page `pages[i]` (owning the handles from here:
+        one that fails to map, and every one after it, is released)."""
         drv = self._drv
         access = drv.CUmemAccessDesc()
         access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = self.device
         access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        posix = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        for page, fd in zip(pages, fds, strict=True):
-            try:
-                handle = _check(
-                    drv,
-                    "cuMemImportFromShareableHandle",
-                    drv.cuMemImportFromShareableHandle(fd, posix),
-                )
-            finally:
-                os.close(fd)
+        pending = list(zip(pages, handles, strict=True))
+        for i, (page, handle) in enumerate(pending):
             at = int(self._ptr) + page * self.page_bytes
             try:
                 _check(drv, "cuMemMap", drv.cuMemMap(at, self.page_bytes, 0, handle, 0))
             except CudaVmmError:
-                drv.cuMemRelease(handle)
+                for _, left in pending[i:]:
+                    release(left)
                 raise
             self._handles[page] = handle
-            _check(drv, "cuMemSetAccess", drv.cuMemSetAccess(at, self.page_bytes, [access], 1))
+        # Access is granted per run of consecutive pages: one driver call per run, not per page
+        # (a 100 GB region is 51,200 pages, mostly one run).
+        for first, count in page_runs(sorted(pages)):
+            at = int(self._ptr) + first * self.page_bytes
+            size = count * self.page_bytes
+            _check(drv, "cuMemSetAccess", drv.cuMemSetAccess(at, size, [access], 1))
 
     def unmap_pages(self, pages: list[int]) -> None:
         """Unmap `pages` and drop this process's reference to their memory (with the
@@ -219,7 +270,7 @@ class DeviceMapping:
                 drv.cuMemRelease(handle)
 
     def close(self) -> None:
-        """Unmap everything and free the range (the manager's fds keep the memory). Views of
+        """Unmap everything and free the range (the manager's handles keep the memory). Views of
         `tensor` must be gone and the device idle for these bytes first."""
         self.tensor = None
         self.unmap_pages(list(self._handles))

@@ -31,10 +31,21 @@ from collections.abc import Callable, Iterable
 
 from unbroken.state._syscalls import EHWPOISON, MADV_POPULATE_READ, madvise_range
 
-__all__ = ["bisect_failed_pages", "hole_pages", "poisoned_pages"]
+__all__ = ["bisect_failed_pages", "hole_pages", "page_runs", "poisoned_pages"]
 
 #: Pages probed by one madvise call before bisection narrows a failing range down.
 POISON_SCAN_PAGES = 64
+
+
+def page_runs(pages: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of sorted distinct pages as (first, count)."""
+    runs: list[tuple[int, int]] = []
+    for page in pages:
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))
+    return runs
 
 
 def hole_pages(fd: int, size: int, page_bytes: int) -> list[int]:

@@ -9,11 +9,12 @@ op          request fields                                reply fields (+ fd via
 ==========  ============================================  =========================================
 allocate    name, nbytes, page_bytes, protected,         name, nbytes, page_bytes, protected,
             device (optional: CUDA ordinal)               device, serial, fresh, missing (GPU)
-                                                          + fd (GPU: one per present page)
-attach      name                                          same as allocate (fresh False) + fds
+                                                          + fd (host regions: the memfd)
+attach      name                                          same as allocate (fresh False) + fd
+export      name, pages (GPU regions, <= 250)             — + one exported fd per page, in order
 list        —                                             regions: [{name, nbytes, ...}]
 localize    names (optional list)                         lost: {name: [page, ...]}, ms
-remap       name, pages                                   ms (+ GPU: the new pages' fds)
+remap       name, pages                                   ms (GPU: then `export` the pages)
 discard     name, pages (GPU regions)                     — (the pool's allocations dropped)
 free        name                                          —
 shutdown    —                                             — (then the manager exits)
@@ -25,9 +26,11 @@ generation"): a trainer of a generation being torn down (a hung one that wakes u
 node partitioned away and back) cannot allocate, remap or free what its successor now uses.
 Requests without one (the agent, tools) are served as before.
 
-GPU regions (``device`` given) are CUDA virtual-memory allocations, one per page, whose
-exported fds the pool holds (`unbroken.state.cuda_vmm`); the manager only calls `cuInit`, never
-creates a context.
+GPU regions (``device`` given) are CUDA virtual-memory allocations, one per page, whose handles
+the pool holds (`unbroken.state.cuda_vmm`); the manager only calls `cuInit`, never creates a
+context. A client fetches a GPU region's pages with `export`, a batch at a time: the manager
+exports them as fds, sends them and closes its copies, so it holds no fd per page (a whole
+GPU's memory fits under the open-file limit).
 
 What it must never do: read or write page contents (it holds fds, truncates, seeks holes,
 punches, fallocates, asks the kernel to populate page tables); crash on a bad request (a
@@ -224,6 +227,10 @@ class StateManager:
             except OSError as exc:
                 self._drop(conn, f"send failed: {exc}")
                 return
+            finally:
+                if reply.get("exported"):
+                    for fd in fds:  # fds exported for this reply only: the client has its own
+                        os.close(fd)
             if not self._running:
                 return
 
@@ -300,13 +307,16 @@ class StateManager:
 
     def _op_remap(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         region = self.pool.get(frame.get("name"))
-        fds: list[int] = []
         if region.device is None:
             ms = self.pool.remap(region.name, frame.get("pages"))
         else:
-            ms, fds = self.pool.remap_device(region.name, frame.get("pages"))
+            ms = self.pool.remap_device(region.name, frame.get("pages"))
         log.info("rank %d: remapped %s in %.1f ms", self.rank, region.name, ms)
-        return {"ok": True, "ms": ms}, fds
+        return {"ok": True, "ms": ms}, []
+
+    def _op_export(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        fds = self.pool.export(frame.get("name"), frame.get("pages"))
+        return {"ok": True, "exported": len(fds)}, fds
 
     def _op_discard(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         self.pool.discard(frame.get("name"), frame.get("pages"))
@@ -335,6 +345,7 @@ class StateManager:
                 "list": _op_list,
                 "localize": _op_localize,
                 "remap": _op_remap,
+                "export": _op_export,
                 "discard": _op_discard,
                 "free": _op_free,
                 "shutdown": _op_shutdown,

@@ -3,14 +3,16 @@
 A `RetainedPool` lives inside the state-manager process (`unbroken.state.manager`), holds the
 fds of named regions and answers allocate / attach / list / localize / remap / discard / free.
 A region is host memory (one memfd) or, when allocated with a `device`, GPU memory: one CUDA
-virtual-memory allocation per page, each exported as a POSIX fd (`unbroken.state.cuda_vmm`),
-which trainers map side by side into one virtual range. It owns the fds, so region contents
-survive any trainer's death; they die with the pool's process.
+virtual-memory allocation per page, held by its handle (`unbroken.state.cuda_vmm`) and exported
+as POSIX fds only in batches a trainer asks for (`export`), which trainers map side by side into
+one virtual range. It owns the memfds and handles, so region contents survive any trainer's
+death; they die with the pool's process. A GPU region costs the manager no file descriptor
+per page, so one manager can retain a whole GPU's memory under a 20,000-fd limit.
 
 A lost GPU page is a page whose physical allocation is gone — the pool holds no allocation for
 it (`discard` is how a failure of the page is injected: the pool drops its reference, the
 trainer its own, and the driver frees the memory). Localization reports those pages, as the
-memfd's holes for host regions; remap creates new allocations for them and hands their fds over.
+memfd's holes for host regions; remap creates new allocations for them (exported like any page).
 
 It never reads or writes page contents: it creates, truncates, seeks holes, punches and
 fallocates, and (remap, poison scan) asks the kernel to populate page tables. See
@@ -25,6 +27,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from unbroken.state._syscalls import (
     FALLOC_FL_KEEP_SIZE,
@@ -34,12 +37,15 @@ from unbroken.state._syscalls import (
     madvise_range,
     memory_failure_supported,
 )
-from unbroken.state.localize import hole_pages, poisoned_pages
+from unbroken.state._wire import FDS_PER_MESSAGE
+from unbroken.state.localize import hole_pages, page_runs, poisoned_pages
 
 __all__ = ["MAX_REGION_BYTES", "PoolError", "Region", "RetainedPool"]
 
 #: Refuse single regions above this size (16 TiB): a typo, not a model.
 MAX_REGION_BYTES = 1 << 44
+# Pages one `export` request may ask for: one SCM_RIGHTS message's worth (`_wire`).
+MAX_EXPORT = FDS_PER_MESSAGE
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 
@@ -60,7 +66,7 @@ class Region:
         device: CUDA device ordinal of a GPU region; None for host memory.
         serial: this pool's creation number, so a client can tell a re-created region from
             the one it already maps.
-        page_fds: GPU regions: the exported allocation of each page, None where it was lost.
+        page_handles: GPU regions: the allocation handle of each page, None where it was lost.
     """
 
     name: str
@@ -70,7 +76,7 @@ class Region:
     protected: bool
     device: int | None = None
     serial: int = 0
-    page_fds: list[int | None] | None = None
+    page_handles: list[Any] | None = None
 
     def describe(self) -> dict[str, object]:
         """The JSON description sent to clients (GPU regions: with the pages they lack)."""
@@ -82,21 +88,20 @@ class Region:
             "device": self.device,
             "serial": self.serial,
         }
-        if self.page_fds is not None:
+        if self.page_handles is not None:
             info["missing"] = self.missing_pages()
         return info
 
     def fds(self) -> list[int]:
-        """The fds a client maps: the memfd, or the present pages' allocations in page order."""
-        if self.page_fds is None:
-            return [self.fd]
-        return [fd for fd in self.page_fds if fd is not None]
+        """The fds sent with the region: its memfd (host); none for a GPU region, whose pages
+        a client fetches in batches with `RetainedPool.export`."""
+        return [self.fd] if self.page_handles is None else []
 
     def missing_pages(self) -> list[int]:
         """GPU regions: pages without an allocation (lost); host regions: []."""
-        if self.page_fds is None:
+        if self.page_handles is None:
             return []
-        return [p for p, fd in enumerate(self.page_fds) if fd is None]
+        return [p for p, handle in enumerate(self.page_handles) if handle is None]
 
 
 class RetainedPool:
@@ -155,12 +160,12 @@ class RetainedPool:
                     f"device={device}"
                 )
             return old, False
-        page_fds = None
+        handles = None
         if device is not None:
-            page_fds = self._create_device(name, size // page_bytes, page_bytes, device)
+            handles = self._create_device(name, size // page_bytes, page_bytes, device)
         fd = self._create_host(name, size) if device is None else -1
         self._serial += 1
-        region = Region(name, fd, size, page_bytes, protected, device, self._serial, page_fds)
+        region = Region(name, fd, size, page_bytes, protected, device, self._serial, handles)
         self._regions[name] = region
         return region, True
 
@@ -178,10 +183,10 @@ class RetainedPool:
         return fd
 
     @staticmethod
-    def _create_device(name: str, n_pages: int, page_bytes: int, device: int) -> list[int | None]:
+    def _create_device(name: str, n_pages: int, page_bytes: int, device: int) -> list[Any]:
         from unbroken.state import cuda_vmm
 
-        fds: list[int | None] = []
+        handles: list[Any] = []
         try:
             gran = cuda_vmm.granularity(device)
             if page_bytes % gran:
@@ -190,11 +195,11 @@ class RetainedPool:
                     f"{device}'s allocation granularity {gran}"
                 )
             for _ in range(n_pages):
-                fds.append(cuda_vmm.create_allocation(page_bytes, device))
-            return fds
+                handles.append(cuda_vmm.create_allocation(page_bytes, device))
+            return handles
         except (cuda_vmm.CudaVmmError, PoolError) as exc:
-            for fd in fds:
-                os.close(fd)  # type: ignore[arg-type]
+            for handle in handles:
+                cuda_vmm.release(handle)
             if isinstance(exc, PoolError):
                 raise
             raise PoolError(f"region {name!r} on cuda:{device}: {exc}") from exc
@@ -223,7 +228,7 @@ class RetainedPool:
         start = time.perf_counter()
         lost: dict[str, list[int]] = {}
         for region in targets:
-            if region.page_fds is not None:
+            if region.page_handles is not None:
                 lost[region.name] = region.missing_pages()
                 continue
             pages = hole_pages(region.fd, region.nbytes, region.page_bytes)
@@ -240,34 +245,67 @@ class RetainedPool:
         Raises:
             PoolError: unknown region, a host region, or a page index out of range.
         """
+        from unbroken.state import cuda_vmm
+
         region = self.get(name)
-        if region.page_fds is None:
+        if region.page_handles is None:
             raise PoolError(f"region {name!r} is host memory; discard covers GPU regions only")
         for p in self._check_pages(region, pages):
-            fd, region.page_fds[p] = region.page_fds[p], None
-            if fd is not None:
-                os.close(fd)
+            handle, region.page_handles[p] = region.page_handles[p], None
+            if handle is not None:
+                cuda_vmm.release(handle)
 
-    def remap_device(self, name: str, pages: list[int]) -> tuple[float, list[int]]:
+    def remap_device(self, name: str, pages: list[int]) -> float:
         """GPU regions: new allocations for lost `pages` (contents undefined; the trainer
-        rebuilds them from parity). Returns (ms, their fds in ascending page order).
+        exports and maps them, then rebuilds them from parity). Returns elapsed ms.
 
         Raises:
             PoolError: a host region, a page out of range, or a page that is not lost (its
                 allocation is mapped by trainers; replacing it under them is not supported).
         """
         region = self.get(name)
-        if region.page_fds is None or region.device is None:
+        if region.page_handles is None or region.device is None:
             raise PoolError(f"region {name!r} is host memory: use remap")
         start = time.perf_counter()
         wanted = sorted(set(self._check_pages(region, pages)))
-        present = [p for p in wanted if region.page_fds[p] is not None]
+        present = [p for p in wanted if region.page_handles[p] is not None]
         if present:
             raise PoolError(f"pages {present} of {name!r} are not lost; only lost pages remap")
         for p in wanted:
-            (region.page_fds[p],) = self._create_device(name, 1, region.page_bytes, region.device)
-        fds = [region.page_fds[p] for p in wanted]
-        return (time.perf_counter() - start) * 1e3, fds  # type: ignore[return-value]
+            (region.page_handles[p],) = self._create_device(
+                name, 1, region.page_bytes, region.device
+            )
+        return (time.perf_counter() - start) * 1e3
+
+    def export(self, name: str, pages: list[int]) -> list[int]:
+        """GPU regions: a new fd for each of `pages`' allocations, in the order given (the
+        caller sends and closes them). At most `MAX_EXPORT` pages per call, so the fds in
+        flight stay bounded whatever the region's size.
+
+        Raises:
+            PoolError: a host region, too many or out-of-range pages, a lost page, or the
+                driver refused (every fd exported so far is closed).
+        """
+        from unbroken.state import cuda_vmm
+
+        region = self.get(name)
+        if region.page_handles is None:
+            raise PoolError(f"region {name!r} is host memory: its memfd comes with attach")
+        wanted = self._check_pages(region, pages)
+        if len(wanted) > MAX_EXPORT:
+            raise PoolError(f"export of {len(wanted)} pages: at most {MAX_EXPORT} per request")
+        lost = [p for p in wanted if region.page_handles[p] is None]
+        if lost:
+            raise PoolError(f"pages {lost} of {name!r} are lost: remap them first")
+        fds: list[int] = []
+        try:
+            for p in wanted:
+                fds.append(cuda_vmm.export_fd(region.page_handles[p]))
+        except cuda_vmm.CudaVmmError as exc:
+            for fd in fds:
+                os.close(fd)
+            raise PoolError(f"region {name!r}: {exc}") from exc
+        return fds
 
     @staticmethod
     def _check_pages(region: Region, pages: object) -> list[int]:
@@ -297,7 +335,7 @@ class RetainedPool:
             raise PoolError(f"region {name!r} is GPU memory: use remap_device")
         self._check_pages(region, pages)
         start = time.perf_counter()
-        for first, count in _runs(sorted(set(pages))):
+        for first, count in page_runs(sorted(set(pages))):
             offset, length = first * region.page_bytes, count * region.page_bytes
             fallocate(region.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
             fallocate(region.fd, 0, offset, length)
@@ -305,11 +343,18 @@ class RetainedPool:
         return (time.perf_counter() - start) * 1e3
 
     def free(self, name: str) -> None:
-        """Forget region `name` and close its fd (memory goes once clients unmap it)."""
+        """Forget region `name`: close its memfd or release its allocations (the memory goes
+        once no client maps it)."""
         region = self.get(name)
         del self._regions[name]
         for fd in region.fds():
             os.close(fd)
+        if region.page_handles is not None:
+            from unbroken.state import cuda_vmm
+
+            for handle in region.page_handles:
+                if handle is not None:
+                    cuda_vmm.release(handle)
 
     def close(self) -> None:
         """Free every region."""
@@ -330,17 +375,6 @@ def _populate_for_write(fd: int, offset: int, length: int) -> None:
     finally:
         del anchor
         mapping.close()
-
-
-def _runs(pages: list[int]) -> list[tuple[int, int]]:
-    """Consecutive runs of sorted distinct pages as (first, count)."""
-    runs: list[tuple[int, int]] = []
-    for page in pages:
-        if runs and runs[-1][0] + runs[-1][1] == page:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((page, 1))
-    return runs
 
 
 def _check_name(name: object) -> None:
