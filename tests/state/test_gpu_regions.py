@@ -156,7 +156,6 @@ def test_100_gb_retained_by_one_manager_survive_sigkill_of_the_trainer(manager):
         f"needs {total / 1e9:.0f} GB free on the GPU, has {free / 1e9:.0f}"
     )
     proc, path = manager
-    fds_before = _fds(proc.pid)
     writer = subprocess.run(
         [sys.executable, "-c", FILL_100GB, str(path), str(n), str(per)],
         env=manager_env(),
@@ -167,7 +166,9 @@ def test_100_gb_retained_by_one_manager_survive_sigkill_of_the_trainer(manager):
     assert writer.returncode == -signal.SIGKILL, writer.stderr
     writer_fds = int(writer.stdout.split("fds ")[1].split()[0])
     assert writer_fds < 1000, writer.stdout  # no fd per page in the trainer
-    assert _fds(proc.pid) - fds_before < 10  # nor in the manager, which holds all 51,200 pages
+    # Nor in the manager, which holds all 51,200 pages: what it has open is its socket, its log
+    # and the driver's device files (7 before cuInit, 20 after on the H200).
+    assert _fds(proc.pid) < 100
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     start = time.perf_counter()
     with RetainedClient(path, timeout_s=600) as client:

@@ -57,6 +57,23 @@ def test_size_rounds_up_and_reallocate_reuses(client):
     assert fresh.fresh and fresh is not region
 
 
+def test_replace_remakes_a_region_of_another_geometry_and_keeps_one_of_the_same(client):
+    kept = client.allocate("model", 2 * PAGE, page_bytes=PAGE, protected=True)
+    kept.page(0).fill_(5)
+    same = client.allocate("model", 2 * PAGE, page_bytes=PAGE, protected=True, replace=True)
+    assert same is kept and not same.fresh and bool((same.page(0) == 5).all())
+    other = client.allocate("model", 3 * PAGE, page_bytes=PAGE, protected=True, replace=True)
+    assert other.fresh and other.nbytes == 3 * PAGE  # another plan's size: made anew, zeroed
+    assert int(other.tensor.count_nonzero()) == 0
+    assert [(r["name"], r["nbytes"], r["serial"]) for r in client.list()] == [
+        ("model", 3 * PAGE, 2)
+    ]
+    with pytest.raises(RetainedStateError, match="replace must be a bool"):
+        client._call(
+            "allocate", name="x", nbytes=PAGE, page_bytes=PAGE, protected=True, replace="yes"
+        )
+
+
 def test_a_fresh_region_is_backed_before_anyone_writes_it(client):
     """A trainer killed between allocating a region and writing it must leave a region that
     reads as never written (zeros), not one whose pages localization reports lost."""

@@ -73,11 +73,12 @@ class RetainedState:
         updater's buffers live on the device, where the codec runs; the marker, written after
         every operation and read first on recovery, stays in host memory."""
         specs = RetainedLayout.of(geometry, self.cfg.protection).regions()
-        if self.relayout:
-            self._free_other_geometry(specs, device, geometry.page_bytes)
         self.regions = {
             s.name: self.client.allocate(
-                s.name, s.nbytes, **_placement(s, device, geometry.page_bytes)
+                s.name,
+                s.nbytes,
+                replace=self.relayout,
+                **_placement(s, device, geometry.page_bytes),
             )
             for s in specs
         }
@@ -93,24 +94,6 @@ class RetainedState:
                 self.remap_ms += self.client.remap(name, pages)
         tensors = {name: r.tensor for name, r in self.regions.items()}
         return state_from_regions(layout, geometry, tensors), self.fresh
-
-    def _free_other_geometry(self, specs, device: torch.device, page_bytes: int) -> None:
-        """Free the regions that exist with another geometry than `specs` give them."""
-        have = {r["name"]: r for r in self.client.list()}
-        for s in specs:
-            old = have.get(s.name)
-            if old is None:
-                continue
-            want = _placement(s, device, page_bytes)
-            size = -(-s.nbytes // want["page_bytes"]) * want["page_bytes"]
-            same = (old["nbytes"], old["page_bytes"], old["protected"], old.get("device")) == (
-                size,
-                want["page_bytes"],
-                want["protected"],
-                want.get("device"),
-            )
-            if not same:
-                self.client.free(s.name)
 
     def page_loss_target(self, geometry: StateGeometry):
         """The page-loss injector's target: destroys pages of one protection group for real

@@ -185,15 +185,19 @@ class RetainedClient:
         page_bytes: int,
         protected: bool,
         device: int | None = None,
+        replace: bool = False,
     ) -> RetainedRegion:
         """Allocate region `name` (or reuse it, `fresh` False) and map it; `device` (a CUDA
-        ordinal) puts it in GPU memory.
+        ordinal) puts it in GPU memory; `replace` frees and remakes a region that exists with
+        another geometry (the rank restarts under another plan) instead of refusing.
 
         Raises:
-            RetainedStateError: the manager refused (bad size, different existing geometry,
-                no GPU memory).
+            RetainedStateError: the manager refused (bad size, different existing geometry
+                without `replace`, no GPU memory).
         """
         fields: dict[str, Any] = {"device": device} if device is not None else {}
+        if replace:
+            fields["replace"] = True
         info, fds = self._call(
             "allocate",
             name=name,

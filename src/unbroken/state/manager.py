@@ -8,7 +8,8 @@ bind-to-temp + rename, so a path that exists is ready to connect) and keeps a `R
 op          request fields                                reply fields (+ fd via SCM_RIGHTS)
 ==========  ============================================  =========================================
 allocate    name, nbytes, page_bytes, protected,         name, nbytes, page_bytes, protected,
-            device (optional: CUDA ordinal)               device, serial, fresh, missing (GPU)
+            device (optional: CUDA ordinal),              device, serial, fresh, missing (GPU)
+            replace (optional: remake on a new geometry)
                                                           + fd (host regions: the memfd)
 attach      name                                          same as allocate (fresh False) + fd
 export      name, pages (GPU regions, <= 250)             — + one exported fd per page, in order
@@ -278,6 +279,7 @@ class StateManager:
             frame.get("page_bytes"),
             frame.get("protected", True),
             frame.get("device"),
+            frame.get("replace", False),
         )
         return _region_reply(region, fresh), region.fds()
 

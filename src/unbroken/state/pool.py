@@ -119,7 +119,13 @@ class RetainedPool:
         self._serial = 0
 
     def allocate(
-        self, name: str, nbytes: int, page_bytes: int, protected: bool, device: int | None = None
+        self,
+        name: str,
+        nbytes: int,
+        page_bytes: int,
+        protected: bool,
+        device: int | None = None,
+        replace: bool = False,
     ) -> tuple[Region, bool]:
         """Create region `name`, or reuse it when it exists with the same geometry.
 
@@ -129,6 +135,8 @@ class RetainedPool:
             page_bytes: page size, a positive multiple of the OS page size.
             protected: whether parity covers the contents.
             device: a CUDA device ordinal for GPU memory; None (default) for host memory.
+            replace: when `name` exists with another geometry, free it and make it anew
+                (a trainer that restarts under another plan) instead of refusing.
 
         Returns:
             (region, fresh): fresh is True when the contents are new (host: zeros, every page
@@ -136,7 +144,8 @@ class RetainedPool:
             retained from an earlier trainer.
 
         Raises:
-            PoolError: bad arguments, `name` exists with a different geometry, or GPU memory
+            PoolError: bad arguments, `name` exists with a different geometry (and `replace`
+                is False), or GPU memory
                 could not be created (no driver, out of memory, page size off the granularity).
         """
         _check_name(name)
@@ -146,20 +155,24 @@ class RetainedPool:
         nbytes = _check_int("nbytes", nbytes, 1, MAX_REGION_BYTES)
         if not isinstance(protected, bool):
             raise PoolError(f"protected must be a bool, got {protected!r}")
+        if not isinstance(replace, bool):
+            raise PoolError(f"replace must be a bool, got {replace!r}")
         if device is not None:
             device = _check_int("device", device, 0, 1023)
         size = -(-nbytes // page_bytes) * page_bytes
         old = self._regions.get(name)
         if old is not None:
             have = (old.nbytes, old.page_bytes, old.protected, old.device)
-            if have != (size, page_bytes, protected, device):
+            if have == (size, page_bytes, protected, device):
+                return old, False
+            if not replace:
                 raise PoolError(
                     f"region {name!r} exists as nbytes={old.nbytes} page_bytes={old.page_bytes} "
                     f"protected={old.protected} device={old.device}; free it before allocating "
                     f"it as nbytes={size} page_bytes={page_bytes} protected={protected} "
                     f"device={device}"
                 )
-            return old, False
+            self.free(name)
         handles = None
         if device is not None:
             handles = self._create_device(name, size // page_bytes, page_bytes, device)
