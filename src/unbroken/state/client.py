@@ -175,6 +175,8 @@ class RetainedClient:
         self.timeout_s = timeout_s
         self.generation = generation
         self._regions: dict[str, RetainedRegion] = {}
+        self.export_ms = 0.0
+        """Time the manager spent exporting GPU pages for this client (diagnostics)."""
         self._sock = _connect(self.socket_path, timeout_s)
 
     def allocate(
@@ -296,7 +298,8 @@ class RetainedClient:
         try:
             for at in range(0, len(pages), FDS_PER_MESSAGE):
                 batch = pages[at : at + FDS_PER_MESSAGE]
-                _, fds = self._call("export", name=name, pages=batch)
+                reply, fds = self._call("export", name=name, pages=batch)
+                self.export_ms += reply.get("ms", 0.0)
                 if len(fds) != len(batch):
                     for fd in fds:
                         os.close(fd)

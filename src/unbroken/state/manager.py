@@ -12,7 +12,7 @@ allocate    name, nbytes, page_bytes, protected,         name, nbytes, page_byte
             replace (optional: remake on a new geometry)
                                                           + fd (host regions: the memfd)
 attach      name                                          same as allocate (fresh False) + fd
-export      name, pages (GPU regions, <= 250)             — + one exported fd per page, in order
+export      name, pages (GPU regions, <= 250)             ms + one exported fd per page, in order
 list        —                                             regions: [{name, nbytes, ...}]
 localize    names (optional list)                         lost: {name: [page, ...]}, ms
 remap       name, pages                                   ms (GPU: then `export` the pages)
@@ -61,6 +61,7 @@ import signal
 import socket
 import stat
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -317,8 +318,9 @@ class StateManager:
         return {"ok": True, "ms": ms}, []
 
     def _op_export(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        start = time.perf_counter()
         fds = self.pool.export(frame.get("name"), frame.get("pages"))
-        return {"ok": True, "exported": len(fds)}, fds
+        return {"ok": True, "exported": len(fds), "ms": (time.perf_counter() - start) * 1e3}, fds
 
     def _op_discard(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         self.pool.discard(frame.get("name"), frame.get("pages"))
