@@ -51,7 +51,9 @@ def spawn_manager(run_dir: Path) -> Iterator[Callable[..., tuple[subprocess.Pope
     """Start manager processes; each call returns (process, socket path) once it serves."""
     procs: list[subprocess.Popen] = []
 
-    def spawn(name: str = "rank0.sock", rank: int = 0) -> tuple[subprocess.Popen, Path]:
+    def spawn(
+        name: str = "rank0.sock", rank: int = 0, extra: tuple[str, ...] = ()
+    ) -> tuple[subprocess.Popen, Path]:
         path = run_dir / "rmp" / name
         proc = subprocess.Popen(
             [
@@ -64,6 +66,7 @@ def spawn_manager(run_dir: Path) -> Iterator[Callable[..., tuple[subprocess.Pope
                 str(rank),
                 "--log-level",
                 "WARNING",
+                *extra,
             ],
             env=manager_env(),
         )

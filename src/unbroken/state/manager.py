@@ -90,12 +90,20 @@ class StateManager:
         parent_pid: exit when `os.getppid()` stops being this; None: the parent at start.
     """
 
-    def __init__(self, socket_path: str | Path, rank: int = 0, parent_pid: int | None = None):
+    def __init__(
+        self,
+        socket_path: str | Path,
+        rank: int = 0,
+        parent_pid: int | None = None,
+        fd_budget: int | None = None,
+    ):
         self.socket_path = Path(socket_path)
         self.rank = rank
         self.parent_pid = os.getppid() if parent_pid is None else parent_pid
         self.uid = os.getuid()
-        self.pool = RetainedPool(label=f"unbroken-rank{rank}")
+        self.pool = RetainedPool(label=f"unbroken-rank{rank}", fd_budget=fd_budget)
+        self._close_after_send: list[int] = []
+        """Fds made for the reply being sent (an `export` past the pool's fd budget)."""
         self._selector = selectors.DefaultSelector()
         self._readers: dict[socket.socket, FrameReader] = {}
         self._listener: socket.socket | None = None
@@ -230,9 +238,9 @@ class StateManager:
                 self._drop(conn, f"send failed: {exc}")
                 return
             finally:
-                if reply.get("exported"):
-                    for fd in fds:  # fds exported for this reply only: the client has its own
-                        os.close(fd)
+                for fd in self._close_after_send:  # fds made for this reply only
+                    os.close(fd)
+                self._close_after_send = []
             if not self._running:
                 return
 
@@ -319,7 +327,7 @@ class StateManager:
 
     def _op_export(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         start = time.perf_counter()
-        fds = self.pool.export(frame.get("name"), frame.get("pages"))
+        fds, self._close_after_send = self.pool.export(frame.get("name"), frame.get("pages"))
         return {"ok": True, "exported": len(fds), "ms": (time.perf_counter() - start) * 1e3}, fds
 
     def _op_discard(self, frame: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -412,13 +420,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", required=True, help="Unix socket path to serve")
     parser.add_argument("--rank", type=int, default=0, help="rank number (logs, memfd names)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument(
+        "--fd-budget",
+        type=int,
+        default=None,
+        help="exported GPU-page fds kept for reuse (default: half the open-file limit)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    manager = StateManager(args.socket, rank=args.rank)
+    manager = StateManager(args.socket, rank=args.rank, fd_budget=args.fd_budget)
     try:
         manager.bind()
     except (RuntimeError, OSError) as exc:

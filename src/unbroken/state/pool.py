@@ -6,8 +6,10 @@ A region is host memory (one memfd) or, when allocated with a `device`, GPU memo
 virtual-memory allocation per page, held by its handle (`unbroken.state.cuda_vmm`) and exported
 as POSIX fds only in batches a trainer asks for (`export`), which trainers map side by side into
 one virtual range. It owns the memfds and handles, so region contents survive any trainer's
-death; they die with the pool's process. A GPU region costs the manager no file descriptor
-per page, so one manager can retain a whole GPU's memory under a 20,000-fd limit.
+death; they die with the pool's process. A GPU region needs no file descriptor per page: the
+pool keeps exported fds for reuse only up to a budget (half the open-file limit; a replacement
+trainer's attach then skips the export), so one manager can retain a whole GPU's memory under
+the H200 machine's 20,000-fd limit.
 
 A lost GPU page is a page whose physical allocation is gone — the pool holds no allocation for
 it (`discard` is how a failure of the page is injected: the pool drops its reference, the
@@ -25,8 +27,9 @@ import ctypes
 import mmap
 import os
 import re
+import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.state._syscalls import (
@@ -40,7 +43,7 @@ from unbroken.state._syscalls import (
 from unbroken.state._wire import FDS_PER_MESSAGE
 from unbroken.state.localize import hole_pages, page_runs, poisoned_pages
 
-__all__ = ["MAX_REGION_BYTES", "PoolError", "Region", "RetainedPool"]
+__all__ = ["MAX_REGION_BYTES", "PoolError", "Region", "RetainedPool", "default_fd_budget"]
 
 #: Refuse single regions above this size (16 TiB): a typo, not a model.
 MAX_REGION_BYTES = 1 << 44
@@ -77,6 +80,8 @@ class Region:
     device: int | None = None
     serial: int = 0
     page_handles: list[Any] | None = None
+    cached_fds: dict[int, int] = field(default_factory=dict)
+    """GPU regions: exported fds kept for reuse, by page (within the pool's fd budget)."""
 
     def describe(self) -> dict[str, object]:
         """The JSON description sent to clients (GPU regions: with the pages they lack)."""
@@ -112,11 +117,19 @@ class RetainedPool:
         detect_poison: run the madvise poison scan; None probes the kernel once.
     """
 
-    def __init__(self, label: str = "unbroken", detect_poison: bool | None = None) -> None:
+    def __init__(
+        self,
+        label: str = "unbroken",
+        detect_poison: bool | None = None,
+        fd_budget: int | None = None,
+    ) -> None:
         self.label = label
         self.detect_poison = memory_failure_supported() if detect_poison is None else detect_poison
         self._regions: dict[str, Region] = {}
         self._serial = 0
+        self.fd_budget = default_fd_budget() if fd_budget is None else fd_budget
+        """Exported GPU-page fds the pool may keep for reuse (`export`)."""
+        self._cached = 0
 
     def allocate(
         self,
@@ -265,6 +278,7 @@ class RetainedPool:
             raise PoolError(f"region {name!r} is host memory; discard covers GPU regions only")
         for p in self._check_pages(region, pages):
             handle, region.page_handles[p] = region.page_handles[p], None
+            self._drop_cached(region, [p])  # a kept fd would keep the memory alive
             if handle is not None:
                 cuda_vmm.release(handle)
 
@@ -290,14 +304,22 @@ class RetainedPool:
             )
         return (time.perf_counter() - start) * 1e3
 
-    def export(self, name: str, pages: list[int]) -> list[int]:
-        """GPU regions: a new fd for each of `pages`' allocations, in the order given (the
-        caller sends and closes them). At most `MAX_EXPORT` pages per call, so the fds in
-        flight stay bounded whatever the region's size.
+    def export(self, name: str, pages: list[int]) -> tuple[list[int], list[int]]:
+        """GPU regions: an fd for each of `pages`' allocations, in the order given, to send.
+
+        A page's first export keeps its fd while the pool holds fewer than `fd_budget` of
+        them, and later exports (the attach of a replacement trainer, on the recovery's
+        critical path) send the kept one: exporting costs ~35 us a page on the H200. Past the
+        budget an fd is made for this reply only. At most `MAX_EXPORT` pages per call, so the
+        fds in flight stay bounded whatever the region's size.
+
+        Returns:
+            (fds, transient): the fds in page order, and those of them the caller closes
+            once sent (the rest stay the pool's).
 
         Raises:
             PoolError: a host region, too many or out-of-range pages, a lost page, or the
-                driver refused (every fd exported so far is closed).
+                driver refused (every fd made for this call is closed).
         """
         from unbroken.state import cuda_vmm
 
@@ -311,14 +333,30 @@ class RetainedPool:
         if lost:
             raise PoolError(f"pages {lost} of {name!r} are lost: remap them first")
         fds: list[int] = []
+        transient: list[int] = []
         try:
             for p in wanted:
-                fds.append(cuda_vmm.export_fd(region.page_handles[p]))
+                fd = region.cached_fds.get(p)
+                if fd is None:
+                    fd = cuda_vmm.export_fd(region.page_handles[p])
+                    if self._cached < self.fd_budget:
+                        region.cached_fds[p] = fd
+                        self._cached += 1
+                    else:
+                        transient.append(fd)
+                fds.append(fd)
         except cuda_vmm.CudaVmmError as exc:
-            for fd in fds:
+            for fd in transient:
                 os.close(fd)
             raise PoolError(f"region {name!r}: {exc}") from exc
-        return fds
+        return fds, transient
+
+    def _drop_cached(self, region: Region, pages: list[int]) -> None:
+        for p in pages:
+            fd = region.cached_fds.pop(p, None)
+            if fd is not None:
+                os.close(fd)
+                self._cached -= 1
 
     @staticmethod
     def _check_pages(region: Region, pages: object) -> list[int]:
@@ -362,6 +400,7 @@ class RetainedPool:
         del self._regions[name]
         for fd in region.fds():
             os.close(fd)
+        self._drop_cached(region, list(region.cached_fds))
         if region.page_handles is not None:
             from unbroken.state import cuda_vmm
 
@@ -399,3 +438,10 @@ def _check_int(key: str, value: object, low: int, high: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise PoolError(f"{key}={value!r} must be an int in [{low}, {high}]")
     return value
+
+
+def default_fd_budget() -> int:
+    """Kept GPU-page fds: half the open-file limit (10,000 of the H200 machine's 20,000, about
+    21 GB of 2 MiB pages), the rest left for sockets, memfds and the driver."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(0, soft // 2) if soft != resource.RLIM_INFINITY else 1 << 16
