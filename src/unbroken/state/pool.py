@@ -161,18 +161,9 @@ class RetainedPool:
                 is False), or GPU memory
                 could not be created (no driver, out of memory, page size off the granularity).
         """
-        _check_name(name)
-        page_bytes = _check_int("page_bytes", page_bytes, mmap.PAGESIZE, MAX_REGION_BYTES)
-        if page_bytes % mmap.PAGESIZE:
-            raise PoolError(f"page_bytes={page_bytes} is not a multiple of {mmap.PAGESIZE}")
-        nbytes = _check_int("nbytes", nbytes, 1, MAX_REGION_BYTES)
-        if not isinstance(protected, bool):
-            raise PoolError(f"protected must be a bool, got {protected!r}")
-        if not isinstance(replace, bool):
-            raise PoolError(f"replace must be a bool, got {replace!r}")
-        if device is not None:
-            device = _check_int("device", device, 0, 1023)
-        size = -(-nbytes // page_bytes) * page_bytes
+        size, page_bytes, device = _check_allocation(
+            name, nbytes, page_bytes, protected, device, replace
+        )
         old = self._regions.get(name)
         if old is not None:
             have = (old.nbytes, old.page_bytes, old.protected, old.device)
@@ -445,3 +436,21 @@ def default_fd_budget() -> int:
     21 GB of 2 MiB pages), the rest left for sockets, memfds and the driver."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return max(0, soft // 2) if soft != resource.RLIM_INFINITY else 1 << 16
+
+
+def _check_allocation(
+    name: str, nbytes: int, page_bytes: int, protected: bool, device: int | None, replace: bool
+) -> tuple[int, int, int | None]:
+    """Validate `RetainedPool.allocate`'s arguments; return (size, page_bytes, device)."""
+    _check_name(name)
+    page_bytes = _check_int("page_bytes", page_bytes, mmap.PAGESIZE, MAX_REGION_BYTES)
+    if page_bytes % mmap.PAGESIZE:
+        raise PoolError(f"page_bytes={page_bytes} is not a multiple of {mmap.PAGESIZE}")
+    nbytes = _check_int("nbytes", nbytes, 1, MAX_REGION_BYTES)
+    if not isinstance(protected, bool):
+        raise PoolError(f"protected must be a bool, got {protected!r}")
+    if not isinstance(replace, bool):
+        raise PoolError(f"replace must be a bool, got {replace!r}")
+    if device is not None:
+        device = _check_int("device", device, 0, 1023)
+    return -(-nbytes // page_bytes) * page_bytes, page_bytes, device
