@@ -50,3 +50,13 @@ def test_the_load_scenario_is_fault_free_and_its_line_compares_ours_with_none():
     rows[0]["replans"] = 0  # the same job twice: a difference is the load's noise, not a cost
     line = bench._load_line(rows)
     assert line is not None and "cost nothing" in line and "-2.0%" in line
+
+
+def test_both_launch_plans_run_by_default_and_the_pipeline_one_is_pp2_x_dp2():
+    args = _args()
+    assert bench._plans(args.plans) == ["dp", "pp2"]
+    job = bench._job(args, [], "ours", "pp2")
+    assert (job.parallel.pp, job.parallel.dp, job.parallel.reduce) == (2, 2, "ordered")
+    assert job.adapt.enabled and bench._plan_name(args, "pp2") == "pp2xdp2"
+    with pytest.raises(UserError, match="unknown tp2"):
+        bench._plans("dp,tp2")

@@ -1,6 +1,7 @@
 """The coordinator's decisions for a pipeline job (`PipelineAdaptation`), without processes:
-a lost device shrinks the pipeline onto the survivors and asks for a checkpoint restart; what
-is not built (slow devices, growing back) is skipped with its reason."""
+a lost device of a one-replica pipeline shrinks it onto the survivors and asks for a checkpoint
+restart; in a DP x PP job the scheduler dissolves the broken replica and the survivors restore
+in place; what is not built (slow devices, growing back) is skipped with its reason."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from unbroken.metrics.log import JsonlLog, read_jsonl
 from unbroken.parallel import ParallelPlan, make_plan
 
 
-def _adapt(tmp_path, pp=4, layers=8):
+def _adapt(tmp_path, pp=4, layers=8, dp=1):
     events = JsonlLog(tmp_path / "events.jsonl", run="t")
     said: list[str] = []
-    return PipelineAdaptation(make_plan(1, pp, 1, layers, 4), events, said.append), said
+    return PipelineAdaptation(make_plan(dp, pp, 1, layers, 4), events, said.append), said
 
 
 def _events(tmp_path, kind):
@@ -38,7 +39,7 @@ def test_a_lost_device_shrinks_the_pipeline_onto_the_survivors(tmp_path):
     (replan,) = _events(tmp_path, "replan")
     assert replan["trigger"]["devices"] == [2] and replan["restore"] == "checkpoint"
     assert replan["devices_after"] == [0, 1, 3] and len(replan["after"]) == 3
-    assert "pipeline 4 -> 3" in said[-1]
+    assert "1 x 4 -> 1 x 3 (replicas x stages)" in said[-1]
     # A second loss shrinks again, from the running world's devices.
     adapt.note_lost(3, "device 3 lost")
     assert adapt.next_world().devices == (0, 1)
@@ -80,12 +81,45 @@ def _config(**parallel):
     )
 
 
-def test_the_config_admits_pipeline_jobs_of_one_replica_and_says_what_it_refuses():
+def test_the_config_admits_pipeline_jobs_at_tp_1_and_says_what_it_refuses():
     import pytest
 
     assert _config(world_size=4, pp=4).parallel.planned
-    for parallel in ({"world_size": 4, "pp": 2}, {"world_size": 4, "tp": 2, "pp": 2}):
-        with pytest.raises(ValueError, match="re-planning TP or DP x PP plans is not built"):
-            _config(**parallel)
+    assert _config(world_size=4, pp=2).parallel.dp == 2
+    with pytest.raises(ValueError, match="re-planning TP plans is not built"):
+        _config(world_size=4, tp=2, pp=2)
+    with pytest.raises(ValueError, match=r'set parallel\.schedule = "1f1b" or "gpipe"'):
+        _config(world_size=4, pp=2, schedule="zb_h1")
     with pytest.raises(ValueError, match="a pipeline job re-plans with adapt"):
         _config(world_size=2, pp=2, policy="evict")
+
+
+def test_a_dp_x_pp_job_dissolves_the_broken_replica_and_keeps_the_survivors_in_place(tmp_path):
+    adapt, said = _adapt(tmp_path, pp=2, layers=4, dp=2)
+    adapt.note_lost(1, "device 1 lost (health check)")
+    world = adapt.next_world()
+    # Replica 0 (devices 0, 1) is dissolved; replica 1 (devices 2, 3) runs every micro-batch
+    # as ranks 0, 1 and keeps its stages; device 0 is a standby outside the world.
+    assert world is not None and world.devices == (2, 3) and not adapt.relayout
+    plan = ParallelPlan.from_dict(adapt.spec_fields()["plan"])
+    assert (plan.dp, plan.pp, plan.microbatches, plan.ranks) == (1, 2, (8,), (0, 1))
+    assert [g.layers for g in plan.replicas[0].stages] == [(0, 2), (2, 4)]
+    (replan,) = _events(tmp_path, "replan")
+    assert replan["restore"] == "in_place" and replan["devices_after"] == [2, 3]
+    assert "standbys (alive, outside the world): devices [0]" in replan["explain"]
+    assert "in place, no checkpoint" in said[-1]
+    # Then the only copy of stage 1 is lost: one shorter pipeline from the checkpoint.
+    adapt.note_lost(3, "device 3 lost")
+    world = adapt.next_world()
+    assert world.devices == (2,) and adapt.relayout
+    assert _events(tmp_path, "replan")[-1]["restore"] == "checkpoint"
+
+
+def test_losing_every_copy_of_a_stage_restarts_one_replica_from_the_checkpoint(tmp_path):
+    adapt, _ = _adapt(tmp_path, pp=2, layers=4, dp=2)
+    adapt.note_lost(0, "lost")
+    adapt.note_lost(2, "lost")
+    world = adapt.next_world()
+    assert world.devices == (1, 3) and adapt.relayout
+    plan = ParallelPlan.from_dict(adapt.spec_fields()["plan"])
+    assert (plan.dp, plan.pp, plan.microbatches) == (1, 2, (8,))

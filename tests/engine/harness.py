@@ -47,6 +47,9 @@ class Case:
     after: int = 1
     dead: tuple[int, ...] = ()
     """Ranks whose old state is lost at the re-plan (filled with NaN before resharding)."""
+    shards: int | None = None
+    """Logical data shards (default: the plan's replicas); a plan whose replicas own other
+    counts than the launch plan's (a dissolved replica) reads the launch plan's shards."""
 
     @property
     def final_plan(self) -> ParallelPlan:
@@ -130,9 +133,9 @@ def _worker(rank: int, world_size: int, store_path: str, cases: list[Case], out:
     with gloo_rank(rank, world_size, store_path, out, results) as world:
         for case in cases:
             t0 = time.perf_counter()
-            key = (repr(case.cfg.data), case.plan.dp)
+            key = (repr(case.cfg.data), case.shards or case.plan.dp)
             if key not in sources:
-                sources[key] = make_source(case.cfg, case.plan.dp)
+                sources[key] = make_source(case.cfg, key[1])
             er = build_worker(
                 case.cfg, case.plan, world, device=torch.device("cpu"), source=sources[key]
             )
@@ -179,9 +182,9 @@ def _replan(case: Case, er, world, sources, losses, norms):
     def allocate(layout, geometry, device):
         return TrainState.allocate(layout, device, geometry.padded_numel), False
 
-    key = (repr(case.cfg.data), case.then.dp)
+    key = (repr(case.cfg.data), case.shards or case.then.dp)
     if key not in sources:
-        sources[key] = make_source(case.cfg, case.then.dp)
+        sources[key] = make_source(case.cfg, key[1])
     new_er = build_worker(
         case.cfg,
         case.then,

@@ -41,10 +41,13 @@ def test_interleaving_is_kept_where_it_applies_and_dropped_where_not():
     assert (one.schedule, one.virtual_stages, one.pp) == ("1f1b", 1, 1)
 
 
-def test_it_refuses_what_the_scheduler_plans_and_an_empty_world():
-    with pytest.raises(ValueError, match="single replica at TP 1"):
-        shrink_pipeline(make_plan(2, 2, 1, 4, 4), 2)
-    with pytest.raises(ValueError, match="single replica at TP 1"):
+def test_replicas_that_lost_a_whole_stage_become_one_replica_with_every_microbatch():
+    plan = shrink_pipeline(make_plan(2, 2, 1, 4, 3), 2)
+    assert (plan.dp, plan.pp, plan.microbatches, plan.ranks) == (1, 2, (6,), (0, 1))
+
+
+def test_it_refuses_tensor_parallel_plans_and_an_empty_world():
+    with pytest.raises(ValueError, match="pipelines at TP 1"):
         shrink_pipeline(make_plan(1, 2, 2, 4, 4), 2)
     with pytest.raises(NoPlanError):
         shrink_pipeline(make_plan(1, 2, 1, 4, 4), 0)

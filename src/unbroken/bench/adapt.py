@@ -1,10 +1,11 @@
 """Live reconfiguration benchmark (issue 18): tokens/s after a device slows down or is lost,
 with and without re-planning, on identical fault schedules, measured in one run.
 
-On local CPU ranks (data-parallel, 4 by default; the foundation tests' tiny model with 4
-micro-batches per shard): one fault-free reference run (ordered reduction, every run is
-audited against its final state hash and per-iteration hashes), then per scenario one run per
-policy:
+On local CPU ranks (4 by default; the foundation tests' tiny model with 4 micro-batches per
+shard), per plan (`--plans`: `dp`, data-parallel over every rank; `pp2`, PP = 2 x DP = W/2) one
+fault-free reference run on the launch plan (ordered reduction; every run is audited against
+its final state hash and per-iteration hashes, so a re-planned run must match the fixed-plan
+reference bit for bit), then per scenario one run per policy:
 
 - scenarios: `slow` (rank 3 computes `--factor` x slower from iteration I on), `lost` (device 1
   lost for good at iteration I), `load` (no fault; one process spins on a core for the whole
@@ -26,6 +27,12 @@ data-parallel job the scheduler's steps reduce to the micro-batch redistribution
 makes (its exclusion step keeps every rank at one micro-batch or more), so `greyhound` is
 expected at about ours on the slow scenario; the plans differ where PP or TP can be re-planned,
 which live jobs do not yet do.
+
+On the `pp2` plan the scenarios are `lost` and `slow` and the policies `ours` and `none`
+(`evict` and `greyhound` are data-parallel baselines the config refuses for a pipeline job): a
+lost device dissolves its replica and the survivors continue in place on the other replica's
+retained state; a slow device is not re-planned in a pipeline job yet, so ours equals none
+there (the row says so rather than being left out).
 
 Caveat measured on the shared 2-core VM: four ranks oversubscribe two cores, so a rank that
 sleeps (the `slow` fault) frees CPU its peers use; the job is CPU-bound, the slow rank costs
@@ -60,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--factor", type=float, default=4.0, help="slow scenario's factor (4)")
     p.add_argument("--world-size", type=int, default=4, help="ranks (default 4)")
     p.add_argument(
+        "--plans",
+        default="dp,pp2",
+        help="comma-separated launch plans: dp (DP = W), pp2 (PP = 2 x DP = W/2); default both",
+    )
+    p.add_argument(
         "--ckpt-interval", type=int, default=5, help="iterations between checkpoints (default 5)"
     )
     p.add_argument(
@@ -75,7 +87,18 @@ def _say(text: str) -> None:
     print(f"[adapt] {text}", file=sys.stderr, flush=True)
 
 
-def _job(args: argparse.Namespace, inject: list[str], policy: str):
+PLANS = ("dp", "pp2")
+PIPELINE_SCENARIOS = ("lost", "slow")
+PIPELINE_POLICIES = ("ours", "none")
+"""What the `pp2` plan runs (module docstring)."""
+
+
+def _plan_name(args: argparse.Namespace, plan: str) -> str:
+    w = args.world_size
+    return f"dp{w}" if plan == "dp" else f"pp2xdp{w // 2}"
+
+
+def _job(args: argparse.Namespace, inject: list[str], policy: str, plan: str = "dp"):
     from unbroken.config import (
         AdaptConfig,
         CheckpointConfig,
@@ -91,7 +114,9 @@ def _job(args: argparse.Namespace, inject: list[str], policy: str):
         model=ModelConfig(preset="tiny"),
         data=DataConfig(tokens_per_microbatch=64, microbatches=4, max_documents=200),
         train=TrainConfig(iterations=args.iterations, lr=1e-3),
-        parallel=ParallelConfig(world_size=args.world_size, reduce="ordered"),
+        parallel=ParallelConfig(
+            world_size=args.world_size, pp=2 if plan == "pp2" else 1, reduce="ordered"
+        ),
         checkpoint=CheckpointConfig(interval=args.ckpt_interval),
         recovery=RecoveryConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5),
         adapt=AdaptConfig(enabled=policy != "none", policy=ADAPT_POLICY.get(policy, "resihp")),
@@ -107,8 +132,14 @@ def _scenarios(args: argparse.Namespace) -> dict[str, list[str]]:
     }
 
 
+# Long: one row's fields, each computed where it is named.
 def _row(
-    args: argparse.Namespace, scenario: str, policy: str, s: dict[str, Any], ref: dict[str, Any]
+    args: argparse.Namespace,
+    scenario: str,
+    policy: str,
+    s: dict[str, Any],
+    ref: dict[str, Any],
+    plan: str = "dp",
 ) -> dict[str, Any]:
     from unbroken.metrics.summary import audit
 
@@ -123,7 +154,7 @@ def _row(
     done = summary["state"] == "done"
     return {
         "scenario": scenario,
-        "plan": f"dp{args.world_size}",
+        "plan": _plan_name(args, plan),
         "policy": policy,
         "tokens_per_s": statistics.median(after) if after and done else 0.0,
         "reconfig_s": reconfig,
@@ -134,12 +165,14 @@ def _row(
     }
 
 
-def _one(args, root: Path, name: str, inject: list[str], policy: str) -> dict[str, Any]:
+def _one(
+    args, root: Path, name: str, inject: list[str], policy: str, plan: str = "dp"
+) -> dict[str, Any]:
     from unbroken.api import run_job
     from unbroken.metrics.log import read_jsonl
 
     out = root / name
-    summary = run_job(_job(args, inject, policy), out, quiet=True)
+    summary = run_job(_job(args, inject, policy, plan), out, quiet=True)
     metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["run"] == "train"]
     events = [e for e in read_jsonl(out / "events.jsonl") if e["run"] == "train"]
     done = next((e for e in reversed(events) if e["kind"] == "trainer_done"), {})
@@ -157,24 +190,34 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.out or tempfile.mkdtemp(prefix="unbroken-adapt-"))
     t0 = time.time()
     policies = _policies(args.policies)
-    reference = _one(args, root, "reference", [], "none")
-    _say(f"reference: {reference['summary']['faulty']['tokens_per_s']:.0f} tokens/s")
-    rows = []
-    for scenario, faults in _scenarios(args).items():
-        for policy in policies:
-            with _background_load(scenario == "load"):
-                s = _one(args, root, f"{scenario}-{policy}", faults, policy)
-            rows.append(_row(args, scenario, policy, s, reference))
-            _say(f"{scenario}/{policy}: {rows[-1]}")
+    rows, ref_tps = [], {}
+    start = args.at + args.settle
+    for plan in _plans(args.plans):
+        name = _plan_name(args, plan)
+        reference = _one(args, root, f"{name}-reference", [], "none", plan)
+        ref_tps[name] = statistics.median(
+            m["tokens_per_s"] for m in reference["metrics"] if m["iter"] >= start
+        )
+        _say(f"{name} reference: {ref_tps[name]:.0f} tokens/s")
+        for scenario, faults in _scenarios(args).items():
+            if plan == "pp2" and scenario not in PIPELINE_SCENARIOS:
+                continue
+            for policy in policies:
+                if plan == "pp2" and policy not in PIPELINE_POLICIES:
+                    continue
+                with _background_load(scenario == "load"):
+                    s = _one(args, root, f"{name}-{scenario}-{policy}", faults, policy, plan)
+                rows.append(_row(args, scenario, policy, s, reference, plan))
+                _say(f"{name} {scenario}/{policy}: {rows[-1]}")
     for row in rows:
-        ours = next(r for r in rows if r["scenario"] == row["scenario"] and r["policy"] == "ours")
+        ours = next(
+            r
+            for r in rows
+            if (r["plan"], r["scenario"], r["policy"]) == (row["plan"], row["scenario"], "ours")
+        )
         row["ratio_to_ours"] = (
             row["tokens_per_s"] / ours["tokens_per_s"] if ours["tokens_per_s"] else None
         )
-    start = args.at + args.settle
-    ref_tps = statistics.median(
-        m["tokens_per_s"] for m in reference["metrics"] if m["iter"] >= start
-    )
     if args.json:
         out = {
             "rows": rows,
@@ -225,6 +268,17 @@ def _load_line(rows: list[dict[str, Any]]) -> str | None:
     )
 
 
+def _plans(text: str) -> list[str]:
+    """`--plans`: known names, in the order given."""
+    from unbroken.errors import UserError
+
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in names if p not in PLANS]
+    if unknown or not names:
+        raise UserError(f"--plans: unknown {', '.join(unknown)} (known: {', '.join(PLANS)})")
+    return names
+
+
 def _policies(text: str) -> list[str]:
     """`--policies`: known names, ours first and always."""
     from unbroken.errors import UserError
@@ -236,16 +290,22 @@ def _policies(text: str) -> list[str]:
     return ["ours", *[p for p in POLICIES if p in names and p != "ours"]]
 
 
-def _print_table(rows: list[dict[str, Any]], ref_tps: float, start: int) -> None:
-    print(f"fault-free reference: {ref_tps:.0f} tokens/s (iterations >= {start})")
+def _print_table(rows: list[dict[str, Any]], ref_tps: dict[str, float], start: int) -> None:
+    refs = ", ".join(f"{plan} {tps:.0f}" for plan, tps in ref_tps.items())
+    print(f"fault-free references (tokens/s, iterations >= {start}): {refs}")
     print(
-        f"{'scenario':10}{'policy':10}{'tokens/s':>10}{'vs ours':>9}{'reconfig s':>12}"
+        f"{'plan':10}{'scenario':10}{'policy':10}{'tokens/s':>10}{'vs ours':>9}{'reconfig s':>12}"
         f"{'ckpt loads':>12}{'bit-exact':>11}"
     )
     for r in rows:
         ratio = f"{r['ratio_to_ours']:.2f}" if r["ratio_to_ours"] is not None else "-"
         reconfig = f"{r['reconfig_s']:.2f}" if r["reconfig_s"] is not None else "-"
         print(
-            f"{r['scenario']:10}{r['policy']:10}{r['tokens_per_s']:>10.0f}{ratio:>9}"
-            f"{reconfig:>12}{r['ckpt_loads']:>12}{r['bit_exact']!s:>11}"
+            f"{r['plan']:10}{r['scenario']:10}{r['policy']:10}{r['tokens_per_s']:>10.0f}"
+            f"{ratio:>9}{reconfig:>12}{r['ckpt_loads']:>12}{r['bit_exact']!s:>11}"
+        )
+    if any(r["plan"].startswith("pp") for r in rows):
+        print(
+            "pipeline plan: a slow device is not re-planned yet (ours = none there); evict and "
+            "greyhound are data-parallel baselines, not run on it"
         )

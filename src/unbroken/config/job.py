@@ -471,8 +471,10 @@ class AdaptConfig:
     coordinator re-plan (`unbroken.plan`) and the job continue on the new placement: for a lost
     device on the remaining ranks without a checkpoint, for a slow one at an iteration boundary.
     Data-parallel jobs (parallel.tp = pp = 1); implies parallel.reduce = "ordered". A pipeline
-    job of one replica (parallel.pp > 1, tp = dp = 1) re-plans around a lost device only: the
-    survivors run a smaller pipeline from the newest checkpoint."""
+    job (parallel.pp > 1, tp = 1, schedule 1f1b or gpipe) re-plans around a lost device only:
+    with another replica of every stage, the scheduler dissolves the broken replica and the
+    survivors continue on their retained state; without one, they run a smaller pipeline from
+    the newest checkpoint."""
     max_replans: int = 4
     """Most re-plans for slow devices a job makes, and for their return to full speed (a cap
     on a detector that fires on noise)."""
@@ -530,11 +532,25 @@ class JobConfig:
         self.model, self.data = resolve_vocabulary(self.model, self.data)
         parallel = self.parallel
         self.nodes.per_node(parallel.world_size)  # raises when the nodes do not hold the world
-        if self.adapt.enabled and parallel.planned and (parallel.tp > 1 or parallel.dp > 1):
+        if self.adapt.enabled and parallel.planned and parallel.tp > 1:
             raise ValueError(
                 "adapt.enabled re-plans data-parallel jobs (parallel.tp = pp = 1) and pipeline "
-                "jobs of one replica (parallel.pp > 1, tp = dp = 1); re-planning TP or DP x PP "
-                "plans is not built: set adapt.enabled = false"
+                "jobs at TP 1 (parallel.pp > 1); re-planning TP plans is not built: set "
+                "adapt.enabled = false"
+            )
+        planned_ordered = parallel.reduce == "ordered" or (
+            parallel.reduce == "auto" and self.adapt.enabled
+        )
+        if (
+            parallel.planned
+            and planned_ordered
+            and (parallel.schedule not in ("1f1b", "gpipe") or parallel.virtual_stages != 1)
+        ):
+            raise ValueError(
+                f'parallel.reduce = "ordered" (implied by adapt.enabled) keeps every micro-batch\'s '
+                f"gradient apart, which a pipeline schedule with split backward or virtual stages "
+                f'does not: set parallel.schedule = "1f1b" or "gpipe" (got '
+                f'"{parallel.schedule}", virtual_stages = {parallel.virtual_stages})'
             )
         if self.adapt.enabled and parallel.planned and self.adapt.policy != "resihp":
             raise ValueError(

@@ -27,6 +27,7 @@ from unbroken.config import JobConfig
 from unbroken.data import PackedStream, Sampler, corpus_for
 from unbroken.engine.groups import PlanGroups
 from unbroken.engine.interpreter import PlanWorker
+from unbroken.engine.ordered_plan import PlanOrderedGradients, check_ordered_plan
 from unbroken.engine.own_stages import factory_layers, factory_stage, full_factory_params
 from unbroken.engine.replica import state_geometry
 from unbroken.engine.sharding import load_from_full
@@ -149,11 +150,19 @@ def _check_fits(cfg: JobConfig, plan: ParallelPlan, search: list[str]) -> Transf
         layers = args.n_layers
     if plan.num_layers != layers:
         raise UserError(f"the plan has {plan.num_layers} layers, the model {layers}")
-    if any(n != cfg.data.microbatches for n in plan.microbatches):
+    shards, m = cfg.parallel.dp, cfg.data.microbatches
+    # Every replica owns one shard's micro-batches, or (a plan re-planned around a dissolved
+    # replica) the plan covers the job's global batch of parallel.dp shards.
+    if any(n != m for n in plan.microbatches) and plan.total_microbatches != shards * m:
         raise UserError(
-            f"the plan gives replicas {list(plan.microbatches)} micro-batches; "
-            f"data.microbatches is {cfg.data.microbatches}"
+            f"the plan gives replicas {list(plan.microbatches)} micro-batches; data.microbatches "
+            f"is {m} per replica and the job's global batch {shards} x {m}"
         )
+    if cfg.ordered_reduction:
+        try:
+            check_ordered_plan(plan)
+        except ValueError as exc:
+            raise UserError(f'parallel.reduce = "ordered" (or adapt.enabled): {exc}') from None
     return args
 
 
@@ -249,14 +258,20 @@ def build_worker(
                 state.grads, groups.dp, groups.dp_size, groups.tie, groups.tie_name
             ),
         )
-    if source is None:
-        source = make_source(cfg, plan.dp)
+    if source is None:  # logical shards: the launch plan's replicas, whatever runs them now
+        source = make_source(cfg, plan.total_microbatches // cfg.data.microbatches)
     if cfg.train.optimizer == "muon" and groups.tp.size > 1:
         raise UserError(
             "train.optimizer = 'muon' orthogonalizes whole weight matrices, which tensor "
             "parallelism shards: set parallel.tp = 1 or pick another optimizer"
         )
     step = ChunkStep.for_job(geometry, cfg.train, layout)
+    ordered = None
+    if cfg.ordered_reduction:
+        tied = None
+        if groups.tie is not None:
+            tied = (groups.tie, layout.views(state.grads)[groups.tie_name])
+        ordered = PlanOrderedGradients(plan, groups, state.grads, cfg.data.microbatches, tied)
     worker = PlanWorker(
         plan=plan,
         model=model,
@@ -268,5 +283,7 @@ def build_worker(
         device=device,
         hooks=hooks,
         autocast_dtype=autocast_dtype,
+        ordered=ordered,
+        shard_microbatches=cfg.data.microbatches,
     )
     return EngineRank(worker=worker, model=model, state=state, groups=groups, geometry=geometry)

@@ -61,6 +61,7 @@ methods for it, which the fault injector's `slow` faults use ([Note: slow-fault]
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -71,6 +72,7 @@ import torch.distributed as dist
 from unbroken.config import TrainConfig
 from unbroken.detect.timing import StageTiming
 from unbroken.engine.groups import PlanGroups
+from unbroken.engine.ordered_plan import PlanOrderedGradients
 from unbroken.engine.sharding import replicated
 from unbroken.engine.stage import MicroBatchInputs, StageModel
 from unbroken.engine.transfer import run_batch
@@ -82,6 +84,7 @@ from unbroken.train.tail import Updater, finish_iteration
 __all__ = ["PlanWorker"]
 
 _REDUCE_BUCKET = 1 << 25
+_LAYER = re.compile(r"layers\.(\d+)\.")
 _K = ActionKind
 
 
@@ -115,6 +118,12 @@ class PlanWorker:
         hooks: phase hooks (fault injection, timing), called as by the trainer.
         autocast_dtype: bf16 on GPU as the trainer does, None for fp32. Messages between
             stages stay fp32 (the residual stream is fp32 under autocast).
+        ordered: the ordered gradient reduction (`unbroken.engine.ordered_plan`), built over
+            `state.grads`; None: the all-reduce of [Note: loss scale].
+        shard_microbatches: M, micro-batches per logical data shard: micro-batch k's data is
+            micro-batch k mod M of shard k // M whichever replica runs it (a plan whose
+            replicas own other counts than the launch plan's reads the same data). None: the
+            owner replica's shard (every replica owns the same count).
     """
 
     def __init__(
@@ -130,8 +139,11 @@ class PlanWorker:
         device: torch.device,
         hooks: Sequence[PhaseHook] = (),
         autocast_dtype: torch.dtype | None = None,
+        ordered: PlanOrderedGradients | None = None,
+        shard_microbatches: int | None = None,
     ) -> None:
         self.plan, self.model, self.state = plan, model, state
+        self.ordered, self.shard_microbatches = ordered, shard_microbatches
         self.autocast_dtype = autocast_dtype
         self.source, self.cfg, self.groups = source, cfg, groups
         self.updater, self.device, self.hooks = updater, device, list(hooks)
@@ -145,10 +157,18 @@ class PlanWorker:
         self.last_stage = plan.num_stages - 1
         self.split = {(a.stage, a.microbatch) for a in self.actions if a.kind is _K.W}
         self.loss_div = plan.total_microbatches / plan.dp
+        self.loss_shards = plan.dp
+        """The sync divides the summed loss by it: replicas, or logical shards when ordered."""
+        if ordered is not None:
+            if shard_microbatches is None:
+                raise ValueError("the ordered reduction needs shard_microbatches")
+            self.loss_div = shard_microbatches
+            self.loss_shards = plan.total_microbatches // shard_microbatches
         self.reports_loss = groups.tp.rank == 0 and any(
             a.kind is _K.F and a.stage == self.last_stage for a in self.actions
         )
         self._counted = self._norm_slices()
+        self._buckets = self._norm_buckets() if ordered is not None else []
         self._steps = _hook_steps(self.actions)
         self._blocked = dict.fromkeys(("p2p", "tp", "reduce", "sync"), 0.0)
         self._blocked_before = 0.0
@@ -199,12 +219,32 @@ class PlanWorker:
                 open_range = False
         return ranges
 
+    def _norm_buckets(self) -> list[tuple[int, int, int]]:
+        """(bucket, lo, hi) of every flat range this rank adds to the gradient norm when the
+        reduction is ordered: bucket = the layer a parameter belongs to (n_layers: the
+        embedding; n_layers + 1: the rest), so the norm is a fold over layers in a fixed order
+        whatever stage holds them ([Note: ordered reduction])."""
+        if not self.actions or self.plan.locate(self.rank)[0] != 0:
+            return []
+        n = self.plan.num_layers
+        out = []
+        for s in sorted(self.state.layout.slots, key=lambda s: s.offset):
+            if self.groups.tp.rank == 0 or not replicated(s.name):
+                found = _LAYER.search(s.name)
+                bucket = int(found.group(1)) if found else (n if "embed" in s.name else n + 1)
+                out.append((bucket, s.offset, s.offset + s.numel))
+        return out
+
     def _microbatch(self, iteration: int, mb: int) -> Any:
-        owner = self.plan.owner(mb)
-        batches = self._batches.get(owner)
+        if self.shard_microbatches is None:
+            shard = self.plan.owner(mb)
+            index = mb - self.plan.microbatch_ids(shard).start
+        else:
+            shard, index = divmod(mb, self.shard_microbatches)
+        batches = self._batches.get(shard)
         if batches is None:
-            batches = self._batches[owner] = self.source.iteration(iteration, owner)
-        return batches[mb - self.plan.microbatch_ids(owner).start]
+            batches = self._batches[shard] = self.source.iteration(iteration, shard)
+        return batches[index]
 
     def _inputs(self, iteration: int, mb: int) -> MicroBatchInputs:
         if mb not in self._mb_inputs:
@@ -238,7 +278,10 @@ class PlanWorker:
         if k == self.last_stage:
             out = out / self.loss_div
             if self.reports_loss:  # float64 on the device: no host sync per micro-batch
-                self._loss += out.detach().double()
+                if self.ordered is not None:  # folded in id order (_sync)
+                    self._mb_loss[mb] = out.detach().double()
+                else:
+                    self._loss += out.detach().double()
                 self._tokens += int(getattr(self._microbatch(iteration, mb), "n_tokens", 0))
         self._outputs[(k, mb)] = out
 
@@ -263,6 +306,8 @@ class PlanWorker:
         x = self._stage_inputs.pop((k, mb), None)
         if x is not None:
             self._input_grads[(k, mb)] = x.grad
+        if self.ordered is not None:  # one B per micro-batch (`check_ordered_plan`)
+            self.ordered.keep(mb)
 
     def _weight(self, k: int, mb: int) -> None:
         WeightGradSink.run(self._pending_w.pop((k, mb)))
@@ -274,6 +319,14 @@ class PlanWorker:
         there acts for the step before); the later ones and REDUCED are inside it (a hook there
         acts for the bucket before: a stall is the reduction taking longer)."""
         g, grads = self.groups, self.state.grads
+        if self.ordered is not None:
+            t = self._blocked_since = time.perf_counter()
+            try:
+                self.ordered.reduce(self._hook, iteration)
+            finally:
+                self._blocked["reduce"] += time.perf_counter() - t
+                self._blocked_since = None
+            return
         if g.fine is None and (g.dp is None or g.dp_size == 1):
             return
         starts = range(0, grads.numel(), _REDUCE_BUCKET) if g.fine is None else range(1)
@@ -296,15 +349,30 @@ class PlanWorker:
     def _sync(self, iteration: int) -> tuple[float, float, float]:
         self._hook(Phase.SYNC, iteration)
         grads, f64 = self.state.grads, torch.float64
-        t = torch.zeros(3, dtype=f64, device=self.device)
-        for lo, hi in self._counted:
-            t[1] += grads[lo:hi].to(f64).square().sum()
+        slots = self.plan.total_microbatches if self.ordered is not None else 0
+        buckets = self.plan.num_layers + 2 if self.ordered is not None else 0
+        t = torch.zeros(3 + slots + buckets, dtype=f64, device=self.device)
+        if self.ordered is None:
+            for lo, hi in self._counted:
+                t[1] += grads[lo:hi].to(f64).square().sum()
+        for b, lo, hi in self._buckets:
+            t[3 + slots + b] += grads[lo:hi].to(f64).square().sum()
         t[0] += self._loss
         t[2] += self._tokens
+        for mb, loss_mb in self._mb_loss.items():  # one holder per slot: the sum is exact
+            t[3 + mb] += loss_mb
         t_sync = time.perf_counter()
         dist.all_reduce(t, group=self.groups.world)
         self._blocked["sync"] += time.perf_counter() - t_sync
-        loss, norm = float(t[0]) / self.plan.dp, float(t[1]) ** 0.5
+        total, sq = float(t[0]), float(t[1])
+        if slots:  # folds in micro-batch and layer order, whatever the plan
+            values = t[3:].tolist()  # ([Note: ordered reduction] in `engine.ordered_plan`)
+            total = sq = 0.0
+            for value in values[:slots]:
+                total += value
+            for value in values[slots:]:
+                sq += value
+        loss, norm = total / self.loss_shards, sq**0.5
         self._tokens = int(t[2])
         clip = self.cfg.grad_clip
         scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
@@ -322,6 +390,7 @@ class PlanWorker:
         self._received: dict[tuple[ActionKind, int, int], torch.Tensor] = {}
         self._pending_w: dict[tuple[int, int], list] = {}
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._mb_loss: dict[int, torch.Tensor] = {}
         self._tokens = 0
         self._blocked = dict.fromkeys(("p2p", "tp", "reduce", "sync"), 0.0)
         self._p2p_min = float("inf")

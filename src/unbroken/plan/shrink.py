@@ -2,13 +2,13 @@
 
 The scheduler (`plan_for_state`) keeps the pipeline depth: it plans around a lost device with
 a surviving replica of its stage, a TP group that shrinks, or a standby. A job of one replica
-at TP 1 has none of these — its lost device held the only copy of a stage — so
-`plan_for_state` raises `NoPlanError`. What such a job can still do is what Oobleck does on
+at TP 1 has none of these — its lost device held the only copy of a stage — and neither has a
+DP x PP job that lost every copy of one stage, so `plan_for_state` raises `NoPlanError`. What such a job can still do is what Oobleck does on
 every failure: run a fresh even plan on the devices it has left, from its newest checkpoint
 loaded under that plan (`unbroken.engine.ckpt_layout`). `shrink_pipeline` is that plan:
 
-- one replica (the data-parallel degree and so the global batch stay as they were: the
-  replica keeps its micro-batches);
+- one replica with every micro-batch of the plan (the global batch stays as it was; the data
+  of each micro-batch is keyed by its global id, `PlanWorker.shard_microbatches`);
 - min(pp, survivors, layers) stages, ranks 0..n-1 in the survivors' order, layers split
   evenly (`make_plan`);
 - TP 1 on every stage, the same schedule; an interleaved schedule keeps its virtual stages
@@ -29,17 +29,17 @@ __all__ = ["shrink_pipeline"]
 
 
 def shrink_pipeline(plan: ParallelPlan, devices: int) -> ParallelPlan:
-    """`plan`'s job (one replica at TP 1) on `devices` devices, ranks 0..devices-1.
+    """`plan`'s job (TP 1) as one replica on `devices` devices, ranks 0..devices-1.
 
     Raises:
         NoPlanError: no device is left.
-        ValueError: `plan` is not a single replica at TP 1 (the scheduler's case, not this).
+        ValueError: `plan` has a stage at TP > 1 (the scheduler's case, not this).
     """
     if devices < 1:
         raise NoPlanError("no device is left to run the pipeline on")
-    if plan.dp != 1 or any(g.tp != 1 for g in plan.replicas[0].stages):
-        raise ValueError("shrink_pipeline plans a single replica at TP 1")
-    layers, (microbatches,) = plan.num_layers, plan.microbatches
+    if any(g.tp != 1 for rep in plan.replicas for g in rep.stages):
+        raise ValueError("shrink_pipeline plans pipelines at TP 1")
+    layers, microbatches = plan.num_layers, plan.total_microbatches
     pp = max(1, min(plan.pp, devices, layers))
     v = plan.virtual_stages
     if v > 1 and pp > 1 and pp * v <= layers and microbatches % pp == 0:

@@ -76,15 +76,17 @@ class OrderedGradients:
         self.order = [offsets[owners[k][0]] + owners[k][1] for k in range(placement.total)]
         """Per global id, in id order, its row in what the all-to-all delivers."""
 
-    def keep(self, j: int, loss: torch.Tensor, tokens: int) -> None:
+    def keep(self, j: int, loss: torch.Tensor | None = None, tokens: int = 0) -> None:
         """After the backward of this rank's j-th micro-batch: set its gradient aside (the
-        buffer is zeroed for the next one) and note its loss and tokens."""
+        buffer is zeroed for the next one) and note its loss and tokens (None: the caller
+        folds the loss itself, as a pipeline's last stage does)."""
         k = self.items[j]
         n = self.grads.numel()
         self.kept[j, :n].copy_(self.grads)
         self.grads.zero_()
-        self.losses[k] = loss.detach().double()
-        self.losses[self.placement.total + k] = float(tokens)
+        if loss is not None:
+            self.losses[k] = loss.detach().double()
+            self.losses[self.placement.total + k] = float(tokens)
 
     def reduce(self, hook: PhaseHook, iteration: int) -> None:
         """The global gradient into `grads` (collective; compute phase): ALLREDUCE 0 before

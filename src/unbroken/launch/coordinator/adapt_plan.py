@@ -1,19 +1,25 @@
-"""The coordinator's re-planning of a pipeline job (issue 18): a lost stage, continued on the
-devices left, from the newest checkpoint loaded under the smaller plan.
+"""The coordinator's re-planning of a pipeline job (issue 18) around a lost device.
 
 `Adaptation` (`adapt.py`) re-plans data-parallel jobs, whose survivors keep their retained
-replicas. A pipeline job of one replica at TP 1 (`parallel.pp` > 1, `tp` = `dp` = 1) holds every
-stage once: a lost device takes a stage's only copy of its state with it. The scheduler's steps
-keep the pipeline depth and find no plan (`NoPlanError`); `shrink_pipeline` gives the survivors
-an even pipeline of their own. The layout of every surviving rank changes with it, so the next
-generation starts from the newest checkpoint, resharded to the new plan
-(`unbroken.engine.ckpt_layout`, `RestoreMode.CHECKPOINT`); the survivors' state managers give
-their regions the new geometry. The plan travels in the generation spec (`GenerationSpec.plan`).
+replicas. A pipeline job at TP 1 (`parallel.pp` > 1) is re-planned here:
 
-What is not built here, and said so in the `replan_skipped` events: moving the survivors'
-retained state to the new layout without a checkpoint (`engine.reshard` over the live job);
-re-planning around a slow device; growing back when lost devices return (they are kept as
-standbys). A TP > 1 or DP > 1 plan is refused by the config (`adapt.enabled`).
+- **Another replica holds every stage** (DP x PP): the scheduler (`plan_for_state`) dissolves
+  the replica that lost a device and gives its micro-batches to the replicas left; its other
+  devices become standbys (outside the world). Every surviving rank keeps the layers it held,
+  so the next generation restores **in place** from the retained state, without a checkpoint;
+  the ordered reduction (`unbroken.engine.ordered_plan`) makes the new plan compute the
+  launch plan's bits. A plan that moves layers onto a surviving rank (not what the scheduler
+  returns for a lost device today) restarts from the checkpoint instead, resharded.
+- **A stage lost its only copy** (one replica, or every replica of a stage lost): the
+  scheduler has no plan (`NoPlanError`); `shrink_pipeline` gives the survivors an even pipeline
+  of one replica, and the next generation starts from the newest checkpoint resharded to it
+  (`unbroken.engine.ckpt_layout`, `RestoreMode.CHECKPOINT`); the survivors' state managers give
+  their regions the new geometry.
+
+The plan travels in the generation spec (`GenerationSpec.plan`), its ranks numbered 0..n-1 in
+the survivors' device order. What is not built here, and said so in the `replan_skipped`
+events: re-planning around a slow device; growing back when lost devices return (they are
+kept as standbys). A TP > 1 plan is refused by the config (`adapt.enabled`).
 
 Pure decisions and the event log: no processes, no sockets.
 """
@@ -27,8 +33,8 @@ from typing import Any
 from unbroken.detect.events import DetectionEvent
 from unbroken.launch.coordinator.adapt import NewWorld
 from unbroken.metrics.log import JsonlLog
-from unbroken.parallel import ParallelPlan
-from unbroken.plan import NoPlanError
+from unbroken.parallel import ParallelPlan, Replica, StageGroup, plan_for
+from unbroken.plan import ClusterState, Fabric, NoPlanError, Workload, plan_for_state
 from unbroken.plan.shrink import shrink_pipeline
 
 __all__ = ["PipelineAdaptation"]
@@ -94,17 +100,22 @@ class PipelineAdaptation:
         if not survivors:
             raise NoPlanError("every device of the pipeline is lost")
         before, devices_before = self.plan, self.devices
-        self.plan = shrink_pipeline(before, len(survivors))
-        used = len(self.plan.ranks)
-        self.devices = survivors[:used]
+        kept = self._dissolve(gone)
+        if kept is not None:
+            self.plan, self.devices, explain = kept
+            self.relayout = not _keeps_stages(before, devices_before, self.plan, self.devices)
+        else:
+            self.plan = shrink_pipeline(before, len(survivors))
+            self.devices = survivors[: len(self.plan.ranks)]
+            self.relayout = True
+            explain = (
+                f"the lost device held the only copy of its stage, so the scheduler keeps no "
+                f"pipeline of depth {before.pp}; the survivors run an even pipeline of depth "
+                f"{self.plan.pp} from the newest checkpoint loaded under it"
+            )
         self.epoch += 1
-        self.relayout = True
         trigger = {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
-        explain = (
-            f"the lost device held the only copy of its stage (one replica at TP 1), so the "
-            f"scheduler keeps no pipeline of depth {before.pp}; the survivors run an even "
-            f"pipeline of depth {self.plan.pp} from the newest checkpoint loaded under it"
-        )
+        restore = "checkpoint" if self.relayout else "in_place"
         self.events.emit(
             "replan",
             epoch=self.epoch,
@@ -120,18 +131,92 @@ class PipelineAdaptation:
             predicted_before_s=None,
             predicted_after_s=None,
             plan_s=time.perf_counter() - t0,
-            restore="checkpoint",
+            restore=restore,
             explain=explain,
         )
         stages = [list(g.layers) for g in self.plan.replicas[0].stages]
+        source = "from the newest checkpoint" if self.relayout else "in place, no checkpoint"
         self.say(
             f"re-plan (device lost {gone}): devices {list(devices_before)} -> "
-            f"{list(self.devices)}, pipeline {before.pp} -> {self.plan.pp} stages {stages}, "
-            "from the newest checkpoint"
+            f"{list(self.devices)}, {before.dp} x {before.pp} -> {self.plan.dp} x {self.plan.pp} "
+            f"(replicas x stages) stages {stages}, {source}"
         )
         return NewWorld(self.devices, None, self.epoch)
+
+    def _dissolve(self, gone: list[int]) -> tuple[ParallelPlan, tuple[int, ...], str] | None:
+        """The scheduler's plan around the lost devices, its ranks renumbered 0..n-1 in device
+        order, with the devices it runs on and its explanation; None when it has none (a
+        stage lost its every copy)."""
+        plan = self.plan
+        if plan.dp == 1:
+            return None
+        lost_ranks = [r for r, d in enumerate(self.devices) if d in gone]
+        try:
+            result = plan_for_state(_cluster(plan).with_lost(*lost_ranks))
+        except NoPlanError:
+            return None
+        layout = result.layout
+        used = sorted(layout.ranks)
+        new_rank = {r: i for i, r in enumerate(used)}
+        replicas = [
+            Replica(
+                tuple(StageGroup(tuple(new_rank[r] for r in g.ranks), g.layers) for g in rep.stages)
+            )
+            for rep in layout.replicas
+        ]
+        new = plan_for(replicas, layout.microbatches, plan.schedule, migrations=layout.migrations)
+        devices = tuple(self.devices[r] for r in used)
+        standbys = [self.devices[r] for r in result.standbys]
+        explain = (
+            "; ".join(n for step in result.steps for n in step.notes)
+            or "the scheduler's plan around the lost device"
+        ) + f"; standbys (alive, outside the world): devices {standbys}"
+        return new, devices, explain
 
     def _skip(self, trigger: dict, reason: str) -> bool:
         self.events.emit("replan_skipped", trigger=trigger, reason=reason)
         self.say(f"no re-plan for {trigger['kind']}: {reason}")
         return False
+
+
+def _cluster(plan: ParallelPlan) -> ClusterState:
+    """`plan` as the scheduler sees it: every rank healthy, unit costs per layer, memory that
+    never binds (a lost device's plan depends on the structure, not on speeds)."""
+    workload = Workload(
+        num_layers=plan.num_layers,
+        tokens=1,
+        sum_sq=1.0,
+        alpha_s=1e-3,
+        beta_s=0.0,
+        message_bytes=1.0,
+        layer_params=1.0,
+        act_bytes_per_layer=1.0,
+    )
+    n = max(plan.ranks) + 1
+    fabric = Fabric(gpus_per_node=n, intra_bytes_per_s=1e12, inter_bytes_per_s=1e12)
+    return ClusterState.healthy(plan, workload, fabric, memory_bytes=float(1 << 50))
+
+
+def _stages_by_device(plan: ParallelPlan, devices: tuple[int, ...]) -> dict[int, tuple]:
+    """device -> the layer ranges it holds (at its TP degree) under `plan`."""
+    out = {}
+    for rank in plan.ranks:
+        d, s = plan.locate(rank)
+        stages = plan.replicas[d].stages
+        out[devices[rank]] = tuple(
+            (g.layers, g.tp) for k, g in enumerate(stages) if k % plan.pp == s
+        )
+    return out
+
+
+def _keeps_stages(
+    before: ParallelPlan,
+    devices_before: tuple[int, ...],
+    after: ParallelPlan,
+    devices: tuple[int, ...],
+) -> bool:
+    """Whether every device of the new plan holds what it held before (its retained state is
+    the new layout's: restore in place)."""
+    old = _stages_by_device(before, devices_before)
+    new = _stages_by_device(after, devices)
+    return all(old.get(dev) == held for dev, held in new.items())

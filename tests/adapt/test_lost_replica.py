@@ -1,0 +1,48 @@
+"""A PP x DP job that loses a device for good continues on the other replica's retained state,
+without a checkpoint (issue 18 item 3, Figure 8's surviving DP replica).
+
+PP = 2 x DP = 2 on 4 local ranks (`adapt.enabled`, so the plan's gradients are reduced in
+micro-batch order, `unbroken.engine.ordered_plan`). Rank 2 — replica 1's first stage — is lost
+in the backward of iteration 5. The scheduler dissolves replica 1 (device 3 becomes a
+standby), replica 0 takes its micro-batches, and the next generation restores in place on
+devices 0 and 1: no checkpoint is loaded (the only one is iteration 0's), and the run ends bit
+for bit where the fault-free run on the original 2 x 2 plan ends (the state hash is taken per
+parameter, whichever rank holds it). Then the same with the loss inside the update of replica
+0's last stage: the survivors (devices 2 and 3, renumbered 0 and 1) finish that update from
+their retained progress."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from unbroken.api import run_job
+from unbroken.config import ParallelConfig
+from unbroken.metrics.log import read_jsonl
+
+from .conftest import adapt_job, events_of
+
+
+def _job(inject: str):
+    cfg = adapt_job(world_size=4, iterations=8, inject=[inject])
+    return dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("fault", "after"),
+    [("lose:rank=2,iter=5,phase=backward", [0, 1]), ("lose:rank=1,iter=4,phase=update", [2, 3])],
+)
+def test_a_lost_device_of_a_dp_x_pp_job_continues_in_place_bit_exact(tmp_path, fault, after):
+    s = run_job(_job(fault), tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert (s["failures_detected"], s["failures_recovered"]) == (1, 1)
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    (replan,) = events_of(events, "replan")
+    assert replan["restore"] == "in_place" and replan["devices_after"] == after
+    assert [st["layers"] for st in replan["after"]] == [[0, 1], [1, 2]]
+    assert events_of(events, "checkpoint_loaded") == []
+    done = events_of(events, "trainer_done")[-1]
+    assert done["devices"] == after and len(done["rank_hashes"]) == 2

@@ -1,0 +1,89 @@
+"""The ordered reduction of a plan (`unbroken.engine.ordered_plan`): a PP x DP job's result
+does not depend on which replica computed which micro-batch, or on how many replicas there are.
+
+On 4 local gloo ranks, a PP=2 x DP=2 job (`parallel.reduce = "ordered"`, clipping on) runs 3
+iterations; so do, from the same initial state and data:
+
+- the scheduler's plan after a device of replica 1 is lost: replica 1 dissolved, replica 0
+  computes all 4 micro-batches (ranks 2 and 3 are standbys that only join the sync);
+- the same with the surviving replica on ranks 2 and 3 (replica 0's device lost);
+- the scheduler's micro-batch migration around a slow device (DP migration at stage level);
+- 1 iteration on the launch plan, then the scheduler's layer repartition (the moved layers
+  resharded onto the new split), then 2 more.
+
+Every one ends with the launch plan's parameters and losses bit for bit — what lets a live
+re-plan stay bit-exact against the fault-free run on the original plan (issue 18 item 4).
+Without the ordered reduction the dissolved plan differs (the control case), so the check
+can fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.engine.harness import Case, bit_equal, engine_job, run_plans
+from tests.engine.test_planned import FABRIC, WORKLOAD
+from unbroken.config import ParallelConfig
+from unbroken.parallel import check_plan, make_plan
+from unbroken.plan import ClusterState, PlannerConfig, plan_for_state
+
+
+def _job(reduce: str):
+    cfg = engine_job(microbatches=2, grad_clip=0.05)
+    return dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2, reduce=reduce))
+
+
+def _planned(plan, change, config=None):
+    cluster = change(ClusterState.healthy(plan, WORKLOAD, FABRIC, memory_bytes=1e9))
+    new = plan_for_state(cluster, config).plan()
+    assert check_plan(new) == []
+    return new
+
+
+def _cases():
+    launch = make_plan(2, 2, 1, 4, 2)
+    dissolved = _planned(launch, lambda c: c.with_lost(2))
+    assert dissolved.dp == 1 and dissolved.microbatches == (4,)
+    assert dissolved.ranks == (0, 1)
+    other = _planned(launch, lambda c: c.with_lost(1))
+    assert other.ranks == (2, 3) and other.microbatches == (4,)
+    slow = PlannerConfig(ownership=False, repartition=False)
+    migrated = _planned(launch, lambda c: c.with_slow(0, speed=0.25), slow)
+    assert migrated.migrations
+    split = _planned(launch, lambda c: c.with_slow(0, speed=0.25), PlannerConfig(ownership=False))
+    assert [g.layers for g in split.replicas[0].stages] == [(0, 1), (1, 4)]
+    ordered, plain = _job("ordered"), _job("allreduce")
+    return [
+        Case("launch", launch, ordered, iterations=3),
+        Case("dissolved", dissolved, ordered, iterations=3, shards=2),
+        Case("dissolved-other", other, ordered, iterations=3, shards=2),
+        Case("migrated", migrated, ordered, iterations=3),
+        Case("repartitioned", launch, ordered, iterations=1, then=split, after=2),
+        Case("launch-allreduce", launch, plain, iterations=3),
+        Case("dissolved-allreduce", dissolved, plain, iterations=3, shards=2),
+    ]
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    return run_plans(_cases(), 4, tmp_path_factory.mktemp("engine-ordered"))
+
+
+@pytest.mark.parametrize("name", ["dissolved", "dissolved-other", "migrated", "repartitioned"])
+def test_a_replanned_job_matches_the_launch_plan_bit_for_bit(outcomes, name):
+    ref, got = outcomes["launch"], outcomes[name]
+    assert got.losses == ref.losses and got.grad_norms == ref.grad_norms
+    assert bit_equal(got.params[0], ref.params[0])
+
+
+def test_every_replica_of_the_launch_plan_holds_the_same_state(outcomes):
+    launch = outcomes["launch"]
+    assert len(launch.params) == 2 and bit_equal(launch.params[0], launch.params[1])
+
+
+def test_without_the_ordered_reduction_the_dissolved_plan_drifts(outcomes):
+    """The control: the all-reduce path sums in another order after the re-plan."""
+    ref, got = outcomes["launch-allreduce"], outcomes["dissolved-allreduce"]
+    assert not bit_equal(got.params[0], ref.params[0])
