@@ -44,5 +44,7 @@ def test_a_lost_device_of_a_dp_x_pp_job_continues_in_place_bit_exact(tmp_path, f
     assert replan["restore"] == "in_place" and replan["devices_after"] == after
     assert [st["layers"] for st in replan["after"]] == [[0, 1], [1, 2]]
     assert events_of(events, "checkpoint_loaded") == []
+    (record,) = s["replans"]
+    assert record["measured_after"]["tokens_per_s"] > 0 and record["reconfig_s"] > 0
     done = events_of(events, "trainer_done")[-1]
     assert done["devices"] == after and len(done["rank_hashes"]) == 2

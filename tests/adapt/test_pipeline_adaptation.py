@@ -5,6 +5,8 @@ in place; what is not built (slow devices, growing back) is skipped with its rea
 
 from __future__ import annotations
 
+import json
+
 from unbroken.detect.events import DetectionEvent, DetectionKind
 from unbroken.launch.coordinator.adapt_plan import PipelineAdaptation
 from unbroken.metrics.log import JsonlLog, read_jsonl
@@ -62,14 +64,44 @@ def test_devices_back_before_the_world_shrank_keep_the_running_plan(tmp_path):
     assert adapt.next_world() is None and not _events(tmp_path, "replan_skipped")
 
 
-def test_a_slow_device_is_not_planned_around(tmp_path):
-    adapt, _ = _adapt(tmp_path)
-    event = DetectionEvent(
-        kind=DetectionKind.FAIL_SLOW, iteration=5, rank=1, factor=2.0, cause="compute"
+def _slow(rank: int, factor: float = 4.0) -> DetectionEvent:
+    return DetectionEvent(
+        kind=DetectionKind.FAIL_SLOW, iteration=5, rank=rank, factor=factor, cause="compute"
     )
-    assert adapt.on_fail_slow(event) is False
+
+
+def test_a_slow_device_of_a_one_replica_pipeline_is_not_planned_around(tmp_path):
+    adapt, _ = _adapt(tmp_path)
+    assert adapt.on_fail_slow(_slow(1, 2.0)) is False
     (skip,) = _events(tmp_path, "replan_skipped")
-    assert "slow device is not built" in skip["reason"]
+    assert "live reshard) is not built" in skip["reason"]
+
+
+def test_a_slow_device_of_a_dp_x_pp_job_moves_microbatches_and_keeps_every_ranks_layers(
+    tmp_path,
+):
+    class Store:  # what the coordinator publishes (`JobStore.publish_placement`), in memory
+        def __init__(self) -> None:
+            self.published: list[tuple[int, str]] = []
+
+        def publish_placement(self, epoch: int, text: str) -> None:
+            self.published.append((epoch, text))
+
+    store = Store()
+    events = JsonlLog(tmp_path / "events.jsonl", run="t")
+    adapt = PipelineAdaptation(make_plan(2, 2, 1, 4, 4), events, lambda _: None, store)
+    assert adapt.on_fail_slow(_slow(0), iter_s=0.2) is True
+    ((epoch, text),) = store.published
+    plan = ParallelPlan.from_dict(json.loads(text)["plan"])
+    assert epoch == 1 and plan.microbatches[0] < plan.microbatches[1]
+    assert plan.ranks == (0, 1, 2, 3) and adapt.plan == plan
+    assert [g.layers for g in plan.replicas[1].stages] == [(0, 2), (2, 4)]
+    (replan,) = _events(tmp_path, "replan")
+    assert replan["restore"] == "live"
+    assert 0.2 < replan["predicted_after_s"] < replan["predicted_before_s"]  # 0.2 s: healthy
+    # The same report again: the plan already accounts for it.
+    assert adapt.on_fail_slow(_slow(0)) is False
+    assert "predicted gain" in _events(tmp_path, "replan_skipped")[-1]["reason"]
 
 
 def _config(**parallel):

@@ -47,6 +47,8 @@ class Case:
     after: int = 1
     dead: tuple[int, ...] = ()
     """Ranks whose old state is lost at the re-plan (filled with NaN before resharding)."""
+    switch: bool = False
+    """Switch to `then` live (`engine.build.switch_plan`: the same state, no reshard)."""
     shards: int | None = None
     """Logical data shards (default: the plan's replicas); a plan whose replicas own other
     counts than the launch plan's (a dissolved replica) reads the launch plan's shards."""
@@ -145,7 +147,15 @@ def _worker(rank: int, world_size: int, store_path: str, cases: list[Case], out:
                 res = er.worker.run_iteration(it)
                 losses.append(res.loss)
                 norms.append(res.grad_norm)
-            if case.then is not None:
+            if case.then is not None and case.switch:
+                from unbroken.engine.build import switch_plan
+
+                switch_plan(case.cfg, er, case.then, world)
+                for it in range(case.iterations, case.iterations + case.after):
+                    res = er.worker.run_iteration(it)
+                    losses.append(res.loss)
+                    norms.append(res.grad_norm)
+            elif case.then is not None:
                 er, losses, norms = _replan(case, er, world, sources, losses, norms)
             layout = er.state.layout
             located = case.final_plan.locate(rank) if rank in case.final_plan.ranks else None

@@ -9,7 +9,9 @@ iterations; so do, from the same initial state and data:
 - the same with the surviving replica on ranks 2 and 3 (replica 0's device lost);
 - the scheduler's micro-batch migration around a slow device (DP migration at stage level);
 - 1 iteration on the launch plan, then the scheduler's layer repartition (the moved layers
-  resharded onto the new split), then 2 more.
+  resharded onto the new split), then 2 more;
+- 1 iteration on the launch plan, then a live switch to the migration plan at the boundary
+  (`switch_plan`: same state, new groups and action lists), then 2 more.
 
 Every one ends with the launch plan's parameters and losses bit for bit — what lets a live
 re-plan stay bit-exact against the fault-free run on the original plan (issue 18 item 4).
@@ -61,6 +63,7 @@ def _cases():
         Case("dissolved-other", other, ordered, iterations=3, shards=2),
         Case("migrated", migrated, ordered, iterations=3),
         Case("repartitioned", launch, ordered, iterations=1, then=split, after=2),
+        Case("switched", launch, ordered, iterations=1, then=migrated, after=2, switch=True),
         Case("launch-allreduce", launch, plain, iterations=3),
         Case("dissolved-allreduce", dissolved, plain, iterations=3, shards=2),
     ]
@@ -71,7 +74,9 @@ def outcomes(tmp_path_factory):
     return run_plans(_cases(), 4, tmp_path_factory.mktemp("engine-ordered"))
 
 
-@pytest.mark.parametrize("name", ["dissolved", "dissolved-other", "migrated", "repartitioned"])
+@pytest.mark.parametrize(
+    "name", ["dissolved", "dissolved-other", "migrated", "repartitioned", "switched"]
+)
 def test_a_replanned_job_matches_the_launch_plan_bit_for_bit(outcomes, name):
     ref, got = outcomes["launch"], outcomes[name]
     assert got.losses == ref.losses and got.grad_norms == ref.grad_norms

@@ -374,6 +374,29 @@ def test_a_spare_node_takes_the_place_of_a_lost_one(job_of):
     assert {(e["node"], e["host"]) for e in starts} >= {(2, "127.0.0.3")}
 
 
+@pytest.mark.timeout(300)
+def test_a_dp_x_pp_job_that_loses_node_1_continues_in_place_on_node_0(job_of):
+    """PP=2 x DP=2 over 2 nodes x 2 ranks: node 1 holds replica 1 (ranks 2 and 3) and dies
+    with it. The scheduler dissolves that replica; replica 0 on node 0 takes its micro-batches
+    and continues on its retained state — no checkpoint — bit-exact against the fault-free
+    PP=2 x DP=2 run (the ordered reduction of `unbroken.engine.ordered_plan`)."""
+    job = job_of(iterations=20, adapt=True, join_timeout=240, pp=2)
+    node1 = job.node(1)
+    node0 = job.node(0, "--reference")
+    _wait(lambda: job.iterations_done() >= 6 or node0.poll() is not None, 200, "iteration 6")
+    assert node0.poll() is None, node0.communicate()[1][-3000:]
+    _kill_node(node1.pid, descendants(node1.pid) | {node1.pid})
+    summary = _summary(node0)
+    assert summary["bit_exact"] is True, summary
+    assert summary["iterations"] == 20 and summary["state"] == "done", summary
+    (replan,) = job.kinds("replan")
+    assert sorted(replan["trigger"]["devices"]) == [2, 3], replan
+    assert (replan["devices_before"], replan["devices_after"]) == ([0, 1, 2, 3], [0, 1])
+    assert replan["restore"] == "in_place" and replan["counts_after"] == [4], replan
+    assert job.kinds("checkpoint_loaded") == []
+    assert [e["mode"] for e in job.kinds("recovery_start")] == ["inplace"]
+
+
 @pytest.mark.slow  # ~60 s; the CI tier loses a pipeline's stage on one host (tests/adapt)
 @pytest.mark.timeout(300)
 def test_a_pipeline_that_loses_node_1_continues_on_node_0_from_a_checkpoint(job_of):

@@ -56,6 +56,7 @@ __all__ = [
     "model_layers",
     "plan_from_config",
     "stage_layers",
+    "switch_plan",
 ]
 
 
@@ -198,6 +199,51 @@ def _stage_and_groups(
     return model, groups, None
 
 
+def _reductions(
+    cfg: JobConfig, plan: ParallelPlan, groups: PlanGroups, state: TrainState
+) -> tuple[PlanGroups, PlanOrderedGradients | None]:
+    """The gradient reduction over `state.grads`: the ordered one (`cfg.ordered_reduction`),
+    or the groups' own, with the DP average plus the tied-embedding sum (engine.tied)."""
+    if cfg.ordered_reduction:
+        tied = None
+        if groups.tie is not None:
+            tied = (groups.tie, state.layout.views(state.grads)[groups.tie_name])
+        ordered = PlanOrderedGradients(plan, groups, state.grads, cfg.data.microbatches, tied)
+        return groups, ordered
+    if groups.tie is not None:
+        fine = TiedGradReduction(
+            state.grads, groups.dp, groups.dp_size, groups.tie, groups.tie_name
+        )
+        groups = dataclasses.replace(groups, fine=fine)
+    return groups, None
+
+
+def switch_plan(
+    cfg: JobConfig,
+    rank: EngineRank,
+    plan: ParallelPlan,
+    world: dist.ProcessGroup,
+    search: Iterable[str] = (),
+) -> None:
+    """Run `plan` from the next iteration on (a live re-plan that moves micro-batches between
+    replicas, never layers: each rank keeps its stage and its state). Collective over `world`
+    (process groups are created): every rank calls it at the same iteration boundary.
+
+    Raises:
+        UserError: the plan does not fit the job.
+        ValueError: the plan gives a rank other layers.
+    """
+    args = _check_fits(cfg, plan, list(search))
+    if args is None:
+        tied = getattr(rank.model, "tied", ())
+        groups = PlanGroups.build(plan, world, tied=tuple(tied[0]) if tied else ())
+    else:
+        groups = PlanGroups.build(plan, world, args)
+    groups, ordered = _reductions(cfg, plan, groups, rank.state)
+    rank.worker.set_plan(plan, groups, ordered)
+    rank.groups = groups
+
+
 # Long: a 24-line docstring for its 10 parameters and a 13-line signature; the body is 40 lines.
 def build_worker(
     cfg: JobConfig,
@@ -251,13 +297,7 @@ def build_worker(
         model.to(device)  # its buffers (rotary frequencies); the parameters are replaced next
     materialize(model, layout, state.params)
     bind_grads(model, layout, state.grads)
-    if groups.tie is not None:  # the DP average plus the tied-embedding sum (engine.tied)
-        groups = dataclasses.replace(
-            groups,
-            fine=TiedGradReduction(
-                state.grads, groups.dp, groups.dp_size, groups.tie, groups.tie_name
-            ),
-        )
+    groups, ordered = _reductions(cfg, plan, groups, state)
     if source is None:  # logical shards: the launch plan's replicas, whatever runs them now
         source = make_source(cfg, plan.total_microbatches // cfg.data.microbatches)
     if cfg.train.optimizer == "muon" and groups.tp.size > 1:
@@ -266,12 +306,6 @@ def build_worker(
             "parallelism shards: set parallel.tp = 1 or pick another optimizer"
         )
     step = ChunkStep.for_job(geometry, cfg.train, layout)
-    ordered = None
-    if cfg.ordered_reduction:
-        tied = None
-        if groups.tie is not None:
-            tied = (groups.tie, layout.views(state.grads)[groups.tie_name])
-        ordered = PlanOrderedGradients(plan, groups, state.grads, cfg.data.microbatches, tied)
     worker = PlanWorker(
         plan=plan,
         model=model,

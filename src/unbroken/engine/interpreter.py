@@ -142,34 +142,12 @@ class PlanWorker:
         ordered: PlanOrderedGradients | None = None,
         shard_microbatches: int | None = None,
     ) -> None:
-        self.plan, self.model, self.state = plan, model, state
-        self.ordered, self.shard_microbatches = ordered, shard_microbatches
+        self.model, self.state, self.shard_microbatches = model, state, shard_microbatches
         self.autocast_dtype = autocast_dtype
-        self.source, self.cfg, self.groups = source, cfg, groups
+        self.source, self.cfg = source, cfg
         self.updater, self.device, self.hooks = updater, device, list(hooks)
-        self.rank = groups.rank
-        self.actions = plan.actions.get(self.rank, ())
-        self.layers = {}
-        if self.actions:
-            d, s = plan.locate(self.rank)
-            rep = plan.replicas[d]
-            self.layers = {k: g.layers for k, g in enumerate(rep.stages) if k % plan.pp == s}
-        self.last_stage = plan.num_stages - 1
-        self.split = {(a.stage, a.microbatch) for a in self.actions if a.kind is _K.W}
-        self.loss_div = plan.total_microbatches / plan.dp
-        self.loss_shards = plan.dp
-        """The sync divides the summed loss by it: replicas, or logical shards when ordered."""
-        if ordered is not None:
-            if shard_microbatches is None:
-                raise ValueError("the ordered reduction needs shard_microbatches")
-            self.loss_div = shard_microbatches
-            self.loss_shards = plan.total_microbatches // shard_microbatches
-        self.reports_loss = groups.tp.rank == 0 and any(
-            a.kind is _K.F and a.stage == self.last_stage for a in self.actions
-        )
-        self._counted = self._norm_slices()
-        self._buckets = self._norm_buckets() if ordered is not None else []
-        self._steps = _hook_steps(self.actions)
+        self.layers: dict[int, tuple[int, int]] = {}
+        self._bind(plan, groups, ordered)
         self._blocked = dict.fromkeys(("p2p", "tp", "reduce", "sync"), 0.0)
         self._blocked_before = 0.0
         """Blocked seconds of the iterations before this one (`busy_clock`)."""
@@ -184,6 +162,53 @@ class PlanWorker:
         """Set to a dict to collect seconds per step: ``F0``/``B1``/``W0`` (kind and virtual
         stage), ``BATCH`` (one p2p batch, waiting included), ``REDUCE_GRAD``, ``OPT_STEP``
         (protect to boundary), ``ITERATION``; for the benchmark."""
+
+    def _bind(
+        self, plan: ParallelPlan, groups: PlanGroups, ordered: PlanOrderedGradients | None
+    ) -> None:
+        """Take `plan`'s view of this rank: its actions, layers, loss scale and norm ranges."""
+        if ordered is not None and self.shard_microbatches is None:
+            raise ValueError("the ordered reduction needs shard_microbatches")
+        self.plan, self.groups, self.ordered = plan, groups, ordered
+        self.rank = groups.rank
+        self.actions = plan.actions.get(self.rank, ())
+        layers = {}
+        if self.actions:
+            d, s = plan.locate(self.rank)
+            rep = plan.replicas[d]
+            layers = {k: g.layers for k, g in enumerate(rep.stages) if k % plan.pp == s}
+        if self.layers and layers != self.layers:
+            raise ValueError(
+                f"rank {self.rank}: a live plan switch keeps each rank's layers "
+                f"(held {self.layers}, the new plan gives {layers})"
+            )
+        self.layers = layers
+        self.last_stage = plan.num_stages - 1
+        self.split = {(a.stage, a.microbatch) for a in self.actions if a.kind is _K.W}
+        self.loss_div = plan.total_microbatches / plan.dp
+        self.loss_shards = plan.dp
+        """The sync divides the summed loss by it: replicas, or logical shards when ordered."""
+        if ordered is not None:
+            assert self.shard_microbatches is not None
+            self.loss_div = self.shard_microbatches
+            self.loss_shards = plan.total_microbatches // self.shard_microbatches
+        self.reports_loss = groups.tp.rank == 0 and any(
+            a.kind is _K.F and a.stage == self.last_stage for a in self.actions
+        )
+        self._counted = self._norm_slices()
+        self._buckets = self._norm_buckets() if ordered is not None else []
+        self._steps = _hook_steps(self.actions)
+
+    def set_plan(
+        self, plan: ParallelPlan, groups: PlanGroups, ordered: PlanOrderedGradients | None
+    ) -> None:
+        """Run `plan` from the next iteration on (a live re-plan at an iteration boundary that
+        moves micro-batches, not layers: `unbroken.engine.build.switch_plan` builds its groups).
+
+        Raises:
+            ValueError: the plan gives this rank other layers (its state would not match).
+        """
+        self._bind(plan, groups, ordered)
 
     # -- helpers ----------------------------------------------------------------------------
     def _hook(self, phase: Phase, iteration: int, step: int = 0, n_steps: int = 1) -> None:

@@ -135,7 +135,19 @@ class PlanExecutor:
     shard_tag: str = ""
     """Appended to parameter names in the state hash: the TP position of this rank's shards
     ("" at TP 1)."""
+    switch: Callable[[Any], None] | None = None
+    """Runs another plan from the next iteration on (`engine.build.switch_plan`)."""
     _slots: dict[str, str] = field(default_factory=dict)
+
+    def set_plan(self, plan) -> None:
+        """Run `plan` (the same layers on every rank) from the next iteration on; every rank
+        calls it at the same boundary (`unbroken.launch.switch`)."""
+        from unbroken.engine.ckpt_layout import layout_record
+
+        assert self.switch is not None
+        self.switch(plan)
+        self.checkpoint_layout = layout_record(plan)
+        self.replica_sets = plan_replica_sets(plan)
 
     def hook(self, phase: Any, iteration: int, step: int = 0, n_steps: int = 1) -> None:
         self.worker._hook(phase, iteration, step, n_steps)
@@ -281,7 +293,7 @@ def _resharder(cfg, state, tp, search) -> Callable[[Any], int]:
 
 def _plan_executor(cfg, plan, group, device, retained, hooks, autocast, search):
     """A plan's worker times itself (its waits are not at phase hooks): no PhaseTimer."""
-    from unbroken.engine.build import build_worker, full_initial_params
+    from unbroken.engine.build import build_worker, full_initial_params, switch_plan
     from unbroken.engine.ckpt_layout import layout_record
     from unbroken.engine.sharding import load_from_full
 
@@ -303,6 +315,9 @@ def _plan_executor(cfg, plan, group, device, retained, hooks, autocast, search):
         full = full_initial_params(cfg, search)
         load_from_full(full, state.layout, state.params, tp.size, tp.rank)
 
+    def switch(new_plan) -> None:
+        switch_plan(cfg, rank_engine, new_plan, group, search)
+
     return PlanExecutor(
         worker=worker,
         group=group,
@@ -315,4 +330,5 @@ def _plan_executor(cfg, plan, group, device, retained, hooks, autocast, search):
         reshard=_resharder(cfg, state, tp, search),
         replica_sets=plan_replica_sets(plan),
         shard_tag=f"@tp{tp.rank}/{tp.size}" if tp.size > 1 else "",
+        switch=switch,
     )

@@ -380,8 +380,8 @@ class RankSession:
         self._enter(SessionStage.TRAINED)
 
     def _switch(self, start: int) -> Any:
-        """The boundary agreement on re-planned placements (`adapt.enabled`, data-parallel);
-        a re-planned pipeline's first iteration is logged (`plan_applied`)."""
+        """The boundary agreement on re-planned placements and plans (`adapt.enabled`); a
+        re-planned pipeline's first iteration is logged (`plan_applied`)."""
         spec = self.spec
         if self.rank == 0 and spec.plan is not None:
             plan = spec.engine_plan()
@@ -395,7 +395,8 @@ class RankSession:
                 devices=[spec.device_of(r) for r in range(spec.world_size)],
                 switch_s=0.0,
             )
-        if not self.cfg.adapt.enabled or not hasattr(self.executor, "set_placement"):
+        switches = hasattr(self.executor, "set_placement") or hasattr(self.executor, "set_plan")
+        if not self.cfg.adapt.enabled or not switches:
             return None
         from unbroken.launch.switch import PlacementSwitch
 

@@ -10,9 +10,14 @@ epoch is then read by every rank from the store (the placement is written before
 and takes effect from the next iteration. Rank 0 logs `plan_applied` with the first iteration
 on the new placement: the summary's record of the plan changes.
 
-A placement for another world size (published for the next generation after a device was
-lost) is not this generation's: it is skipped. One small broadcast per iteration is the cost;
-jobs without `adapt.enabled` build no switch.
+A pipeline job's coordinator publishes a whole plan instead (``{"plan": ...}``, a
+`ParallelPlan` that moves micro-batches between replicas and keeps every rank's layers); every
+rank switches to it at the same boundary (`executor.set_plan`, collective: the new plan's
+groups are created there).
+
+A placement or plan for another world size (published for the next generation after a device
+was lost) is not this generation's: it is skipped. One small broadcast per iteration is the
+cost; jobs without `adapt.enabled` build no switch.
 """
 
 from __future__ import annotations
@@ -26,15 +31,16 @@ import torch.distributed as dist
 
 from unbroken.jobstore import JobStore
 from unbroken.launch.restore import collective_device
-from unbroken.parallel import DataPlacement
+from unbroken.parallel import DataPlacement, ParallelPlan
 
 __all__ = ["PlacementSwitch"]
 
 
 class PlacementSwitch:
     """Args: store (the job store), group (the generation's), rank, executor (a
-    data-parallel executor with `set_placement`), events (the job's event log), epoch (the
-    epoch of the placement the generation started with, from its spec)."""
+    data-parallel executor with `set_placement`, or a plan's with `set_plan`), events (the
+    job's event log), epoch (the epoch of the placement the generation started with, from its
+    spec)."""
 
     def __init__(
         self, store: JobStore, group: Any, rank: int, executor: Any, events: Any, epoch: int
@@ -57,7 +63,11 @@ class PlacementSwitch:
         text = self.store.placement(epoch)
         if text is None:  # pragma: no cover - the coordinator writes the placement first
             raise RuntimeError(f"placement epoch {epoch} published without its placement")
-        placement = DataPlacement.from_dict(json.loads(text))
+        data = json.loads(text)
+        if "plan" in data:
+            self._switch_plan(ParallelPlan.from_dict(data["plan"]), iteration, epoch, t0)
+            return
+        placement = DataPlacement.from_dict(data)
         if placement.world_size != self.world:
             return  # meant for a world of another size (the next generation's)
         self.executor.set_placement(placement)
@@ -68,5 +78,19 @@ class PlacementSwitch:
                 iter=iteration + 1,
                 placement=placement.to_dict(),
                 counts=list(placement.counts()),
+                switch_s=time.perf_counter() - t0,
+            )
+
+    def _switch_plan(self, plan: ParallelPlan, iteration: int, epoch: int, t0: float) -> None:
+        if max(plan.ranks) >= self.world:
+            return  # meant for a world of another size (the next generation's)
+        self.executor.set_plan(plan)
+        if self.rank == 0:
+            self.events.emit(
+                "plan_applied",
+                epoch=epoch,
+                iter=iteration + 1,
+                stages=plan.stage_records(),
+                counts=list(plan.microbatches),
                 switch_s=time.perf_counter() - t0,
             )

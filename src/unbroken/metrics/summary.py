@@ -142,8 +142,14 @@ def _final_devices(events: list[dict[str, Any]]) -> list[int] | None:
 
 def _relaid_from(events: list[dict[str, Any]]) -> int | None:
     """The first generation of a run that ran another pipeline plan than the reference (a
-    `plan_applied` with stages: a lost stage re-planned, issue 18); None when none did."""
-    gens = [e["generation"] for e in events if e["kind"] == "plan_applied" and "stages" in e]
+    `plan_applied` with stages at a generation's start: a lost device re-planned, issue 18);
+    None when none did. A live switch (no generation: every rank keeps its layers and its
+    ranks stay the reference's) does not count."""
+    gens = [
+        e["generation"]
+        for e in events
+        if e["kind"] == "plan_applied" and "stages" in e and "generation" in e
+    ]
     return min(gens) if gens else None
 
 

@@ -26,32 +26,61 @@ Pure decisions and the event log: no processes, no sockets.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
 
+from unbroken.config import AdaptConfig
 from unbroken.detect.events import DetectionEvent
+from unbroken.jobstore import JobStore
 from unbroken.launch.coordinator.adapt import NewWorld
 from unbroken.metrics.log import JsonlLog
 from unbroken.parallel import ParallelPlan, Replica, StageGroup, plan_for
-from unbroken.plan import ClusterState, Fabric, NoPlanError, Workload, plan_for_state
+from unbroken.plan import (
+    ClusterState,
+    Fabric,
+    NoPlanError,
+    PlannerConfig,
+    Workload,
+    plan_for_state,
+)
 from unbroken.plan.shrink import shrink_pipeline
 
 __all__ = ["PipelineAdaptation"]
 
+_LIVE = PlannerConfig(exclusion=False, repartition=False)
+"""The scheduler's steps a running pipeline job follows at a boundary around a slow device:
+micro-batch ownership and stage migrations between replicas (ResiHP §6.3), which keep every
+rank's layers and state. Excluding the device or moving layers needs the live reshard."""
+
 
 class PipelineAdaptation:
     """The `Adaptation` interface for a pipeline job. Args: plan (the launch plan, ranks =
-    devices), events, say."""
+    devices), events, say, store (the job store a live plan is published in; None in tests
+    that do not publish), adapt (`adapt.max_replans`, `adapt.min_gain`)."""
 
     evicts = False
     grows = False
     """Lost devices that return are kept as standbys (growing a pipeline back: not built)."""
 
-    def __init__(self, plan: ParallelPlan, events: JsonlLog, say: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        plan: ParallelPlan,
+        events: JsonlLog,
+        say: Callable[[str], None],
+        store: JobStore | None = None,
+        adapt: AdaptConfig | None = None,
+    ) -> None:
         self.plan, self.events, self.say = plan, events, say
+        self.store, self.adapt = store, adapt or AdaptConfig(enabled=True)
         self.devices: tuple[int, ...] = tuple(sorted(plan.ranks))
         """rank -> device, of the running world."""
+        self.state = _cluster(plan)
+        """The running plan as the scheduler sees it, slow ranks marked (ranks of the plan)."""
+        self.healthy_s = plan_for_state(self.state).current_s
+        self.replans = 0
+        """Re-plans for slow devices so far (capped by `adapt.max_replans`)."""
         self.epoch = 0
         self.lost: dict[int, str] = {}
         self.relayout = False
@@ -74,8 +103,72 @@ class PipelineAdaptation:
             )
 
     def on_fail_slow(self, event: DetectionEvent, iter_s: float | None = None) -> bool:
-        trigger = {"kind": "fail_slow", "rank": event.rank, "factor": event.factor}
-        return self._skip(trigger, "re-planning a pipeline job around a slow device is not built")
+        """A validated fail-slow report (rank of the running world, measured factor): publish
+        the scheduler's plan that moves micro-batches off the slow replica — every rank keeps
+        its layers, so the job switches at an iteration boundary on its own state
+        (`unbroken.launch.switch`). Returns whether it re-planned."""
+        trigger = {
+            "kind": "fail_slow",
+            "rank": event.rank,
+            "factor": event.factor,
+            "what": event.cause,
+            "since_iter": event.iteration,
+        }
+        if event.rank is None or event.factor is None or not 0 <= event.rank < len(self.devices):
+            return self._skip(trigger, "the report names no rank of the running world")
+        trigger["device"] = self.devices[event.rank]
+        if self.plan.dp == 1:
+            return self._skip(
+                trigger,
+                "a pipeline of one replica has no replica to move micro-batches to, and moving "
+                "layers off a slow stage in a running job (live reshard) is not built",
+            )
+        if self.replans >= self.adapt.max_replans:
+            return self._skip(trigger, f"adapt.max_replans = {self.adapt.max_replans} reached")
+        self.state = self.state.apply(event)
+        result = plan_for_state(self.state, _LIVE)
+        gain = 1.0 - result.predicted_s / result.current_s
+        if result.kept_current or gain < self.adapt.min_gain:
+            return self._skip(
+                trigger, f"predicted gain {gain:.1%} < adapt.min_gain {self.adapt.min_gain:.0%}"
+            )
+        plan = result.plan()
+        if not _keeps_stages(self.plan, self.devices, plan, self.devices):
+            return self._skip(trigger, "the scheduler's plan moves layers: not built live")
+        before = self.plan
+        self.plan, self.state = plan, self.state.with_plan(plan)
+        self.replans += 1
+        self.epoch += 1
+        if self.store is not None:
+            self.store.publish_placement(self.epoch, json.dumps({"plan": plan.to_dict()}))
+        scale = iter_s / self.healthy_s if iter_s else None
+        self.events.emit(
+            "replan",
+            epoch=self.epoch,
+            trigger=trigger,
+            devices_before=list(self.devices),
+            devices_after=list(self.devices),
+            before=before.stage_records(),
+            after=plan.stage_records(),
+            counts_before=list(before.microbatches),
+            counts_after=list(plan.microbatches),
+            migrations=len(plan.migrations),
+            predicted_before=result.current_s,
+            predicted_after=result.predicted_s,
+            predicted_before_s=result.current_s * scale if scale else None,
+            predicted_after_s=result.predicted_s * scale if scale else None,
+            plan_s=result.planning_s,
+            restore="live",
+            explain=result.explain(),
+        )
+        self.say(
+            f"re-plan (fail_slow, rank {event.rank} {event.factor:.2f}x): micro-batches per "
+            f"replica {list(before.microbatches)} -> {list(plan.microbatches)}, "
+            f"{len(plan.migrations)} stage migration(s); predicted iteration "
+            f"{result.predicted_s / self.healthy_s:.2f}x the fault-free one, was "
+            f"{result.current_s / self.healthy_s:.2f}x (planned in {result.planning_s * 1e3:.0f} ms)"
+        )
+        return True
 
     def on_recovered(self, rank: int, factor: float, iter_s: float | None = None) -> bool:
         return False  # nothing was re-planned for a slow device
@@ -114,6 +207,7 @@ class PipelineAdaptation:
                 f"{self.plan.pp} from the newest checkpoint loaded under it"
             )
         self.epoch += 1
+        self.state = _cluster(self.plan)  # ranks renumbered: slow marks start over
         trigger = {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
         restore = "checkpoint" if self.relayout else "in_place"
         self.events.emit(

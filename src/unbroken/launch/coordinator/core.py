@@ -86,7 +86,7 @@ def _adaptation(
     cfg: JobConfig, store: JobStore | None, events: JsonlLog, monitor: RunMonitor, search: list[str]
 ) -> Adaptation | PipelineAdaptation | None:
     """How the job follows the scheduler (`adapt.enabled`): the data-parallel adaptation, or
-    a pipeline job's (`parallel.pp` > 1; the config admits TP = DP = 1 only)."""
+    a pipeline job's (`parallel.pp` > 1; the config admits TP = 1 only)."""
     if not cfg.adapt.enabled:
         return None
     if not cfg.parallel.planned:
@@ -95,7 +95,7 @@ def _adaptation(
 
     plan = job_plan(cfg, search)
     assert plan is not None  # planned
-    return PipelineAdaptation(plan, events, monitor.say)
+    return PipelineAdaptation(plan, events, monitor.say, store, cfg.adapt)
 
 
 def _machine(cfg: JobConfig, world_size: int, retains_state: bool) -> RecoveryMachine:
@@ -487,6 +487,8 @@ class CoordinatorCore:
             self._log_fail_stop(event, progressed, phase)
         elif self.adapt is not None and self.fsm.state is RecoveryState.RUNNING:
             acted = self.adapt.on_fail_slow(event, self._healthy_iter_s(event.iteration))
+            if acted and self.adapt.plan is not None:  # a pipeline's live plan: watch it
+                self.monitor.slow_watch.reset(len(self.devices), self.adapt.plan)
             if acted and self.adapt.evicts:
                 self.execute(
                     self.fsm.on_evict(f"rank {event.rank} runs {event.factor:.2f}x slower")

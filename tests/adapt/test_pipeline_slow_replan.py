@@ -1,0 +1,44 @@
+"""A PP x DP job re-plans live around a slow device (issue 18 items 2 and 4, ResiHP §6.3).
+
+PP = 2 x DP = 2 on 4 local ranks with `adapt.enabled`. Rank 0 (replica 0's first stage) runs
+4x slower from iteration 4 on. The fail-slow watch (which simulates the plan) reports it, the
+coordinator asks the scheduler for a plan that keeps every rank's layers — micro-batches move
+to replica 1 — and publishes it; every rank switches at the same boundary on its own state
+(no restart, no checkpoint). The run ends bit for bit where the fault-free run on the launch
+plan ends (the ordered reduction), and after the switch replica 0 computes fewer
+micro-batches than replica 1."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from unbroken.api import run_job
+from unbroken.config import ParallelConfig
+from unbroken.metrics.log import read_jsonl
+
+from .conftest import adapt_job, events_of
+
+
+@pytest.mark.timeout(900)
+def test_a_slow_device_of_a_dp_x_pp_job_is_planned_around_live_bit_exact(tmp_path):
+    cfg = adapt_job(
+        world_size=4, iterations=32, microbatches=4, inject=["slow:rank=0,iter=15,factor=6"]
+    )
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    replans = events_of(events, "replan")
+    assert replans, [e for e in events if e["kind"] in ("fail_slow", "replan_skipped")]
+    first = replans[0]
+    assert first["trigger"]["kind"] == "fail_slow" and first["trigger"]["rank"] == 0
+    assert first["restore"] == "live" and first["devices_after"] == [0, 1, 2, 3]
+    assert first["counts_after"][0] < first["counts_after"][1], first
+    applied = [e for e in events_of(events, "plan_applied") if "stages" in e]
+    assert applied and applied[0]["iter"] > first["trigger"]["since_iter"]
+    assert applied[0]["counts"] == first["counts_after"]
+    assert events_of(events, "checkpoint_loaded") == []
+    assert events_of(events, "recovery_start") == []
