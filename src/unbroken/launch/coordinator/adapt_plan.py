@@ -1,4 +1,4 @@
-"""The coordinator's re-planning of a pipeline job (issue 18) around a lost device.
+"""The coordinator's re-planning of a pipeline job (issue 18) around lost and slow devices.
 
 `Adaptation` (`adapt.py`) re-plans data-parallel jobs, whose survivors keep their retained
 replicas. A pipeline job at TP 1 (`parallel.pp` > 1) is re-planned here:
@@ -16,12 +16,18 @@ replicas. A pipeline job at TP 1 (`parallel.pp` > 1) is re-planned here:
   (`unbroken.engine.ckpt_layout`, `RestoreMode.CHECKPOINT`); the survivors' state managers give
   their regions the new geometry.
 
-The plan travels in the generation spec (`GenerationSpec.plan`), its ranks numbered 0..n-1 in
-the survivors' device order. What is not built here, and said so in the `replan_skipped`
-events: re-planning around a slow device; growing back when lost devices return (they are
-kept as standbys). A TP > 1 plan is refused by the config (`adapt.enabled`).
+- **A slow device** (`on_fail_slow`, DP x PP): the scheduler's steps that keep every rank's
+  layers (micro-batch ownership and stage migrations between replicas, `_LIVE`) plan around
+  it; a plan predicted `adapt.min_gain` faster is published in the job store and every rank
+  switches to it at the same iteration boundary (`unbroken.launch.switch`), on its own state.
 
-Pure decisions and the event log: no processes, no sockets.
+The plan of a lost device travels in the generation spec (`GenerationSpec.plan`), its ranks
+numbered 0..n-1 in the survivors' device order. What is not built here, and said so in the
+`replan_skipped` events: a one-replica pipeline around a slow device (moving layers needs the
+live reshard); growing back when lost devices return (they are kept as standbys). A TP > 1
+plan is refused by the config (`adapt.enabled`).
+
+Decisions, the event log and the job store's plan key: no processes, no sockets of its own.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from unbroken.plan import (
     Fabric,
     NoPlanError,
     PlannerConfig,
+    PlanResult,
     Workload,
     plan_for_state,
 )
@@ -135,6 +142,18 @@ class PipelineAdaptation:
         plan = result.plan()
         if not _keeps_stages(self.plan, self.devices, plan, self.devices):
             return self._skip(trigger, "the scheduler's plan moves layers: not built live")
+        self._adopt_live(result, plan, trigger, event, iter_s)
+        return True
+
+    def _adopt_live(
+        self,
+        result: PlanResult,
+        plan: ParallelPlan,
+        trigger: dict,
+        event: DetectionEvent,
+        iter_s: float | None,
+    ) -> None:
+        """Make `plan` the running one: publish it for the boundary switch, log `replan`."""
         before = self.plan
         self.plan, self.state = plan, self.state.with_plan(plan)
         self.replans += 1
@@ -168,10 +187,11 @@ class PipelineAdaptation:
             f"{result.predicted_s / self.healthy_s:.2f}x the fault-free one, was "
             f"{result.current_s / self.healthy_s:.2f}x (planned in {result.planning_s * 1e3:.0f} ms)"
         )
-        return True
 
     def on_recovered(self, rank: int, factor: float, iter_s: float | None = None) -> bool:
-        return False  # nothing was re-planned for a slow device
+        """Re-admitting a device of a pipeline plan is not built: the fail-slow watch compares
+        data-parallel ranks' paces only (it restarts on the new plan after a live re-plan)."""
+        return False
 
     def spec_fields(self) -> dict[str, Any]:
         """The generation spec's fields of the running plan."""
