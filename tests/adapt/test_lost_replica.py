@@ -48,3 +48,39 @@ def test_a_lost_device_of_a_dp_x_pp_job_continues_in_place_bit_exact(tmp_path, f
     assert record["measured_after"]["tokens_per_s"] > 0 and record["reconfig_s"] > 0
     done = events_of(events, "trainer_done")[-1]
     assert done["devices"] == after and len(done["rank_hashes"]) == 2
+
+
+# Slow tier for CI time (~60 s); the CI tier keeps the single loss above and a node loss
+# (tests/launch/test_multinode.py).
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_crash_after_the_replica_was_dissolved_then_the_last_copy_of_a_stage_lost(tmp_path):
+    """Device 2 lost: replica 1 dissolved, devices 0 and 1 continue in place. Device 0 then
+    crashes (a healthy device: recovered in place by the shadows prepared for the new world,
+    on the new plan). Then device 1 — the only copy of stage 1 left — is lost: one stage on
+    device 0 from the newest checkpoint. Bit-exact against the fault-free 2 x 2 run."""
+    faults = [
+        "lose:rank=2,iter=3,phase=backward",
+        "kill:rank=0,iter=5,phase=update",
+        "lose:rank=1,iter=8,phase=forward",
+    ]
+    cfg = _job(faults[0])
+    cfg = dataclasses.replace(
+        cfg,
+        inject=faults,
+        train=dataclasses.replace(cfg.train, iterations=11),
+        checkpoint=dataclasses.replace(cfg.checkpoint, interval=2),
+    )
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    assert (s["failures_detected"], s["failures_recovered"]) == (3, 3)
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    replans = events_of(events, "replan")
+    assert [(r["devices_after"], r["restore"]) for r in replans] == [
+        ([0, 1], "in_place"),
+        ([0], "checkpoint"),
+    ]
+    crash = next(r for r in s["recoveries"] if r["fault"] == "kill")
+    assert crash["mode"] == "inplace" and crash["shadow_level"] == 3
+    assert len(events_of(events, "checkpoint_loaded")) == 1

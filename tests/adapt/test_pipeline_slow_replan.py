@@ -42,3 +42,22 @@ def test_a_slow_device_of_a_dp_x_pp_job_is_planned_around_live_bit_exact(tmp_pat
     assert applied[0]["counts"] == first["counts_after"]
     assert events_of(events, "checkpoint_loaded") == []
     assert events_of(events, "recovery_start") == []
+
+
+@pytest.mark.slow  # ~45 s; CI keeps the live switch above and the takeover after a lost device
+@pytest.mark.timeout(1200)
+def test_a_shadow_takeover_right_after_a_live_pipeline_replan_keeps_the_new_plan(tmp_path):
+    faults = ["slow:rank=0,iter=15,factor=6", "kill:rank=3,iter=27,phase=update"]
+    cfg = adapt_job(world_size=4, iterations=30, microbatches=4, inject=faults)
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    replan = events_of(events, "replan")[0]
+    applied = events_of(events, "plan_applied")
+    assert applied[0]["iter"] < 27  # the switch came before the crash
+    # The promoted shadows of the next generation start on the re-planned plan.
+    assert applied[-1]["generation"] == 1 and applied[-1]["counts"] == replan["counts_after"]
+    (crash,) = s["recoveries"]
+    assert crash["mode"] == "inplace" and crash["shadow_level"] == 3
