@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from unbroken.detect.events import DetectionEvent, DetectionKind
 from unbroken.launch.coordinator.adapt_plan import PipelineAdaptation
 from unbroken.metrics.log import JsonlLog, read_jsonl
 from unbroken.parallel import ParallelPlan, make_plan
+from unbroken.plan import NoPlanError
 
 
 def _adapt(tmp_path, pp=4, layers=8, dp=1):
@@ -113,13 +116,10 @@ def _config(**parallel):
     )
 
 
-def test_the_config_admits_pipeline_jobs_at_tp_1_and_says_what_it_refuses():
-    import pytest
-
+def test_the_config_admits_plan_jobs_and_says_what_it_refuses():
     assert _config(world_size=4, pp=4).parallel.planned
     assert _config(world_size=4, pp=2).parallel.dp == 2
-    with pytest.raises(ValueError, match="re-planning TP plans is not built"):
-        _config(world_size=4, tp=2, pp=2)
+    assert _config(world_size=4, tp=2).parallel.dp == 2
     with pytest.raises(ValueError, match=r'set parallel\.schedule = "1f1b" or "gpipe"'):
         _config(world_size=4, pp=2, schedule="zb_h1")
     with pytest.raises(ValueError, match="a pipeline job re-plans with adapt"):
@@ -155,3 +155,21 @@ def test_losing_every_copy_of_a_stage_restarts_one_replica_from_the_checkpoint(t
     assert world.devices == (1, 3) and adapt.relayout
     plan = ParallelPlan.from_dict(adapt.spec_fields()["plan"])
     assert (plan.dp, plan.pp, plan.microbatches) == (1, 2, (8,))
+
+
+def test_a_dp_x_tp_job_dissolves_the_replica_whose_tp_group_lost_a_device(tmp_path):
+    """The scheduler would shrink replica 1's TP group to the device left (its shards then
+    need resharding); the coordinator dissolves the replica instead and device 2 stands by."""
+    events = JsonlLog(tmp_path / "events.jsonl", run="t")
+    adapt = PipelineAdaptation(make_plan(2, 1, 2, 4, 4), events, lambda _: None)
+    adapt.note_lost(3, "lost")
+    world = adapt.next_world()
+    assert world.devices == (0, 1) and not adapt.relayout
+    plan = ParallelPlan.from_dict(adapt.spec_fields()["plan"])
+    assert (plan.dp, plan.microbatches, plan.replicas[0].stages[0].tp) == (1, (8,), 2)
+    (replan,) = _events(tmp_path, "replan")
+    assert replan["restore"] == "in_place" and "devices [2]" in replan["explain"]
+    # Then replica 0 loses a device too: no whole replica left, and a TP group is not shrunk.
+    adapt.note_lost(1, "lost")
+    with pytest.raises(NoPlanError, match="shrinking a TP group"):
+        adapt.next_world()

@@ -13,7 +13,8 @@ iterations; so do, from the same initial state and data:
 - 1 iteration on the launch plan, then a live switch to the migration plan at the boundary
   (`switch_plan`: same state, new groups and action lists), then 2 more.
 
-Every one ends with the launch plan's parameters and losses bit for bit — what lets a live
+and a DP=2 x TP=2 job continues on either replica alone (`dissolve_replicas`: a TP group lost
+a device). Every one ends with its launch plan's parameters and losses bit for bit — what lets a live
 re-plan stay bit-exact against the fault-free run on the original plan (issue 18 item 4).
 Without the ordered reduction the dissolved plan differs (the control case), so the check
 can fail.
@@ -30,11 +31,13 @@ from tests.engine.test_planned import FABRIC, WORKLOAD
 from unbroken.config import ParallelConfig
 from unbroken.parallel import check_plan, make_plan
 from unbroken.plan import ClusterState, PlannerConfig, plan_for_state
+from unbroken.plan.shrink import dissolve_replicas
 
 
-def _job(reduce: str):
+def _job(reduce: str, pp: int = 2, tp: int = 1):
     cfg = engine_job(microbatches=2, grad_clip=0.05)
-    return dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2, reduce=reduce))
+    parallel = ParallelConfig(world_size=4, pp=pp, tp=tp, reduce=reduce)
+    return dataclasses.replace(cfg, parallel=parallel)
 
 
 def _planned(plan, change, config=None):
@@ -57,7 +60,12 @@ def _cases():
     split = _planned(launch, lambda c: c.with_slow(0, speed=0.25), PlannerConfig(ownership=False))
     assert [g.layers for g in split.replicas[0].stages] == [(0, 1), (1, 4)]
     ordered, plain = _job("ordered"), _job("allreduce")
+    tp_launch = make_plan(2, 1, 2, 4, 2)
+    tp_ordered = _job("ordered", pp=1, tp=2)
     return [
+        Case("tp-launch", tp_launch, tp_ordered, iterations=3),
+        Case("tp-dissolved", dissolve_replicas(tp_launch, {3}), tp_ordered, iterations=3, shards=2),
+        Case("tp-dissolved-other", dissolve_replicas(tp_launch, {0}), tp_ordered, 3, shards=2),
         Case("launch", launch, ordered, iterations=3),
         Case("dissolved", dissolved, ordered, iterations=3, shards=2),
         Case("dissolved-other", other, ordered, iterations=3, shards=2),
@@ -79,6 +87,13 @@ def outcomes(tmp_path_factory):
 )
 def test_a_replanned_job_matches_the_launch_plan_bit_for_bit(outcomes, name):
     ref, got = outcomes["launch"], outcomes[name]
+    assert got.losses == ref.losses and got.grad_norms == ref.grad_norms
+    assert bit_equal(got.params[0], ref.params[0])
+
+
+@pytest.mark.parametrize("name", ["tp-dissolved", "tp-dissolved-other"])
+def test_a_tp_job_without_a_broken_replica_matches_its_launch_plan_bit_for_bit(outcomes, name):
+    ref, got = outcomes["tp-launch"], outcomes[name]
     assert got.losses == ref.losses and got.grad_norms == ref.grad_norms
     assert bit_equal(got.params[0], ref.params[0])
 

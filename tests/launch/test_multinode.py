@@ -44,6 +44,7 @@ lr = 1e-3
 [parallel]
 world_size = 4
 pp = {pp}
+tp = {tp}
 [checkpoint]
 interval = {interval}
 [recovery]
@@ -91,6 +92,7 @@ class _Job:
         adapt=False,
         join_timeout=60,
         pp=1,
+        tp=1,
         nnodes="2",
         layers=2,
         interval=1000,
@@ -104,6 +106,7 @@ class _Job:
                 adapt=str(adapt).lower(),
                 join_timeout=join_timeout,
                 pp=pp,
+                tp=tp,
                 layers=layers,
                 interval=interval,
             )
@@ -375,12 +378,13 @@ def test_a_spare_node_takes_the_place_of_a_lost_one(job_of):
 
 
 @pytest.mark.timeout(300)
-def test_a_dp_x_pp_job_that_loses_node_1_continues_in_place_on_node_0(job_of):
-    """PP=2 x DP=2 over 2 nodes x 2 ranks: node 1 holds replica 1 (ranks 2 and 3) and dies
-    with it. The scheduler dissolves that replica; replica 0 on node 0 takes its micro-batches
-    and continues on its retained state — no checkpoint — bit-exact against the fault-free
-    PP=2 x DP=2 run (the ordered reduction of `unbroken.engine.ordered_plan`)."""
-    job = job_of(iterations=20, adapt=True, join_timeout=240, pp=2)
+@pytest.mark.parametrize("degrees", [{"pp": 2}, {"tp": 2}], ids=["pp2xdp2", "tp2xdp2"])
+def test_a_plan_job_that_loses_node_1_continues_in_place_on_node_0(job_of, degrees):
+    """PP=2 x DP=2 (and TP=2 x DP=2) over 2 nodes x 2 ranks: node 1 holds replica 1 (ranks 2
+    and 3) and dies with it. The replica is dissolved; replica 0 on node 0 takes its
+    micro-batches and continues on its retained state — no checkpoint — bit-exact against the
+    fault-free run on the launch plan (the ordered reduction of `unbroken.engine.ordered_plan`)."""
+    job = job_of(iterations=20, adapt=True, join_timeout=240, **degrees)
     node1 = job.node(1)
     node0 = job.node(0, "--reference")
     _wait(lambda: job.iterations_done() >= 6 or node0.poll() is not None, 200, "iteration 6")

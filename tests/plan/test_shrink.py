@@ -51,3 +51,13 @@ def test_it_refuses_tensor_parallel_plans_and_an_empty_world():
         shrink_pipeline(make_plan(1, 2, 2, 4, 4), 2)
     with pytest.raises(NoPlanError):
         shrink_pipeline(make_plan(1, 2, 1, 4, 4), 0)
+
+
+def test_dissolving_drops_every_replica_with_a_lost_rank_and_keeps_the_others_ranks():
+    from unbroken.plan.shrink import dissolve_replicas
+
+    plan = dissolve_replicas(make_plan(3, 1, 2, 4, 2), lost={3})  # replica 1 = ranks 2, 3
+    assert plan.ranks == (0, 1, 4, 5) and plan.microbatches == (3, 3)
+    assert [g.tp for rep in plan.replicas for g in rep.stages] == [2, 2]
+    with pytest.raises(NoPlanError):
+        dissolve_replicas(make_plan(2, 2, 1, 4, 2), lost={0, 3})

@@ -470,11 +470,11 @@ class AdaptConfig:
     """A lost device (its health check failed) or a validated fail-slow report makes the
     coordinator re-plan (`unbroken.plan`) and the job continue on the new placement: for a lost
     device on the remaining ranks without a checkpoint, for a slow one at an iteration boundary.
-    Data-parallel jobs (parallel.tp = pp = 1); implies parallel.reduce = "ordered". A pipeline
-    job (parallel.pp > 1, tp = 1, schedule 1f1b or gpipe) re-plans around a lost device only:
-    with another replica of every stage, the scheduler dissolves the broken replica and the
-    survivors continue on their retained state; without one, they run a smaller pipeline from
-    the newest checkpoint."""
+    Implies parallel.reduce = "ordered". A plan job (parallel.pp or tp > 1; schedule 1f1b or
+    gpipe): around a lost device, with a whole replica left, the broken replicas are dissolved
+    and the survivors continue on their retained state; without one, a TP-1 job runs a smaller
+    pipeline from the newest checkpoint (a TP job stops with the reason); around a slow device
+    (more than one replica) micro-batches move between replicas at a boundary."""
     max_replans: int = 4
     """Most re-plans for slow devices a job makes, and for their return to full speed (a cap
     on a detector that fires on noise)."""
@@ -532,12 +532,6 @@ class JobConfig:
         self.model, self.data = resolve_vocabulary(self.model, self.data)
         parallel = self.parallel
         self.nodes.per_node(parallel.world_size)  # raises when the nodes do not hold the world
-        if self.adapt.enabled and parallel.planned and parallel.tp > 1:
-            raise ValueError(
-                "adapt.enabled re-plans data-parallel jobs (parallel.tp = pp = 1) and pipeline "
-                "jobs at TP 1 (parallel.pp > 1); re-planning TP plans is not built: set "
-                "adapt.enabled = false"
-            )
         planned_ordered = parallel.reduce == "ordered" or (
             parallel.reduce == "auto" and self.adapt.enabled
         )

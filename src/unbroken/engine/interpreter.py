@@ -246,19 +246,25 @@ class PlanWorker:
 
     def _norm_buckets(self) -> list[tuple[int, int, int]]:
         """(bucket, lo, hi) of every flat range this rank adds to the gradient norm when the
-        reduction is ordered: bucket = the layer a parameter belongs to (n_layers: the
-        embedding; n_layers + 1: the rest), so the norm is a fold over layers in a fixed order
-        whatever stage holds them ([Note: ordered reduction])."""
+        reduction is ordered: bucket = (the layer a parameter belongs to — n_layers: the
+        embedding; n_layers + 1: the rest) x the TP degrees + this rank's TP position, so the
+        norm is a fold over layers and shards in a fixed order whatever stage and replica hold
+        them, each slot from one rank ([Note: ordered reduction])."""
         if not self.actions or self.plan.locate(self.rank)[0] != 0:
             return []
-        n = self.plan.num_layers
+        n, t, pos = self.plan.num_layers, self._norm_tp, self.groups.tp.rank
         out = []
         for s in sorted(self.state.layout.slots, key=lambda s: s.offset):
-            if self.groups.tp.rank == 0 or not replicated(s.name):
+            if pos == 0 or not replicated(s.name):
                 found = _LAYER.search(s.name)
-                bucket = int(found.group(1)) if found else (n if "embed" in s.name else n + 1)
-                out.append((bucket, s.offset, s.offset + s.numel))
+                layer = int(found.group(1)) if found else (n if "embed" in s.name else n + 1)
+                out.append((layer * t + pos, s.offset, s.offset + s.numel))
         return out
+
+    @property
+    def _norm_tp(self) -> int:
+        """TP positions per layer in the norm's slots: the plan's largest TP degree."""
+        return max(g.tp for rep in self.plan.replicas for g in rep.stages)
 
     def _microbatch(self, iteration: int, mb: int) -> Any:
         if self.shard_microbatches is None:
@@ -375,7 +381,7 @@ class PlanWorker:
         self._hook(Phase.SYNC, iteration)
         grads, f64 = self.state.grads, torch.float64
         slots = self.plan.total_microbatches if self.ordered is not None else 0
-        buckets = self.plan.num_layers + 2 if self.ordered is not None else 0
+        buckets = (self.plan.num_layers + 2) * self._norm_tp if self.ordered is not None else 0
         t = torch.zeros(3 + slots + buckets, dtype=f64, device=self.device)
         if self.ordered is None:
             for lo, hi in self._counted:

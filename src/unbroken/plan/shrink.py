@@ -22,10 +22,34 @@ fault-free run on the original one.
 
 from __future__ import annotations
 
-from unbroken.parallel import ParallelPlan, make_plan
+from collections.abc import Collection
+
+from unbroken.parallel import ParallelPlan, make_plan, plan_for
 from unbroken.plan.exclusion import NoPlanError
 
-__all__ = ["shrink_pipeline"]
+__all__ = ["dissolve_replicas", "shrink_pipeline"]
+
+
+def dissolve_replicas(plan: ParallelPlan, lost: Collection[int]) -> ParallelPlan:
+    """`plan` without every replica that holds a rank in `lost`: the replicas left own every
+    micro-batch (spread evenly, the earlier replicas first), under the plan's schedule, without
+    migrations; ranks keep their numbers. What a job can continue with in place when the
+    scheduler's own plan would change the layers or TP degree a survivor holds (a TP group
+    that shrinks needs its shards resharded): every survivor keeps its stage and its state.
+
+    Raises:
+        NoPlanError: every replica holds a lost rank.
+    """
+    keep = [
+        rep
+        for rep in plan.replicas
+        if not any(r in lost for g in rep.stages[: plan.pp] for r in g.ranks)
+    ]
+    if not keep:
+        raise NoPlanError("every replica holds a lost device")
+    q, extra = divmod(plan.total_microbatches, len(keep))
+    counts = [q + (i < extra) for i in range(len(keep))]
+    return plan_for(keep, counts, plan.schedule, virtual_stages=plan.virtual_stages)
 
 
 def shrink_pipeline(plan: ParallelPlan, devices: int) -> ParallelPlan:

@@ -52,7 +52,7 @@ from unbroken.plan import (
     Workload,
     plan_for_state,
 )
-from unbroken.plan.shrink import shrink_pipeline
+from unbroken.plan.shrink import dissolve_replicas, shrink_pipeline
 
 __all__ = ["PipelineAdaptation"]
 
@@ -217,6 +217,11 @@ class PipelineAdaptation:
         if kept is not None:
             self.plan, self.devices, explain = kept
             self.relayout = not _keeps_stages(before, devices_before, self.plan, self.devices)
+        elif any(g.tp > 1 for rep in before.replicas for g in rep.stages):
+            raise NoPlanError(
+                "no replica of the TP plan is left whole, and shrinking a TP group (its shards "
+                "resharded onto fewer devices) is not built"
+            )
         else:
             self.plan = shrink_pipeline(before, len(survivors))
             self.devices = survivors[: len(self.plan.ranks)]
@@ -258,32 +263,46 @@ class PipelineAdaptation:
         return NewWorld(self.devices, None, self.epoch)
 
     def _dissolve(self, gone: list[int]) -> tuple[ParallelPlan, tuple[int, ...], str] | None:
-        """The scheduler's plan around the lost devices, its ranks renumbered 0..n-1 in device
-        order, with the devices it runs on and its explanation; None when it has none (a
-        stage lost its every copy)."""
+        """A plan around the lost devices on which every survivor keeps its stage, its ranks
+        renumbered 0..n-1 in device order, with the devices it runs on and its explanation:
+        the scheduler's when it is one (a dissolved replica), else the broken replicas
+        dissolved (`dissolve_replicas`: the scheduler would shrink a TP group, whose shards
+        then need resharding). None when no replica is left whole."""
         plan = self.plan
         if plan.dp == 1:
             return None
         lost_ranks = [r for r, d in enumerate(self.devices) if d in gone]
         try:
             result = plan_for_state(_cluster(plan).with_lost(*lost_ranks))
+            layout = result.layout
+            chosen = layout.skeleton
+            notes = [n for step in result.steps for n in step.notes]
         except NoPlanError:
-            return None
-        layout = result.layout
-        used = sorted(layout.ranks)
+            chosen, notes = None, []
+        if chosen is None or not (
+            _uniform(chosen) and _keeps_stages(plan, self.devices, chosen, self.devices)
+        ):
+            try:
+                chosen = dissolve_replicas(plan, lost_ranks)
+            except NoPlanError:
+                return None
+            notes = [
+                "the scheduler's plan changes what a survivor holds; instead every replica "
+                "with a lost device is dissolved and the others own its micro-batches"
+            ]
+        used = sorted(chosen.ranks)
         new_rank = {r: i for i, r in enumerate(used)}
         replicas = [
             Replica(
                 tuple(StageGroup(tuple(new_rank[r] for r in g.ranks), g.layers) for g in rep.stages)
             )
-            for rep in layout.replicas
+            for rep in chosen.replicas
         ]
-        new = plan_for(replicas, layout.microbatches, plan.schedule, migrations=layout.migrations)
+        new = plan_for(replicas, chosen.microbatches, plan.schedule, migrations=chosen.migrations)
         devices = tuple(self.devices[r] for r in used)
-        standbys = [self.devices[r] for r in result.standbys]
+        standbys = [d for r, d in enumerate(self.devices) if r not in used and d not in gone]
         explain = (
-            "; ".join(n for step in result.steps for n in step.notes)
-            or "the scheduler's plan around the lost device"
+            "; ".join(notes) or "the scheduler's plan around the lost device"
         ) + f"; standbys (alive, outside the world): devices {standbys}"
         return new, devices, explain
 
@@ -334,3 +353,10 @@ def _keeps_stages(
     old = _stages_by_device(before, devices_before)
     new = _stages_by_device(after, devices)
     return all(old.get(dev) == held for dev, held in new.items())
+
+
+def _uniform(plan: ParallelPlan) -> bool:
+    """Every replica with the same layers and TP degrees (what the ordered reduction needs;
+    `unbroken.engine.groups.same_layouts`, without importing torch here)."""
+    first = [(g.layers, g.tp) for g in plan.replicas[0].stages]
+    return all([(g.layers, g.tp) for g in rep.stages] == first for rep in plan.replicas[1:])
