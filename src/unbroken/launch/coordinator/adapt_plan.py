@@ -213,24 +213,8 @@ class PipelineAdaptation:
         if not survivors:
             raise NoPlanError("every device of the pipeline is lost")
         before, devices_before = self.plan, self.devices
-        kept = self._dissolve(gone)
-        if kept is not None:
-            self.plan, self.devices, explain = kept
-            self.relayout = not _keeps_stages(before, devices_before, self.plan, self.devices)
-        elif any(g.tp > 1 for rep in before.replicas for g in rep.stages):
-            raise NoPlanError(
-                "no replica of the TP plan is left whole, and shrinking a TP group (its shards "
-                "resharded onto fewer devices) is not built"
-            )
-        else:
-            self.plan = shrink_pipeline(before, len(survivors))
-            self.devices = survivors[: len(self.plan.ranks)]
-            self.relayout = True
-            explain = (
-                f"the lost device held the only copy of its stage, so the scheduler keeps no "
-                f"pipeline of depth {before.pp}; the survivors run an even pipeline of depth "
-                f"{self.plan.pp} from the newest checkpoint loaded under it"
-            )
+        self.plan, self.devices, explain = self._dissolve(gone) or self._shrink(survivors)
+        self.relayout = not _keeps_stages(before, devices_before, self.plan, self.devices)
         self.epoch += 1
         self.state = _cluster(self.plan)  # ranks renumbered: slow marks start over
         trigger = {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
@@ -261,6 +245,27 @@ class PipelineAdaptation:
             f"(replicas x stages) stages {stages}, {source}"
         )
         return NewWorld(self.devices, None, self.epoch)
+
+    def _shrink(self, survivors: tuple[int, ...]) -> tuple[ParallelPlan, tuple[int, ...], str]:
+        """No replica left whole: one even pipeline on the survivors (TP 1), from the newest
+        checkpoint (its layout differs from every survivor's state).
+
+        Raises:
+            NoPlanError: the plan has TP groups (shrinking one is not built).
+        """
+        before = self.plan
+        if any(g.tp > 1 for rep in before.replicas for g in rep.stages):
+            raise NoPlanError(
+                "no replica of the TP plan is left whole, and shrinking a TP group (its shards "
+                "resharded onto fewer devices) is not built"
+            )
+        plan = shrink_pipeline(before, len(survivors))
+        explain = (
+            f"the lost device held the only copy of its stage, so the scheduler keeps no "
+            f"pipeline of depth {before.pp}; the survivors run an even pipeline of depth "
+            f"{plan.pp} from the newest checkpoint loaded under it"
+        )
+        return plan, survivors[: len(plan.ranks)], explain
 
     def _dissolve(self, gone: list[int]) -> tuple[ParallelPlan, tuple[int, ...], str] | None:
         """A plan around the lost devices on which every survivor keeps its stage, its ranks
