@@ -50,14 +50,32 @@ def test_a_lost_device_shrinks_the_pipeline_onto_the_survivors(tmp_path):
     assert adapt.next_world().devices == (0, 1)
 
 
-def test_returned_devices_stay_standbys_once_the_pipeline_shrank(tmp_path):
+def test_a_shrunk_pipeline_grows_back_to_the_launch_plan_from_the_checkpoint(tmp_path):
     adapt, _ = _adapt(tmp_path)
     adapt.note_lost(1, "lost")
     adapt.next_world()
+    assert not adapt.grows
     adapt.note_returned([1], "node 0 returned")
-    (skip,) = _events(tmp_path, "replan_skipped")
-    assert "growing a pipeline plan back is not built" in skip["reason"]
+    assert adapt.grows
+    world = adapt.next_world()
+    assert world.devices == (0, 1, 2, 3) and adapt.relayout  # the survivors' layers moved
+    assert ParallelPlan.from_dict(adapt.spec_fields()["plan"]) == adapt.launch
+    grow = _events(tmp_path, "replan")[-1]
+    assert grow["trigger"]["kind"] == "devices_returned" and grow["restore"] == "checkpoint"
     assert adapt.next_world() is None and not adapt.grows
+
+
+def test_a_dissolved_replica_grows_back_in_place_when_its_devices_return(tmp_path):
+    adapt, _ = _adapt(tmp_path, pp=2, layers=4, dp=2)
+    adapt.note_lost(2, "node 1 lost")
+    adapt.note_lost(3, "node 1 lost")
+    assert adapt.next_world().devices == (0, 1)
+    adapt.note_returned([2], "node 1 returned")
+    assert not adapt.grows  # device 3 is still lost
+    adapt.note_returned([3], "node 1 returned")
+    world = adapt.next_world()
+    assert world.devices == (0, 1, 2, 3) and not adapt.relayout  # 0, 1 kept their stages
+    assert _events(tmp_path, "replan")[-1]["restore"] == "in_place"
 
 
 def test_devices_back_before_the_world_shrank_keep_the_running_plan(tmp_path):

@@ -401,6 +401,38 @@ def test_a_plan_job_that_loses_node_1_continues_in_place_on_node_0(job_of, degre
     assert [e["mode"] for e in job.kinds("recovery_start")] == ["inplace"]
 
 
+@pytest.mark.slow  # ~60 s; CI: the data-parallel return above, the pipeline's loss before
+@pytest.mark.timeout(400)
+def test_a_dp_x_pp_job_grows_back_in_place_when_node_1_returns(job_of):
+    """PP=2 x DP=2: node 1 (replica 1) dies, replica 0 continues alone; node 1 comes back, the
+    job grows back to the launch plan at a planned stop and node 1's ranks take replica 0's
+    state — no checkpoint, bit-exact against the fault-free run."""
+    job = job_of(iterations=40, adapt=True, join_timeout=240, pp=2)
+    node1 = job.node(1)
+    node0 = job.node(0, "--reference")
+    _wait(lambda: job.iterations_done() >= 5 or node0.poll() is not None, 200, "iteration 5")
+    assert node0.poll() is None, node0.communicate()[1][-3000:]
+    _wait(lambda: job.parked(1) >= {0, 1}, 120, "node 0's shadows for generation 1", job)
+    _kill_node(node1.pid, descendants(node1.pid) | {node1.pid})
+    _wait(lambda: job.kinds("recovery_done"), 60, "the survivors to train again", job)
+    _wait(lambda: job.parked(2) >= {0, 1}, 120, "node 0's shadows for generation 2", job)
+    back = job.node(1)
+    summary = _summary(node0)
+    _, err = back.communicate(timeout=60)
+    assert back.returncode == 0, err[-3000:]
+    assert summary["bit_exact"] is True, summary
+    replans = job.kinds("replan")
+    assert [(r["trigger"]["kind"], r["restore"]) for r in replans][:2] == [
+        ("device_lost", "in_place"),
+        ("devices_returned", "in_place"),
+    ], replans
+    assert replans[1]["devices_after"] == [0, 1, 2, 3], replans
+    fills = [r for r in job.kinds("inplace_repair") if r["fixup"] == "filled from a replica"]
+    assert sorted(r["rank"] for r in fills) == [2, 3], job.kinds("inplace_repair")
+    assert not job.kinds("checkpoint_loaded"), "retained state and replicas, no checkpoint"
+    assert summary["iterations"] == 40 and summary["state"] == "done", summary
+
+
 @pytest.mark.slow  # ~60 s; the CI tier loses a pipeline's stage on one host (tests/adapt)
 @pytest.mark.timeout(300)
 def test_a_pipeline_that_loses_node_1_continues_on_node_0_from_a_checkpoint(job_of):

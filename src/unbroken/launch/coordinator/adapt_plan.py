@@ -68,8 +68,6 @@ class PipelineAdaptation:
     that do not publish), adapt (`adapt.max_replans`, `adapt.min_gain`)."""
 
     evicts = False
-    grows = False
-    """Lost devices that return are kept as standbys (growing a pipeline back: not built)."""
 
     def __init__(
         self,
@@ -90,6 +88,10 @@ class PipelineAdaptation:
         """Re-plans for slow devices so far (capped by `adapt.max_replans`)."""
         self.epoch = 0
         self.lost: dict[int, str] = {}
+        self.launch, self.launch_devices = plan, self.devices
+        """The plan the job launched with, and its devices: what a job grows back to."""
+        self.returned: dict[int, str] = {}
+        """device -> why it is usable again (lost before; not in the running world)."""
         self.relayout = False
         """The plan of the next generation differs from the one the survivors' state holds:
         they start from a checkpoint (read and cleared by the coordinator)."""
@@ -100,14 +102,17 @@ class PipelineAdaptation:
 
     def note_returned(self, devices: list[int], reason: str) -> None:
         """Lost devices usable again. Back before the world shrank (a spare node took them at
-        once), the running plan keeps them; once it shrank, they stay standbys."""
-        back = [d for d in devices if self.lost.pop(d, None) is not None]
-        outside = [d for d in back if d not in self.devices]
-        if outside:
-            self._skip(
-                {"kind": "devices_returned", "devices": outside, "reason": reason},
-                "growing a pipeline plan back is not built: the devices stay standbys",
-            )
+        once), the running plan keeps them; once it shrank, they are offered back: when every
+        launch device is usable again the next generation runs the launch plan (`grows`)."""
+        for d in devices:
+            if self.lost.pop(d, None) is not None and d not in self.devices:
+                self.returned[d] = reason
+
+    @property
+    def grows(self) -> bool:
+        """Whether the next world is the launch one again: every launch device is usable and
+        some of them are outside the running world."""
+        return bool(self.returned) and not self.lost and self.devices != self.launch_devices
 
     def on_fail_slow(self, event: DetectionEvent, iter_s: float | None = None) -> bool:
         """A validated fail-slow report (rank of the running world, measured factor): publish
@@ -207,7 +212,7 @@ class PipelineAdaptation:
         """
         gone = [d for d in self.devices if d in self.lost]
         if not gone:
-            return None
+            return self._grow() if self.grows else None
         t0 = time.perf_counter()
         survivors = tuple(d for d in self.devices if d not in self.lost)
         if not survivors:
@@ -243,6 +248,46 @@ class PipelineAdaptation:
             f"re-plan (device lost {gone}): devices {list(devices_before)} -> "
             f"{list(self.devices)}, {before.dp} x {before.pp} -> {self.plan.dp} x {self.plan.pp} "
             f"(replicas x stages) stages {stages}, {source}"
+        )
+        return NewWorld(self.devices, None, self.epoch)
+
+    def _grow(self) -> NewWorld:
+        """The launch plan on the launch devices again (every device back). The devices that
+        kept their stage restore in place, the returned ones take their replica's state
+        (`RankAction.FILL`); when the running plan moved a survivor's layers (a shorter
+        pipeline), the launch plan loads from the newest checkpoint instead."""
+        t0 = time.perf_counter()
+        back = sorted(self.returned)
+        reason = self.returned[back[0]]
+        self.returned.clear()
+        before, devices_before = self.plan, self.devices
+        self.plan, self.devices = self.launch, self.launch_devices
+        self.relayout = not _keeps_stages(before, devices_before, self.plan, self.devices)
+        self.epoch += 1
+        self.state = _cluster(self.plan)
+        restore = "checkpoint" if self.relayout else "in_place"
+        self.events.emit(
+            "replan",
+            epoch=self.epoch,
+            trigger={"kind": "devices_returned", "devices": back, "reason": reason},
+            devices_before=list(devices_before),
+            devices_after=list(self.devices),
+            before=before.stage_records(),
+            after=self.plan.stage_records(),
+            counts_before=list(before.microbatches),
+            counts_after=list(self.plan.microbatches),
+            predicted_before=None,
+            predicted_after=None,
+            predicted_before_s=None,
+            predicted_after_s=None,
+            plan_s=time.perf_counter() - t0,
+            restore=restore,
+            explain="every device the job launched with is back: the launch plan",
+        )
+        self.say(
+            f"re-plan (devices returned {back}): devices {list(devices_before)} -> "
+            f"{list(self.devices)}, the launch plan again, "
+            + ("from the newest checkpoint" if self.relayout else "in place (replicas fill)")
         )
         return NewWorld(self.devices, None, self.epoch)
 
@@ -353,11 +398,12 @@ def _keeps_stages(
     after: ParallelPlan,
     devices: tuple[int, ...],
 ) -> bool:
-    """Whether every device of the new plan holds what it held before (its retained state is
-    the new layout's: restore in place)."""
+    """Whether every device of the new plan that ran the old one holds what it held before
+    (its retained state is the new layout's: restore in place). Devices new to the world
+    (returned ones) take a replica's state, or the generation falls back to a checkpoint."""
     old = _stages_by_device(before, devices_before)
     new = _stages_by_device(after, devices)
-    return all(old.get(dev) == held for dev, held in new.items())
+    return all(old[dev] == held for dev, held in new.items() if dev in old)
 
 
 def _uniform(plan: ParallelPlan) -> bool:
