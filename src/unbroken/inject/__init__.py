@@ -15,13 +15,17 @@ Spec syntax (config `inject = [...]`, CLI `--inject`, tests):
                                               gone for the rest of the job
     nodeloss:rank=R,iter=I[,phase=P]          the node that runs rank R dies at once (its
                                               agent and every process under it)
+    flaky:rank=R,iter=I[,phase=P]             the device of rank R passes its health check but
+                                              kills every trainer on it from iteration I on,
+                                              generation after generation (a crash loop)
 KIND ∈ kill (SIGKILL), hang (SIGSTOP), exception (raise), oom (a failed device allocation),
 slow, pageloss, ckptcorrupt (damage the newest checkpoint on disk, then SIGKILL), memspike,
 lose (a device lost for good, recorded in the job's device registry, `devices`) (see
 `FaultKind`);
 what a slow fault stretches and how: [Note: slow-fault] in `injector`. A fault fires once per job: the
 firing is recorded in the job's store before the fault acts, so a redone iteration after
-recovery runs clean.
+recovery runs clean — except `flaky`, whose device keeps failing (its repeats are logged as
+`flaky_crash`, not as injected faults).
 """
 
 from unbroken.devices import DeviceRegistry

@@ -53,6 +53,12 @@ class FaultKind(enum.StrEnum):
     """The whole node that runs the rank is gone at once (a host that dies): SIGKILL of its
     agent (`UNBROKEN_AGENT_PID`) and of the trainer; the node's other trainers, shadows and
     state managers die with their agent. The coordinator sees the node's connection close."""
+    FLAKY = "flaky"
+    """The device is broken but passes its health check: from `iter` on, every trainer on it
+    is SIGKILLed at the trigger — the first time, and again in every generation that runs on
+    it (a crash loop). Only the first firing is the injected fault; the repeats are the
+    hardware's behaviour, which the coordinator must classify as a lost device (issue 18:
+    "a device that crash-loops is lost")."""
     MEMSPIKE = "memspike"
     """Allocate and touch `mb` MiB more for the rest of the iteration (a memory peak such as a
     long-sequence batch or uneven expert routing): no failure unless memory runs out."""

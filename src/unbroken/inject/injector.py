@@ -72,6 +72,7 @@ _KILLED = (
     FaultKind.CKPTCORRUPT,
     FaultKind.LOSE,
     FaultKind.NODELOSS,
+    FaultKind.FLAKY,
 )
 """Faults whose trainer is SIGKILLed once they have acted."""
 
@@ -164,7 +165,8 @@ class Injector:
         if fault.at_s is not None:
             return time.time() - self.job_t0 >= fault.at_s
         want_step = fault.step if fault.step is not None else n // 2
-        return fault.iteration == it and fault.phase == phase and step == min(want_step, n - 1)
+        at = it >= fault.iteration if fault.kind is FaultKind.FLAKY else it == fault.iteration
+        return at and fault.phase == phase and step == min(want_step, n - 1)
 
     def use_busy_clock(self, clock: Callable[[], float]) -> None:
         """Stretch compute by `clock`, the rank's own work, instead of wall time ([Note:
@@ -213,7 +215,9 @@ class Injector:
             self._iter_mark = (iteration, now)
         for fault in self.faults:
             if self._matches(fault, phase, iteration, step, n_steps) and (
-                not self._fired(fault) or self._retrying(fault, iteration)
+                not self._fired(fault)
+                or self._retrying(fault, iteration)
+                or fault.kind is FaultKind.FLAKY
             ):
                 self._fire(fault, phase, iteration, step)
         self._phase_start, self._busy_start = self.clock(), self.busy_clock()
@@ -371,6 +375,9 @@ class Injector:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _fire(self, fault: FaultSpec, phase: Phase, iteration: int, step: int) -> None:
+        if fault.kind is FaultKind.FLAKY and self._fired(fault):
+            self.emit("flaky_crash", rank=self.rank, iter=iteration, spec=fault.text())
+            self._die(fault)  # the broken device again: not a new injected fault
         self.store.mark_fault_fired(fault.key, time.time())
         if fault.kind is FaultKind.MEMSPIKE:
             self._memspike(fault, phase, iteration)  # not a failure unless memory runs out

@@ -224,6 +224,11 @@ class RecoveryMachine:
         was the failure injected? Three stalled, uninjected failures in a row are a crash loop."""
         self.stalled_failures = 0 if (progressed or injected) else self.stalled_failures + 1
 
+    def loop_explained(self) -> None:
+        """The stalled failures so far have a cause the coordinator acted on (a device found
+        crash-looping is excluded): they do not count toward the job's crash loop."""
+        self.stalled_failures = 0
+
     def _failure(self, reason: str) -> Action:
         # A trainer that asked for the checkpoint fallback gets it even after stalled failures:
         # it is a different recovery, not the same one looping. If that fails too, it is a loop.

@@ -37,6 +37,7 @@ from unbroken.inject import parse_fault
 from unbroken.jobstore import JobStore
 from unbroken.launch.coordinator.adapt import Adaptation
 from unbroken.launch.coordinator.adapt_plan import PipelineAdaptation
+from unbroken.launch.coordinator.crashloop import CrashLoopWatch
 from unbroken.launch.coordinator.monitor import RunMonitor
 from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
 from unbroken.launch.spec import GenerationSpec
@@ -172,6 +173,7 @@ class CoordinatorCore:
         self._last_failure_t = 0.0
         self._faults = [parse_fault(s) for s in cfg.inject]
         self._held: dict[int, tuple[int, RankExited]] = {}
+        self._crash_loops = CrashLoopWatch()
         """rank -> (node, its exit) of start-up failures held in the window."""
         self._held_until: float | None = None
 
@@ -369,6 +371,8 @@ class CoordinatorCore:
 
     def _rank_exited(self, node: int, msg: RankExited) -> None:
         world = self._worlds.get(msg.generation, self.devices)
+        if msg.returncode != 0 and 0 <= msg.rank < len(world):
+            self._crash_loops.exited(msg.generation, world[msg.rank], msg.returncode, msg.said)
         if msg.device_lost and self.adapt is not None and 0 <= msg.rank < len(world):
             self.adapt.note_lost(world[msg.rank], msg.device_lost)  # even if stale: never again
         if msg.returncode == 0 or not self._live(msg.generation):
@@ -441,6 +445,21 @@ class CoordinatorCore:
             phase=msg.phase,
             startup=startup,
         )
+
+    def _conclude_crash_loop(self, failed_generation: int) -> None:
+        """Before the generation after a failure starts: a device whose trainers keep dying
+        before any progress is lost hardware when the job re-plans (`CrashLoopWatch`) —
+        recorded in the device registry (no generation starts on it again) and handed to the
+        adaptation, which plans around it."""
+        found = self._crash_loops.conclude(failed_generation)
+        if found is None or self.adapt is None or not self.fsm.replans:
+            return
+        device, reason = found
+        DeviceRegistry(self.registry).mark_lost(device, reason)
+        self.adapt.note_lost(device, reason)
+        self.fsm.loop_explained()
+        self.events.emit("device_crash_loop", device=device, reason=reason)
+        self.monitor.say(f"device {device} lost: {reason}")
 
     def _rank_hung(self, node: int, msg: RankHung) -> None:
         if not self._live(msg.generation):
@@ -564,7 +583,11 @@ class CoordinatorCore:
             **common,
         )
         self._last_failure_t = event.t
-        self.fsm.note_progress(progressed=progressed, injected=injected is not None)
+        # A lost device explains its failure: not a stall of the job's crash-loop rule.
+        explained = injected is not None or event.cause == FailStopCause.DEVICE_LOST
+        self.fsm.note_progress(progressed=progressed, injected=explained)
+        if event.generation is not None:
+            self._crash_loops.failed(event.generation, progressed, injected is not None)
         self.monitor.say(
             f"failure detected: rank {event.rank} {event.reason}"
             + (f" ({detect_s * 1000:.0f} ms after injection)" if detect_s is not None else "")
@@ -640,6 +663,8 @@ class CoordinatorCore:
         return True
 
     def _start(self, action: Start) -> None:
+        if action.generation > 0:
+            self._conclude_crash_loop(action.generation - 1)
         try:
             changed = self._new_world()
         except NoPlanError as exc:
