@@ -176,6 +176,20 @@ def stage_layers(plan: ParallelPlan, rank: int) -> list[tuple[int, int]]:
     return [g.layers for k, g in enumerate(stages) if k % plan.pp == s]
 
 
+def _plan_groups(
+    plan: ParallelPlan,
+    world: dist.ProcessGroup,
+    args: TransformerArgs | None,
+    model: torch.nn.Module | None,
+) -> PlanGroups:
+    """The plan's groups (collective): the reference model's from its `args`, an own model's
+    with its stage's tied names."""
+    if args is not None:
+        return PlanGroups.build(plan, world, args)
+    tied = getattr(model, "tied", ())
+    return PlanGroups.build(plan, world, tied=tuple(tied[0]) if tied else ())
+
+
 def _stage_and_groups(
     cfg: JobConfig,
     plan: ParallelPlan,
@@ -188,10 +202,9 @@ def _stage_and_groups(
     model's is cut from the factory's full model, whose values it still holds."""
     if args is None:
         model = factory_stage(cfg, stage_layers(plan, dist.get_rank(world)), search)
-        tied = model.tied[0] if model.tied else ()
         initial = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
-        return model, PlanGroups.build(plan, world, tied=tuple(tied)), initial
-    groups = PlanGroups.build(plan, world, args)
+        return model, _plan_groups(plan, world, None, model), initial
+    groups = _plan_groups(plan, world, args, None)
     try:
         model = StageModel(args, stage_layers(plan, groups.rank), groups.tp, device="meta")
     except ValueError as exc:
@@ -234,11 +247,7 @@ def switch_plan(
         ValueError: the plan gives a rank other layers.
     """
     args = _check_fits(cfg, plan, list(search))
-    if args is None:
-        tied = getattr(rank.model, "tied", ())
-        groups = PlanGroups.build(plan, world, tied=tuple(tied[0]) if tied else ())
-    else:
-        groups = PlanGroups.build(plan, world, args)
+    groups = _plan_groups(plan, world, args, rank.model)
     groups, ordered = _reductions(cfg, plan, groups, rank.state)
     rank.worker.set_plan(plan, groups, ordered)
     rank.groups = groups

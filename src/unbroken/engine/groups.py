@@ -24,16 +24,9 @@ from unbroken.engine.dp_sync import FineShardSync
 from unbroken.engine.tied import TiedGradReduction, embedding_pairs
 from unbroken.engine.tp import TPGroup
 from unbroken.model import TransformerArgs
-from unbroken.parallel import ParallelPlan
+from unbroken.parallel import ParallelPlan, same_layouts
 
 __all__ = ["PlanGroups", "same_layouts"]
-
-
-def same_layouts(plan: ParallelPlan) -> bool:
-    """True when every replica holds the same layer ranges with the same TP degrees, so
-    gradients can be averaged position by position over whole flat buffers."""
-    first = [(g.layers, g.tp) for g in plan.replicas[0].stages]
-    return all([(g.layers, g.tp) for g in rep.stages] == first for rep in plan.replicas[1:])
 
 
 def _tie_group(

@@ -195,7 +195,13 @@ class PlanWorker:
         self.reports_loss = groups.tp.rank == 0 and any(
             a.kind is _K.F and a.stage == self.last_stage for a in self.actions
         )
-        self._counted = self._norm_slices()
+        self._norm_tp = max(g.tp for rep in plan.replicas for g in rep.stages)
+        """TP positions per layer in the ordered norm's slots: the plan's largest TP degree."""
+        self._loss_slots = plan.total_microbatches if ordered is not None else 0
+        """Per-micro-batch loss slots of the sync (ordered: the loss is folded in id order)."""
+        self._norm_slots = (plan.num_layers + 2) * self._norm_tp if ordered is not None else 0
+        """Per-(layer, TP position) squared-norm slots of the sync (ordered)."""
+        self._counted = self._norm_slices() if ordered is None else []
         self._buckets = self._norm_buckets() if ordered is not None else []
         self._steps = _hook_steps(self.actions)
 
@@ -260,11 +266,6 @@ class PlanWorker:
                 layer = int(found.group(1)) if found else (n if "embed" in s.name else n + 1)
                 out.append((layer * t + pos, s.offset, s.offset + s.numel))
         return out
-
-    @property
-    def _norm_tp(self) -> int:
-        """TP positions per layer in the norm's slots: the plan's largest TP degree."""
-        return max(g.tp for rep in self.plan.replicas for g in rep.stages)
 
     def _microbatch(self, iteration: int, mb: int) -> Any:
         if self.shard_microbatches is None:
@@ -380,12 +381,10 @@ class PlanWorker:
     def _sync(self, iteration: int) -> tuple[float, float, float]:
         self._hook(Phase.SYNC, iteration)
         grads, f64 = self.state.grads, torch.float64
-        slots = self.plan.total_microbatches if self.ordered is not None else 0
-        buckets = (self.plan.num_layers + 2) * self._norm_tp if self.ordered is not None else 0
-        t = torch.zeros(3 + slots + buckets, dtype=f64, device=self.device)
-        if self.ordered is None:
-            for lo, hi in self._counted:
-                t[1] += grads[lo:hi].to(f64).square().sum()
+        slots = self._loss_slots
+        t = torch.zeros(3 + slots + self._norm_slots, dtype=f64, device=self.device)
+        for lo, hi in self._counted:
+            t[1] += grads[lo:hi].to(f64).square().sum()
         for b, lo, hi in self._buckets:
             t[3 + slots + b] += grads[lo:hi].to(f64).square().sum()
         t[0] += self._loss

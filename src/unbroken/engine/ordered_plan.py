@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.engine.groups import PlanGroups
-from unbroken.parallel import ActionKind, DataPlacement, ParallelPlan
+from unbroken.parallel import ActionKind, DataPlacement, ParallelPlan, same_layouts
 from unbroken.train.ordered import OrderedGradients
 from unbroken.train.phases import PhaseHook
 
@@ -47,8 +47,7 @@ def check_ordered_plan(plan: ParallelPlan) -> None:
             "the ordered reduction of a plan needs a schedule without split backward (1f1b or "
             "gpipe, not zb_h1)"
         )
-    first = [(g.layers, g.tp) for g in plan.replicas[0].stages]
-    if any([(g.layers, g.tp) for g in rep.stages] != first for rep in plan.replicas[1:]):
+    if not same_layouts(plan):
         raise ValueError("the ordered reduction of a plan needs replicas with one layout")
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.config import JobConfig
+from unbroken.parallel import held_stages
 from unbroken.train import IterationResult, PhaseHook, TrainState
 from unbroken.train.tail import Updater
 from unbroken.update import PlainUpdater, StateGeometry
@@ -196,9 +197,8 @@ def plan_replica_sets(plan) -> tuple[tuple[int, ...], ...]:
     sets: dict[tuple, list[int]] = {}
     for rank in plan.ranks:
         d, s = plan.locate(rank)
-        stages = plan.replicas[d].stages
-        held = tuple((g.layers, g.tp) for k, g in enumerate(stages) if k % plan.pp == s)
-        sets.setdefault((held, stages[s].ranks.index(rank)), []).append(rank)
+        position = plan.replicas[d].stages[s].ranks.index(rank)
+        sets.setdefault((held_stages(plan, rank), position), []).append(rank)
     return tuple(tuple(r) for r in sets.values() if len(r) > 1)
 
 

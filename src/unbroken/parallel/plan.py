@@ -40,8 +40,10 @@ __all__ = [
     "ParallelPlan",
     "Replica",
     "StageGroup",
+    "held_stages",
     "make_plan",
     "plan_for",
+    "same_layouts",
     "split_layers",
 ]
 
@@ -375,6 +377,25 @@ class ParallelPlan:
             d, s = self.locate(rank)
             lines.append(f"r{rank} (replica {d}, stage {s}): " + " ".join(map(str, acts)))
         return "\n".join(lines)
+
+
+def held_stages(plan: ParallelPlan, rank: int) -> tuple[tuple[tuple[int, int], int], ...]:
+    """(layer range, TP degree) of every virtual stage `rank` holds: what its state is.
+
+    Raises:
+        KeyError: the rank holds no stage (a standby).
+    """
+    d, s = plan.locate(rank)
+    stages = plan.replicas[d].stages
+    return tuple((g.layers, g.tp) for k, g in enumerate(stages) if k % plan.pp == s)
+
+
+def same_layouts(plan: ParallelPlan) -> bool:
+    """True when every replica holds the same layer ranges with the same TP degrees, so
+    gradients can be averaged (or folded in order) position by position over whole flat
+    buffers."""
+    first = [(g.layers, g.tp) for g in plan.replicas[0].stages]
+    return all([(g.layers, g.tp) for g in rep.stages] == first for rep in plan.replicas[1:])
 
 
 def split_layers(

@@ -58,7 +58,7 @@ from unbroken.plan import (
     plan_for_state,
 )
 
-__all__ = ["Adaptation", "NewWorld", "dp_cluster"]
+__all__ = ["Adaptation", "NewWorld", "dp_cluster", "fail_slow_trigger"]
 
 _UNIT_S = 1e-3
 """The planner's forward time of one micro-batch (a unit: only ratios are used)."""
@@ -92,6 +92,22 @@ class NewWorld:
     placement: DataPlacement | None
     """Who computes which micro-batch (data-parallel jobs; None for a pipeline job's plan)."""
     epoch: int
+
+
+def fail_slow_trigger(event: DetectionEvent, devices: tuple[int, ...]) -> tuple[dict, int | None]:
+    """The `replan` trigger of a fail-slow report, and the device of its rank in the running
+    world `devices` (rank -> device; None when the report names no rank of it or no factor)."""
+    trigger = {
+        "kind": "fail_slow",
+        "rank": event.rank,
+        "factor": event.factor,
+        "what": event.cause,
+        "since_iter": event.iteration,
+    }
+    if event.rank is None or event.factor is None or not 0 <= event.rank < len(devices):
+        return trigger, None
+    trigger["device"] = devices[event.rank]
+    return trigger, devices[event.rank]
 
 
 def _at_least_one(placement: DataPlacement) -> DataPlacement:
@@ -236,17 +252,9 @@ class Adaptation:
     def on_fail_slow(self, event: DetectionEvent, iter_s: float | None = None) -> bool:
         """A validated fail-slow report (rank in the running world, measured factor): publish
         a faster placement if there is one and the job may re-plan. Returns whether it did."""
-        trigger = {
-            "kind": "fail_slow",
-            "rank": event.rank,
-            "factor": event.factor,
-            "what": event.cause,
-            "since_iter": event.iteration,
-        }
-        if event.rank is None or event.factor is None or not 0 <= event.rank < len(self.devices):
+        trigger, device = fail_slow_trigger(event, self.devices)
+        if device is None:
             return self._skip(trigger, "the report names no rank of the running world")
-        device = self.devices[event.rank]
-        trigger["device"] = device
         if self.replans >= self.cfg.adapt.max_replans:
             return self._skip(trigger, f"adapt.max_replans = {self.cfg.adapt.max_replans} reached")
         if self.evicts:

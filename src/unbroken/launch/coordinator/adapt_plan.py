@@ -40,9 +40,16 @@ from typing import Any
 from unbroken.config import AdaptConfig
 from unbroken.detect.events import DetectionEvent
 from unbroken.jobstore import JobStore
-from unbroken.launch.coordinator.adapt import NewWorld
+from unbroken.launch.coordinator.adapt import NewWorld, fail_slow_trigger
 from unbroken.metrics.log import JsonlLog
-from unbroken.parallel import ParallelPlan, Replica, StageGroup, plan_for
+from unbroken.parallel import (
+    ParallelPlan,
+    Replica,
+    StageGroup,
+    held_stages,
+    plan_for,
+    same_layouts,
+)
 from unbroken.plan import (
     ClusterState,
     Fabric,
@@ -119,16 +126,9 @@ class PipelineAdaptation:
         the scheduler's plan that moves micro-batches off the slow replica — every rank keeps
         its layers, so the job switches at an iteration boundary on its own state
         (`unbroken.launch.switch`). Returns whether it re-planned."""
-        trigger = {
-            "kind": "fail_slow",
-            "rank": event.rank,
-            "factor": event.factor,
-            "what": event.cause,
-            "since_iter": event.iteration,
-        }
-        if event.rank is None or event.factor is None or not 0 <= event.rank < len(self.devices):
+        trigger, device = fail_slow_trigger(event, self.devices)
+        if device is None:
             return self._skip(trigger, "the report names no rank of the running world")
-        trigger["device"] = self.devices[event.rank]
         if self.plan.dp == 1:
             return self._skip(
                 trigger,
@@ -218,30 +218,9 @@ class PipelineAdaptation:
         if not survivors:
             raise NoPlanError("every device of the pipeline is lost")
         before, devices_before = self.plan, self.devices
-        self.plan, self.devices, explain = self._dissolve(gone) or self._shrink(survivors)
-        self.relayout = not _keeps_stages(before, devices_before, self.plan, self.devices)
-        self.epoch += 1
-        self.state = _cluster(self.plan)  # ranks renumbered: slow marks start over
+        plan, devices, explain = self._dissolve(gone) or self._shrink(survivors)
         trigger = {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
-        restore = "checkpoint" if self.relayout else "in_place"
-        self.events.emit(
-            "replan",
-            epoch=self.epoch,
-            trigger=trigger,
-            devices_before=list(devices_before),
-            devices_after=list(self.devices),
-            before=before.stage_records(),
-            after=self.plan.stage_records(),
-            counts_before=list(before.microbatches),
-            counts_after=list(self.plan.microbatches),
-            predicted_before=None,
-            predicted_after=None,
-            predicted_before_s=None,
-            predicted_after_s=None,
-            plan_s=time.perf_counter() - t0,
-            restore=restore,
-            explain=explain,
-        )
+        self._adopt_world(plan, devices, trigger, explain, t0)
         stages = [list(g.layers) for g in self.plan.replicas[0].stages]
         source = "from the newest checkpoint" if self.relayout else "in place, no checkpoint"
         self.say(
@@ -250,6 +229,40 @@ class PipelineAdaptation:
             f"(replicas x stages) stages {stages}, {source}"
         )
         return NewWorld(self.devices, None, self.epoch)
+
+    def _adopt_world(
+        self,
+        plan: ParallelPlan,
+        devices: tuple[int, ...],
+        trigger: dict,
+        explain: str,
+        t0: float,
+    ) -> None:
+        """Make `plan` on `devices` the next generation's world (ranks renumbered: the slow
+        marks start over), decide whether it restores in place (`relayout`), log `replan`."""
+        before, devices_before = self.plan, self.devices
+        self.plan, self.devices = plan, devices
+        self.relayout = not _keeps_stages(before, devices_before, plan, devices)
+        self.epoch += 1
+        self.state = _cluster(plan)
+        self.events.emit(
+            "replan",
+            epoch=self.epoch,
+            trigger=trigger,
+            devices_before=list(devices_before),
+            devices_after=list(devices),
+            before=before.stage_records(),
+            after=plan.stage_records(),
+            counts_before=list(before.microbatches),
+            counts_after=list(plan.microbatches),
+            predicted_before=None,
+            predicted_after=None,
+            predicted_before_s=None,
+            predicted_after_s=None,
+            plan_s=time.perf_counter() - t0,
+            restore="checkpoint" if self.relayout else "in_place",
+            explain=explain,
+        )
 
     def _grow(self) -> NewWorld:
         """The launch plan on the launch devices again (every device back). The devices that
@@ -260,29 +273,13 @@ class PipelineAdaptation:
         back = sorted(self.returned)
         reason = self.returned[back[0]]
         self.returned.clear()
-        before, devices_before = self.plan, self.devices
-        self.plan, self.devices = self.launch, self.launch_devices
-        self.relayout = not _keeps_stages(before, devices_before, self.plan, self.devices)
-        self.epoch += 1
-        self.state = _cluster(self.plan)
-        restore = "checkpoint" if self.relayout else "in_place"
-        self.events.emit(
-            "replan",
-            epoch=self.epoch,
-            trigger={"kind": "devices_returned", "devices": back, "reason": reason},
-            devices_before=list(devices_before),
-            devices_after=list(self.devices),
-            before=before.stage_records(),
-            after=self.plan.stage_records(),
-            counts_before=list(before.microbatches),
-            counts_after=list(self.plan.microbatches),
-            predicted_before=None,
-            predicted_after=None,
-            predicted_before_s=None,
-            predicted_after_s=None,
-            plan_s=time.perf_counter() - t0,
-            restore=restore,
-            explain="every device the job launched with is back: the launch plan",
+        devices_before = self.devices
+        self._adopt_world(
+            self.launch,
+            self.launch_devices,
+            {"kind": "devices_returned", "devices": back, "reason": reason},
+            "every device the job launched with is back: the launch plan",
+            t0,
         )
         self.say(
             f"re-plan (devices returned {back}): devices {list(devices_before)} -> "
@@ -330,7 +327,7 @@ class PipelineAdaptation:
         except NoPlanError:
             chosen, notes = None, []
         if chosen is None or not (
-            _uniform(chosen) and _keeps_stages(plan, self.devices, chosen, self.devices)
+            same_layouts(chosen) and _keeps_stages(plan, self.devices, chosen, self.devices)
         ):
             try:
                 chosen = dissolve_replicas(plan, lost_ranks)
@@ -382,14 +379,7 @@ def _cluster(plan: ParallelPlan) -> ClusterState:
 
 def _stages_by_device(plan: ParallelPlan, devices: tuple[int, ...]) -> dict[int, tuple]:
     """device -> the layer ranges it holds (at its TP degree) under `plan`."""
-    out = {}
-    for rank in plan.ranks:
-        d, s = plan.locate(rank)
-        stages = plan.replicas[d].stages
-        out[devices[rank]] = tuple(
-            (g.layers, g.tp) for k, g in enumerate(stages) if k % plan.pp == s
-        )
-    return out
+    return {devices[rank]: held_stages(plan, rank) for rank in plan.ranks}
 
 
 def _keeps_stages(
@@ -404,10 +394,3 @@ def _keeps_stages(
     old = _stages_by_device(before, devices_before)
     new = _stages_by_device(after, devices)
     return all(old[dev] == held for dev, held in new.items() if dev in old)
-
-
-def _uniform(plan: ParallelPlan) -> bool:
-    """Every replica with the same layers and TP degrees (what the ordered reduction needs;
-    `unbroken.engine.groups.same_layouts`, without importing torch here)."""
-    first = [(g.layers, g.tp) for g in plan.replicas[0].stages]
-    return all([(g.layers, g.tp) for g in rep.stages] == first for rep in plan.replicas[1:])
