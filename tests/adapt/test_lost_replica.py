@@ -50,6 +50,11 @@ def test_a_lost_device_of_a_dp_x_pp_job_continues_in_place_bit_exact(tmp_path, f
     assert done["devices"] == after and len(done["rank_hashes"]) == 2
 
 
+# Slow tier for CI time (~15-25 s): the CI tier keeps each part — the dissolved replica
+# above, a crash after a world change (tests/adapt/test_failures_after_replan.py's DP twin is
+# slow too; the takeover runs in tests/launch/test_multinode.py) and the lost stage from a
+# checkpoint (tests/adapt/test_lost_stage.py).
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_crash_after_the_replica_was_dissolved_then_the_last_copy_of_a_stage_lost(tmp_path):
     """Device 2 lost: replica 1 dissolved, devices 0 and 1 continue in place. Device 0 then

@@ -44,6 +44,7 @@ def test_a_slow_device_of_a_dp_x_pp_job_is_planned_around_live_bit_exact(tmp_pat
     assert events_of(events, "recovery_start") == []
 
 
+@pytest.mark.slow  # ~25 s; CI keeps the live switch above and shadow takeovers elsewhere
 @pytest.mark.timeout(1200)
 def test_a_shadow_takeover_right_after_a_live_pipeline_replan_keeps_the_new_plan(tmp_path):
     faults = ["slow:rank=0,iter=15,factor=6", "kill:rank=3,iter=27,phase=update"]
