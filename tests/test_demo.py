@@ -115,7 +115,7 @@ def test_demo_quick_recovers_in_place_exactly_and_finds_the_slow_rank(tmp_path):
             assert got == (3, s["world_size"]), (rec, _shadow_trace(out))
     # ETTR = T_ref / T_faulty over the same iterations. The two runs drift apart on a busy
     # machine, so the bound is in each run's own healthy iteration: the faulty run (three
-    # recoveries, a 3x slow rank for its last 12 iterations) lasts more of its iterations than
+    # recoveries, a 3x slow rank for its last 16 iterations) lasts more of its iterations than
     # the fault-free one does of its own.
     assert s["ettr"] == pytest.approx(s["reference_wall_s"] / s["faulty_wall_s"], rel=1e-9)
     drift = _healthy_drift(out)

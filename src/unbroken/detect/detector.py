@@ -267,7 +267,7 @@ class FailSlowDetector:
         self.scale = 1.0
         self._seen = 0
         self._warm: list[Observation] = []
-        self._points: deque[_Point] = deque(maxlen=self.cfg.bocpd.lag + self.cfg.history + 2)
+        self._points: deque[_Point] = deque(maxlen=self.cfg.bocpd.late + self.cfg.history + 2)
         self.reported: dict[tuple[int | None, str], FailSlowReport] = {}
         """Reports so far by (rank, what)."""
         self._comm_healthy: dict[int, float] = {}
