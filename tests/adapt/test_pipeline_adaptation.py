@@ -1,7 +1,8 @@
 """The coordinator's decisions for a pipeline job (`PipelineAdaptation`), without processes:
 a lost device of a one-replica pipeline shrinks it onto the survivors and asks for a checkpoint
 restart; in a DP x PP job the scheduler dissolves the broken replica and the survivors restore
-in place; what is not built (slow devices, growing back) is skipped with its reason."""
+in place; a slow device moves micro-batches off its replica and gets them back at full speed;
+what is not built is skipped with its reason."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 
 import pytest
 
+from unbroken.config import AdaptConfig
 from unbroken.detect.events import DetectionEvent, DetectionKind
 from unbroken.launch.coordinator.adapt_plan import PipelineAdaptation
 from unbroken.metrics.log import JsonlLog, read_jsonl
@@ -123,6 +125,28 @@ def test_a_slow_device_of_a_dp_x_pp_job_moves_microbatches_and_keeps_every_ranks
     # The same report again: the plan already accounts for it.
     assert adapt.on_fail_slow(_slow(0)) is False
     assert "predicted gain" in _events(tmp_path, "replan_skipped")[-1]["reason"]
+    # At full speed again: its replica gets its micro-batches back, live, on the same ranks.
+    assert adapt.on_recovered(1, 1.02) is False  # rank 1 was never marked slow
+    assert adapt.on_recovered(0, 1.02, iter_s=0.2) is True
+    (_, text) = store.published[-1]
+    back = ParallelPlan.from_dict(json.loads(text)["plan"])
+    assert back.microbatches == (4, 4) and back.ranks == (0, 1, 2, 3) and adapt.plan == back
+    assert [g.layers for g in back.replicas[0].stages] == [(0, 2), (2, 4)]
+    _, again = _events(tmp_path, "replan")
+    assert again["trigger"] == {"kind": "speed_recovered", "rank": 0, "factor": 1.02, "device": 0}
+    assert again["restore"] == "live" and again["counts_after"] == [4, 4]
+    assert again["predicted_after_s"] < again["predicted_before_s"]
+    assert adapt.on_recovered(0, 1.0) is False  # healthy already
+    assert adapt.replans == 2
+
+
+def test_a_pipeline_job_does_not_switch_back_and_forth_past_max_replans(tmp_path):
+    events = JsonlLog(tmp_path / "events.jsonl", run="t")
+    plan = make_plan(2, 2, 1, 4, 4)
+    adapt = PipelineAdaptation(plan, events, lambda _: None, adapt=AdaptConfig(max_replans=1))
+    assert adapt.on_fail_slow(_slow(0)) is True
+    assert adapt.on_recovered(0, 1.0) is False
+    assert "max_replans = 1 reached" in _events(tmp_path, "replan_skipped")[-1]["reason"]
 
 
 def _config(**parallel):

@@ -61,3 +61,37 @@ def test_a_shadow_takeover_right_after_a_live_pipeline_replan_keeps_the_new_plan
     assert applied[-1]["generation"] == 1 and applied[-1]["counts"] == replan["counts_after"]
     (crash,) = s["recoveries"]
     assert crash["mode"] == "inplace" and crash["shadow_level"] == 3
+
+
+@pytest.mark.slow  # ~50 s (56 iterations twice); CI keeps the switch above, and the return's
+# parts without processes: tests/detect/test_plan_model.py (the watch finds the return) and
+# tests/adapt/test_pipeline_adaptation.py (the coordinator switches back)
+@pytest.mark.timeout(1200)
+def test_a_slow_device_of_a_dp_x_pp_job_gets_its_microbatches_back_when_healthy(tmp_path):
+    # Rank 0 is 6x slower for iterations 15..29 (`until`). After the live switch the watch
+    # warms up again on the new plan (12 iterations), then compares rank 0 with the holder of
+    # its stage in replica 1 over 8 iterations.
+    cfg = adapt_job(
+        world_size=4,
+        iterations=56,
+        microbatches=4,
+        inject=["slow:rank=0,iter=15,factor=6,until=30"],
+    )
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    slow, back = events_of(events, "replan")
+    assert slow["trigger"]["kind"] == "fail_slow" and slow["trigger"]["rank"] == 0
+    (ended,) = events_of(events, "slow_ended")
+    (recovered,) = [e for e in events_of(events, "speed_recovered") if e["rank"] == 0]
+    assert recovered["detected_at"] > ended["iter"] == 30
+    assert (back["trigger"]["kind"], back["trigger"]["device"]) == ("speed_recovered", 0)
+    assert back["restore"] == "live" and back["counts_after"] == [4, 4]
+    first, second = [e for e in events_of(events, "plan_applied") if "stages" in e]
+    assert first["counts"] == slow["counts_after"] and second["counts"] == [4, 4]
+    assert recovered["detected_at"] < second["iter"] < 56
+    assert (
+        events_of(events, "checkpoint_loaded") == [] and events_of(events, "recovery_start") == []
+    )

@@ -49,11 +49,12 @@ def plan_series(
     pieces=None,
     slow_rank: int | None = None,
     slow_iter: int = 10**9,
+    slow_until: int = 10**9,
     factor: float = 1.0,
     overhead_s: float = 0.01,
 ) -> tuple[list[Observation], list[float]]:
     """Iterations of `plan` whose chunks cost their share of alpha N + beta sum l^2, with
-    `slow_rank` `factor` x slower from `slow_iter` on; returns the observations and each
+    `slow_rank` `factor` x slower from `slow_iter` until `slow_until`; returns the observations and each
     iteration's time without noise. Each rank's busy time is its own compute (a TP peer of the
     slow rank runs at its pace, but the difference is waiting in the TP collectives)."""
     rng = np.random.default_rng(seed)
@@ -68,7 +69,8 @@ def plan_series(
             for d in range(plan.dp)
             for i, mb in enumerate(plan.microbatch_ids(d))
         }
-        slowdown = {slow_rank: factor} if slow_rank is not None and it >= slow_iter else {}
+        slow = slow_rank is not None and slow_iter <= it < slow_until
+        slowdown = {slow_rank: factor} if slow else {}
         costs = _true_costs(plan, t_mb, slowdown)
         exact = simulate(plan, costs, check_blocking=False).iteration_time + overhead_s
         truth.append(exact)
@@ -181,3 +183,50 @@ def test_stage_timing_round_trips_through_its_record():
         step_s=0.03125,
     )
     assert StageTiming.from_dict(t.to_dict()) == t
+
+
+def _watch(det: FailSlowDetector, obs: list[Observation]) -> tuple[list, list]:
+    """Feed `obs`; (reported (rank, detected_at), recovered (rank, first, last)) in order."""
+    reports, back = [], []
+    for o in obs:
+        d = det.observe(o)
+        if d.report is not None:
+            reports.append((d.report.rank, d.report.detected_at))
+        back += [(r.report.rank, r.first, r.last) for r in det.take_recovered()]
+    return reports, back
+
+
+def test_a_plan_rank_back_at_its_stage_peers_pace_is_recovered():
+    # PP2 x DP2: rank 0 (replica 0, stage 0) 3x slower for iterations 14..27. Its stage's
+    # holder in replica 1 (rank 2) is the peer it is compared with.
+    plan = make_plan(2, 2, 1, 4, 4, "1f1b")
+    obs, _ = plan_series(plan, 44, seed=3, slow_rank=0, slow_iter=14, slow_until=28, factor=3)
+    reports, back = _watch(FailSlowDetector(DetectorConfig(), plan=plan), obs)
+    assert [r for r, _ in reports] == [0]
+    ((rank, first, last),) = back
+    assert rank == 0 and first >= 28 and last - first == DetectorConfig().recover_window - 1
+    # A rank that stays slow is never found back.
+    obs, _ = plan_series(plan, 44, seed=3, slow_rank=0, slow_iter=14, factor=3)
+    reports, back = _watch(FailSlowDetector(DetectorConfig(), plan=plan), obs)
+    assert [r for r, _ in reports] == [0] and back == []
+
+
+def test_a_detector_restarted_on_a_live_plan_keeps_watching_the_slow_rank():
+    # The coordinator's live switch: a fresh detector warms up on the new plan (rank 0 still
+    # slow, its replica left one micro-batch) and carries the open report over
+    # (`carry_reports`): the slowness it fitted is not news, and the return to speed is found.
+    launch = make_plan(2, 2, 1, 4, 4, "1f1b")
+    first = FailSlowDetector(DetectorConfig(), plan=launch)
+    obs, _ = plan_series(launch, 20, seed=4, slow_rank=0, slow_iter=14, factor=3)
+    assert [r for r, _ in _watch(first, obs)[0]] == [0]
+    moved = make_plan(2, 2, 1, 4, [1, 7], "1f1b")
+    obs, _ = plan_series(moved, 44, seed=5, slow_rank=0, slow_iter=0, slow_until=24, factor=3)
+    carried = FailSlowDetector(DetectorConfig(), plan=moved)
+    carried.carry_reports(first)
+    reports, back = _watch(carried, obs)
+    assert reports == []  # the carried report is known
+    ((rank, first_back, _),) = back
+    assert rank == 0 and first_back >= 24
+    # Without the carried report nothing is watched: the warm-up learned the slow rank.
+    fresh = FailSlowDetector(DetectorConfig(), plan=moved)
+    assert _watch(fresh, obs) == ([], [])

@@ -4,8 +4,10 @@ make a layout slower."""
 from __future__ import annotations
 
 from tests.plan.helpers import GiB, layout, state
+from unbroken.parallel import make_plan
 from unbroken.plan import PlannerConfig, Scorer, plan_for_state
 from unbroken.plan.balance import balance_counts, balance_simulated
+from unbroken.plan.layout import Layout
 from unbroken.plan.migration import auto_delta, migrate, progress_pass
 from unbroken.plan.repartition import deepen_inflight, repartition, repartition_each
 
@@ -104,3 +106,15 @@ def test_a_healthy_cluster_keeps_its_plan():
     result = plan_for_state(state(lay).with_plan(lay.skeleton))
     assert result.predicted_s <= result.current_s
     assert result.standbys == ()
+
+
+def test_a_replica_left_one_microbatch_gets_its_share_back_when_every_device_is_healthy():
+    # The live re-plan around a slow device left replica 0 one micro-batch; its 1F1B list
+    # then has one forward in flight: its count, not the schedule's bound. Read as the bound,
+    # the re-balance timed replica 0 without pipelining and stopped at [3, 5].
+    skewed = make_plan(2, 2, 1, 8, [1, 7])
+    assert Layout.from_plan(skewed).inflight == ((2, 1), (2, 1))
+    healthy = state(Layout.from_plan(make_plan(2, 2, 1, 8, 4))).with_plan(skewed)
+    assert plan_for_state(
+        healthy, PlannerConfig(exclusion=False, repartition=False)
+    ).plan().microbatches == (4, 4)

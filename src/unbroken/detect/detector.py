@@ -102,7 +102,8 @@ class DetectorConfig:
     recover_ratio: float = 1.1
     """A rank reported compute-slow is whole again when its observed/predicted compute ratio
     is at most this much over its peers' (its own healthy pace with no peers) over the last
-    `recover_window` iterations, all after the report (data-parallel plans)."""
+    `recover_window` iterations, all after the report (a plan's rank: against the holders of
+    its stages in the other replicas)."""
     recover_window: int = 8
     noise_floor: float = 0.02
     """Smallest relative standard deviation assumed for a run of the series (prior)."""
@@ -286,6 +287,13 @@ class FailSlowDetector:
         self.recovered: list[SpeedRecovered] = []
         """Recoveries found and not yet taken (`take_recovered`)."""
 
+    def carry_reports(self, other: FailSlowDetector) -> None:
+        """Take over `other`'s open compute reports: a job that switched plans live around a
+        slow rank keeps its rank numbering, and this detector (warmed up on the new plan, whose
+        fit holds the slowness) must still know which rank to watch for a return to speed
+        (and must not report it again as new)."""
+        self.reported.update(other.reported)
+
     # -- warm-up ---------------------------------------------------------------------------
 
     def _finish_warmup(self) -> None:
@@ -354,9 +362,9 @@ class FailSlowDetector:
     def _check_recovered(self) -> None:
         """Each rank reported compute-slow whose last `recover_window` iterations, all after
         its report, ran within `recover_ratio` of its peers' pace: recorded in `recovered`
-        and its report forgotten (a new slowdown of it is reported again). Data-parallel
-        plans only (a plan's ranks are compared by stage busy time, not here)."""
-        if self.plan is not None or self.predictor is None:
+        and its report forgotten (a new slowdown of it is reported again). A plan's rank is
+        compared with the holders of its stages in the other replicas (`PlanFit.pace`)."""
+        if self.predictor is None or (self.plan is not None and self._plan_fit is None):
             return
         window = list(self._recent)
         if len(window) < self.cfg.recover_window:
@@ -366,7 +374,11 @@ class FailSlowDetector:
             report, rank = self.reported[key], key[0]
             if window[0].iteration <= report.detected_at:
                 continue
-            factor = self._pace_against_peers(window, rank)
+            if self._plan_fit is not None:
+                stages = [(o.doc_lengths, o.stages or {}) for o in window]
+                factor = self._plan_fit.pace(stages, rank)
+            else:
+                factor = self._pace_against_peers(window, rank)
             if factor is not None and factor <= self.cfg.recover_ratio:
                 del self.reported[key]
                 self.recovered.append(

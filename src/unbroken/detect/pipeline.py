@@ -158,6 +158,43 @@ class PlanFit:
                     )
         return {r: (observed[r], predicted[r]) for r in observed if predicted[r] > 0}
 
+    def pace(
+        self, window: Sequence[tuple[Workload, Mapping[int, StageTiming]]], rank: int
+    ) -> float | None:
+        """`rank`'s compute pace against the ranks that hold its stages in the other replicas
+        over `window`: per (virtual stage, kind) it runs, its action seconds over the predicted
+        T_MB of their micro-batches, over the median of the same ratio of the stage's other
+        holders; the median over its stages. None: no other replica holds a stage of it.
+
+        Like with like, as `FailSlowDetector._pace_against_peers`: each rank's first action of
+        each (stage, kind) per iteration only (the first carries the iteration's start-up, and
+        a re-plan leaves the slow replica fewer micro-batches than its peers). The same stage
+        in another replica has the same layers, so its share of T_MB cancels."""
+        sums: dict[tuple[int, int, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+        plan = self.schedule.plan
+        for lengths, stages in window:
+            t = by_microbatch(plan, self.predictor.mb_times(lengths))
+            for r, timing in stages.items():
+                seen: set[tuple[int, str]] = set()
+                for kind, k, mb, seconds in timing.compute:
+                    if (k, kind) in seen or mb not in t:
+                        continue
+                    seen.add((k, kind))
+                    acc = sums[(r, k, kind)]
+                    acc[0] += seconds
+                    acc[1] += t[mb]
+        paces = {key: o / p for key, (o, p) in sums.items() if p > 0}
+        ratios = []
+        for (r, k, kind), mine in paces.items():
+            if r != rank:
+                continue
+            peers = [
+                v for (q, k2, kind2), v in paces.items() if q != rank and (k2, kind2) == (k, kind)
+            ]
+            if peers:
+                ratios.append(mine / statistics.median(peers))
+        return statistics.median(ratios) if ratios else None
+
 
 def _action_seconds(stages: Mapping[int, StageTiming]) -> dict[tuple[int, int, str], float]:
     """(micro-batch, virtual stage, kind) -> its time: the shortest over its group's members."""

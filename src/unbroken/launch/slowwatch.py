@@ -67,16 +67,22 @@ class SlowWatch:
         peers' pace again (`DetectorConfig.recover_ratio`); the coordinator offers its device
         back to the plan."""
 
-    def reset(self, world_size: int, plan: ParallelPlan | None = None) -> None:
+    def reset(
+        self, world_size: int, plan: ParallelPlan | None = None, *, same_ranks: bool = False
+    ) -> None:
         """The job continues on a world of `world_size` ranks (a lost device was planned
-        around, issue 18) and, for a pipeline job, under `plan`: ranks are renumbered, so a
-        fresh detector learns the new world (it warms up again); reports go to the same
-        sink."""
-        sink = self.detector.sink
+        around, issue 18) and, for a pipeline job, under `plan`: a fresh detector learns the
+        new world (it warms up again); reports go to the same sink. `same_ranks`: a live
+        switch that kept every rank (a slow device planned around) — the open reports carry
+        over, so the slow rank's return to speed is still watched (`on_recovered`); else ranks
+        are renumbered and the reports start over."""
+        old = self.detector
         self.world_size = world_size
         if plan is not None:
             self.plan = plan
-        self.detector = FailSlowDetector(self.detector.cfg, plan=self.plan, sink=sink)
+        self.detector = FailSlowDetector(old.cfg, plan=self.plan, sink=old.sink)
+        if same_ranks:
+            self.detector.carry_reports(old)
         self._timings.clear()
         self._metrics.clear()
 

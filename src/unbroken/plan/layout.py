@@ -136,8 +136,14 @@ class Layout:
         for d, rep in enumerate(plan.replicas):
             for s, g in enumerate(rep.stages):
                 acts = plan.actions.get(g.ranks[0], ())
-                if acts:
-                    bounds[d][s] = max(_inflight_of(acts), 1)
+                measured = _inflight_of(acts)
+                # A replica of fewer micro-batches than the bound never reaches it: what its
+                # list shows is its count, and a re-balance that gives it more (a slow device
+                # back at full speed) would be timed without pipelining (`balance_simulated`
+                # kept [1, 7] at [3, 5]). Then the schedule's own bound stands.
+                count_bound = measured >= plan.microbatches[d] and measured < plan.pp - s
+                if acts and not count_bound:
+                    bounds[d][s] = max(measured, 1)
         return cls(
             replicas=plan.replicas,
             microbatches=plan.microbatches,

@@ -22,10 +22,11 @@ replicas. A pipeline job at TP 1 (`parallel.pp` > 1) is re-planned here:
   switches to it at the same iteration boundary (`unbroken.launch.switch`), on its own state.
 
 The plan of a lost device travels in the generation spec (`GenerationSpec.plan`), its ranks
-numbered 0..n-1 in the survivors' device order. What is not built here, and said so in the
+numbered 0..n-1 in the survivors' device order. A slow device at full speed again (`on_recovered`: the
+fail-slow watch compares it with its stages' holders in the other replicas) gets its
+micro-batches back, live, the same way. What is not built here, and said so in the
 `replan_skipped` events: a one-replica pipeline around a slow device (moving layers needs the
-live reshard); growing back when lost devices return (they are kept as standbys). A TP > 1
-plan is refused by the config (`adapt.enabled`).
+live reshard).
 
 Decisions, the event log and the job store's plan key: no processes, no sockets of its own.
 """
@@ -52,6 +53,7 @@ from unbroken.parallel import (
 )
 from unbroken.plan import (
     ClusterState,
+    DeviceStatus,
     Fabric,
     NoPlanError,
     PlannerConfig,
@@ -147,7 +149,7 @@ class PipelineAdaptation:
         plan = result.plan()
         if not _keeps_stages(self.plan, self.devices, plan, self.devices):
             return self._skip(trigger, "the scheduler's plan moves layers: not built live")
-        self._adopt_live(result, plan, trigger, event, iter_s)
+        self._adopt_live(result, plan, trigger, iter_s)
         return True
 
     def _adopt_live(
@@ -155,7 +157,6 @@ class PipelineAdaptation:
         result: PlanResult,
         plan: ParallelPlan,
         trigger: dict,
-        event: DetectionEvent,
         iter_s: float | None,
     ) -> None:
         """Make `plan` the running one: publish it for the boundary switch, log `replan`."""
@@ -186,7 +187,8 @@ class PipelineAdaptation:
             explain=result.explain(),
         )
         self.say(
-            f"re-plan (fail_slow, rank {event.rank} {event.factor:.2f}x): micro-batches per "
+            f"re-plan ({trigger['kind']}, rank {trigger['rank']} {trigger['factor']:.2f}x): "
+            "micro-batches per "
             f"replica {list(before.microbatches)} -> {list(plan.microbatches)}, "
             f"{len(plan.migrations)} stage migration(s); predicted iteration "
             f"{result.predicted_s / self.healthy_s:.2f}x the fault-free one, was "
@@ -194,9 +196,30 @@ class PipelineAdaptation:
         )
 
     def on_recovered(self, rank: int, factor: float, iter_s: float | None = None) -> bool:
-        """Re-admitting a device of a pipeline plan is not built: the fail-slow watch compares
-        data-parallel ranks' paces only (it restarts on the new plan after a live re-plan)."""
-        return False
+        """Rank `rank`, planned around as slow, runs at `factor` x the pace of its stages'
+        holders in the other replicas again (`PlanFit.pace`): it is healthy in the cluster
+        state and the scheduler's live plan for that state (micro-batches back to its replica:
+        the launch counts when every device is healthy) is published like a fail-slow re-plan.
+        Counted against `adapt.max_replans` (a moderate slowdown can look recovered on a
+        machine whose ranks share cores; the job must not switch back and forth for ever).
+        Returns whether it re-planned."""
+        trigger: dict[str, Any] = {"kind": "speed_recovered", "rank": rank, "factor": factor}
+        if not 0 <= rank < len(self.devices):
+            return self._skip(trigger, "the report names no rank of the running world")
+        trigger["device"] = self.devices[rank]
+        if self.state.device(rank).status is not DeviceStatus.SLOW:
+            return self._skip(trigger, f"rank {rank} is not marked slow")
+        if self.replans >= self.adapt.max_replans:
+            return self._skip(trigger, f"adapt.max_replans = {self.adapt.max_replans} reached")
+        self.state = self.state.with_healthy(rank)
+        result = plan_for_state(self.state, _LIVE)
+        plan = result.plan()
+        if result.kept_current or plan.microbatches == self.plan.microbatches:
+            return self._skip(trigger, "the plan for the healthy device is the running one")
+        if not _keeps_stages(self.plan, self.devices, plan, self.devices):
+            return self._skip(trigger, "the scheduler's plan moves layers: not built live")
+        self._adopt_live(result, plan, trigger, iter_s)
+        return True
 
     def spec_fields(self) -> dict[str, Any]:
         """The generation spec's fields of the running plan."""

@@ -507,7 +507,7 @@ class CoordinatorCore:
         elif self.adapt is not None and self.fsm.state is RecoveryState.RUNNING:
             acted = self.adapt.on_fail_slow(event, self._healthy_iter_s(event.iteration))
             if acted and self.adapt.plan is not None:  # a pipeline's live plan: watch it
-                self.monitor.slow_watch.reset(len(self.devices), self.adapt.plan)
+                self.monitor.slow_watch.reset(len(self.devices), self.adapt.plan, same_ranks=True)
             if acted and self.adapt.evicts:
                 self.execute(
                     self.fsm.on_evict(f"rank {event.rank} runs {event.factor:.2f}x slower")
@@ -521,7 +521,9 @@ class CoordinatorCore:
         """The fail-slow watch saw a rank reported slow run at its peers' pace again: with
         re-planning on, its device is offered back to the plan (`Adaptation.on_recovered`)."""
         if self.adapt is not None and self.fsm.state is RecoveryState.RUNNING:
-            self.adapt.on_recovered(rank, factor, self._healthy_iter_s(iteration))
+            acted = self.adapt.on_recovered(rank, factor, self._healthy_iter_s(iteration))
+            if acted and self.adapt.plan is not None:  # back toward the launch plan, live
+                self.monitor.slow_watch.reset(len(self.devices), self.adapt.plan, same_ranks=True)
 
     def _stopped_without_lost(self) -> None:
         """A node lost while the generation was stopping: the other nodes may all have
