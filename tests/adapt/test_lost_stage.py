@@ -47,3 +47,25 @@ def test_a_lost_stage_continues_on_a_shorter_pipeline_from_a_checkpoint_bit_exac
     assert applied["iter"] == loaded["iter"] and applied["devices"] == [0]
     done = events_of(events, "trainer_done")[-1]
     assert done["devices"] == [0] and len(done["rank_hashes"]) == 1
+
+
+@pytest.mark.timeout(900)
+def test_a_tp_pipeline_that_loses_a_stage_continues_at_its_tp_degree_from_a_checkpoint(tmp_path):
+    """TP 2 x PP 2, one replica: device 2 (stage 1's first TP rank) is lost for good, so no
+    replica is whole. The survivors run the job as TP 2 x PP 1 on devices 0 and 1 (device 3
+    stands by) from the newest checkpoint resharded to it; the same TP degree keeps every
+    layer's bits, so the run is bit-exact against the fault-free run on the launch plan."""
+    cfg = pipeline_job(pp=2, inject=["lose:rank=2,iter=5,phase=backward"])
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, tp=2, pp=2))
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    (replan,) = events_of(events, "replan")
+    assert replan["trigger"]["devices"] == [2] and replan["restore"] == "checkpoint"
+    assert (replan["devices_before"], replan["devices_after"]) == ([0, 1, 2, 3], [0, 1])
+    assert [(st["layers"], st["tp"]) for st in replan["after"]] == [([0, 2], 2)]
+    (loaded,) = events_of(events, "checkpoint_loaded")
+    assert loaded["resharded"] is True and 0 < loaded["iter"] <= 5
+    done = events_of(events, "trainer_done")[-1]
+    assert done["devices"] == [0, 1] and len(done["rank_hashes"]) == 2

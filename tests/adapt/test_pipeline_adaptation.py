@@ -182,11 +182,17 @@ def test_a_dp_x_pp_job_dissolves_the_broken_replica_and_keeps_the_survivors_in_p
     assert replan["restore"] == "in_place" and replan["devices_after"] == [2, 3]
     assert "standbys (alive, outside the world): devices [0]" in replan["explain"]
     assert "in place, no checkpoint" in said[-1]
-    # Then the only copy of stage 1 is lost: one shorter pipeline from the checkpoint.
+    # Then the only copy of stage 1 is lost: the survivor and the standby run the pipeline
+    # from the checkpoint.
     adapt.note_lost(3, "device 3 lost")
     world = adapt.next_world()
-    assert world.devices == (2,) and adapt.relayout
+    assert world.devices == (0, 2) and adapt.relayout
     assert _events(tmp_path, "replan")[-1]["restore"] == "checkpoint"
+    plan = ParallelPlan.from_dict(adapt.spec_fields()["plan"])
+    assert (plan.dp, plan.pp, plan.microbatches) == (1, 2, (8,))
+    # And then one device of those: the last one alone, one stage.
+    adapt.note_lost(0, "device 0 lost")
+    assert adapt.next_world().devices == (2,) and adapt.relayout
 
 
 def test_losing_every_copy_of_a_stage_restarts_one_replica_from_the_checkpoint(tmp_path):
@@ -201,7 +207,8 @@ def test_losing_every_copy_of_a_stage_restarts_one_replica_from_the_checkpoint(t
 
 def test_a_dp_x_tp_job_dissolves_the_replica_whose_tp_group_lost_a_device(tmp_path):
     """The scheduler would shrink replica 1's TP group to the device left (its shards then
-    need resharding); the coordinator dissolves the replica instead and device 2 stands by."""
+    need resharding); the coordinator dissolves the replica instead and device 2 stands by,
+    until no replica is left whole and the standby joins a restart from the checkpoint."""
     events = JsonlLog(tmp_path / "events.jsonl", run="t")
     adapt = PipelineAdaptation(make_plan(2, 1, 2, 4, 4), events, lambda _: None)
     adapt.note_lost(3, "lost")
@@ -211,7 +218,15 @@ def test_a_dp_x_tp_job_dissolves_the_replica_whose_tp_group_lost_a_device(tmp_pa
     assert (plan.dp, plan.microbatches, plan.replicas[0].stages[0].tp) == (1, (8,), 2)
     (replan,) = _events(tmp_path, "replan")
     assert replan["restore"] == "in_place" and "devices [2]" in replan["explain"]
-    # Then replica 0 loses a device too: no whole replica left, and a TP group is not shrunk.
+    # Then replica 0 loses a device too: no whole replica left. The standby (device 2) and
+    # device 0 run the job at TP 2 again, from the newest checkpoint.
     adapt.note_lost(1, "lost")
-    with pytest.raises(NoPlanError, match="shrinking a TP group"):
+    world = adapt.next_world()
+    assert world.devices == (0, 2) and adapt.relayout
+    plan = ParallelPlan.from_dict(adapt.spec_fields()["plan"])
+    assert (plan.dp, plan.microbatches, plan.replicas[0].stages[0].tp) == (1, (8,), 2)
+    assert "at TP 2 from the newest checkpoint" in _events(tmp_path, "replan")[-1]["explain"]
+    # One device left: a TP group of 2 cannot be formed, and a smaller one changes the bits.
+    adapt.note_lost(2, "lost")
+    with pytest.raises(NoPlanError, match="fewer than the TP degree 2"):
         adapt.next_world()

@@ -46,9 +46,20 @@ def test_replicas_that_lost_a_whole_stage_become_one_replica_with_every_microbat
     assert (plan.dp, plan.pp, plan.microbatches, plan.ranks) == (1, 2, (6,), (0, 1))
 
 
-def test_it_refuses_tensor_parallel_plans_and_an_empty_world():
-    with pytest.raises(ValueError, match="pipelines at TP 1"):
-        shrink_pipeline(make_plan(1, 2, 2, 4, 4), 2)
+def test_a_tensor_parallel_pipeline_keeps_its_tp_degree_on_fewer_stages():
+    plan = shrink_pipeline(make_plan(1, 2, 2, 4, 4), 3)  # TP 2 x PP 2 lost a device
+    assert (plan.dp, plan.pp, plan.ranks, plan.microbatches) == (1, 1, (0, 1), (4,))
+    assert [(g.ranks, g.layers) for g in plan.replicas[0].stages] == [((0, 1), (0, 4))]
+    deep = shrink_pipeline(make_plan(1, 4, 2, 8, 4), 5)
+    assert (deep.pp, deep.ranks) == (2, (0, 1, 2, 3))
+    assert {g.tp for g in deep.replicas[0].stages} == {2}
+
+
+def test_it_refuses_too_few_devices_for_the_tp_degree_mixed_degrees_and_an_empty_world():
+    with pytest.raises(NoPlanError, match="fewer than the TP degree 2"):
+        shrink_pipeline(make_plan(1, 2, 2, 4, 4), 1)
+    with pytest.raises(ValueError, match="one TP degree"):
+        shrink_pipeline(make_plan(1, 2, [2, 1], 4, 4), 3)
     with pytest.raises(NoPlanError):
         shrink_pipeline(make_plan(1, 2, 1, 4, 4), 0)
 

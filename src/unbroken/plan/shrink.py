@@ -9,15 +9,17 @@ loaded under that plan (`unbroken.engine.ckpt_layout`). `shrink_pipeline` is tha
 
 - one replica with every micro-batch of the plan (the global batch stays as it was; the data
   of each micro-batch is keyed by its global id, `PlanWorker.shard_microbatches`);
-- min(pp, survivors, layers) stages, ranks 0..n-1 in the survivors' order, layers split
+- min(pp, survivors // tp, layers) stages, ranks 0..n-1 in the survivors' order, layers split
   evenly (`make_plan`);
-- TP 1 on every stage, the same schedule; an interleaved schedule keeps its virtual stages
-  while the layers allow it, else falls back to 1F1B (interleaving on one stage is not a
-  pipeline).
+- the plan's TP degree on every stage (fewer survivors than it: `NoPlanError`), the same
+  schedule; an interleaved schedule keeps its virtual stages while the layers allow it, else
+  falls back to 1F1B (interleaving on one stage is not a pipeline).
 
-At TP 1 a stage computes the reference model's bits whatever its depth and schedule
-(docs/engine.md), so a job that continues on the smaller plan stays bit-exact against its
-fault-free run on the original one.
+A stage computes the reference model's bits whatever its depth and schedule at TP 1, and at
+TP t whatever its depth with the same t (each layer's shards and the order of its TP
+reductions do not depend on which stage holds the layer; docs/engine.md), so a job that
+continues on the smaller plan stays bit-exact against its fault-free run on the original one.
+A smaller TP degree would not: that is why the degree is kept.
 """
 
 from __future__ import annotations
@@ -53,20 +55,27 @@ def dissolve_replicas(plan: ParallelPlan, lost: Collection[int]) -> ParallelPlan
 
 
 def shrink_pipeline(plan: ParallelPlan, devices: int) -> ParallelPlan:
-    """`plan`'s job (TP 1) as one replica on `devices` devices, ranks 0..devices-1.
+    """`plan`'s job as one replica on `devices` devices, ranks 0..n-1 (module docstring).
 
     Raises:
-        NoPlanError: no device is left.
-        ValueError: `plan` has a stage at TP > 1 (the scheduler's case, not this).
+        NoPlanError: no device is left, or fewer than the plan's TP degree.
+        ValueError: `plan`'s stages have different TP degrees (the scheduler's case).
     """
     if devices < 1:
         raise NoPlanError("no device is left to run the pipeline on")
-    if any(g.tp != 1 for rep in plan.replicas for g in rep.stages):
-        raise ValueError("shrink_pipeline plans pipelines at TP 1")
+    degrees = {g.tp for rep in plan.replicas for g in rep.stages}
+    if len(degrees) != 1:
+        raise ValueError("shrink_pipeline plans pipelines of one TP degree on every stage")
+    (tp,) = degrees
+    if devices < tp:
+        raise NoPlanError(
+            f"{devices} device(s) left, fewer than the TP degree {tp}: a smaller TP group "
+            "changes the job's bits, and shrinking one is not built"
+        )
     layers, microbatches = plan.num_layers, plan.total_microbatches
-    pp = max(1, min(plan.pp, devices, layers))
+    pp = max(1, min(plan.pp, devices // tp, layers))
     v = plan.virtual_stages
     if v > 1 and pp > 1 and pp * v <= layers and microbatches % pp == 0:
-        return make_plan(1, pp, 1, layers, microbatches, plan.schedule, virtual_stages=v)
+        return make_plan(1, pp, tp, layers, microbatches, plan.schedule, virtual_stages=v)
     schedule = "1f1b" if plan.schedule == "interleaved_1f1b" else plan.schedule
-    return make_plan(1, pp, 1, layers, microbatches, schedule)
+    return make_plan(1, pp, tp, layers, microbatches, schedule)

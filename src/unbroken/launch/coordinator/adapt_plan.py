@@ -241,9 +241,16 @@ class PipelineAdaptation:
         if not survivors:
             raise NoPlanError("every device of the pipeline is lost")
         before, devices_before = self.plan, self.devices
-        plan, devices, explain = self._dissolve(gone) or self._shrink(survivors)
+        # A restart from the checkpoint may use the standbys too (devices of a replica
+        # dissolved before, alive and outside the running world): its state is read anew.
+        standbys = [d for d in self.launch_devices if d not in self.devices]
+        alive = tuple(sorted(survivors + tuple(d for d in standbys if d not in self.lost)))
+        dissolved = self._dissolve(gone)
+        plan, devices, explain = dissolved or self._shrink(alive)
         trigger = {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
-        self._adopt_world(plan, devices, trigger, explain, t0)
+        # A shrunk plan starts from the checkpoint even where a survivor kept its layers: the
+        # lost stage's state exists nowhere else, and every rank must start at one iteration.
+        self._adopt_world(plan, devices, trigger, explain, t0, checkpoint=dissolved is None)
         stages = [list(g.layers) for g in self.plan.replicas[0].stages]
         source = "from the newest checkpoint" if self.relayout else "in place, no checkpoint"
         self.say(
@@ -260,12 +267,14 @@ class PipelineAdaptation:
         trigger: dict,
         explain: str,
         t0: float,
+        *,
+        checkpoint: bool = False,
     ) -> None:
         """Make `plan` on `devices` the next generation's world (ranks renumbered: the slow
         marks start over), decide whether it restores in place (`relayout`), log `replan`."""
         before, devices_before = self.plan, self.devices
         self.plan, self.devices = plan, devices
-        self.relayout = not _keeps_stages(before, devices_before, plan, devices)
+        self.relayout = checkpoint or not _keeps_stages(before, devices_before, plan, devices)
         self.epoch += 1
         self.state = _cluster(plan)
         self.events.emit(
@@ -312,23 +321,25 @@ class PipelineAdaptation:
         return NewWorld(self.devices, None, self.epoch)
 
     def _shrink(self, survivors: tuple[int, ...]) -> tuple[ParallelPlan, tuple[int, ...], str]:
-        """No replica left whole: one even pipeline on the survivors (TP 1), from the newest
-        checkpoint (its layout differs from every survivor's state).
+        """No replica left whole: one even pipeline on the survivors at the plan's TP degree,
+        from the newest checkpoint (its layout differs from every survivor's state); the
+        survivors it leaves out are standbys.
 
         Raises:
-            NoPlanError: the plan has TP groups (shrinking one is not built).
+            NoPlanError: fewer survivors than the TP degree (a smaller TP group changes the
+                job's bits; not built), or stages of different TP degrees.
         """
         before = self.plan
-        if any(g.tp > 1 for rep in before.replicas for g in rep.stages):
-            raise NoPlanError(
-                "no replica of the TP plan is left whole, and shrinking a TP group (its shards "
-                "resharded onto fewer devices) is not built"
-            )
-        plan = shrink_pipeline(before, len(survivors))
+        try:
+            plan = shrink_pipeline(before, len(survivors))
+        except ValueError as exc:
+            raise NoPlanError(f"no replica is left whole, and {exc}") from None
+        tp = plan.replicas[0].stages[0].tp
         explain = (
             f"the lost device held the only copy of its stage, so the scheduler keeps no "
             f"pipeline of depth {before.pp}; the survivors run an even pipeline of depth "
-            f"{plan.pp} from the newest checkpoint loaded under it"
+            f"{plan.pp}" + (f" at TP {tp}" if tp > 1 else "") + " from the newest checkpoint "
+            "loaded under it"
         )
         return plan, survivors[: len(plan.ranks)], explain
 
