@@ -46,6 +46,10 @@ def test_stalled_failures_in_a_row_name_the_device_and_progress_starts_over():
     assert collateral(1, peer) and not collateral(-9, "") and not collateral(1, "CUDA error")
 
 
+# Slow tier for CI time (~36 s): CI keeps each part — the classification (the unit test above
+# and the job that does not re-plan, below) and the plan around a lost data-parallel device
+# (tests/adapt/test_lost_device.py).
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_crash_looping_device_is_lost_and_planned_around_bit_exact(tmp_path):
     cfg = adapt_job(world_size=4, iterations=10, inject=FLAKY)

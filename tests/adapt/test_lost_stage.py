@@ -28,6 +28,8 @@ def pipeline_job(*, pp: int, inject, iterations: int = 8, interval: int = 2, mod
     )
 
 
+# Slow tier for CI time (~11 s): the TP x PP case below runs the same shrink from a checkpoint.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_lost_stage_continues_on_a_shorter_pipeline_from_a_checkpoint_bit_exact(tmp_path):
     cfg = pipeline_job(pp=2, inject=["lose:rank=1,iter=5,phase=backward"])

@@ -378,7 +378,16 @@ def test_a_spare_node_takes_the_place_of_a_lost_one(job_of):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("degrees", [{"pp": 2}, {"tp": 2}], ids=["pp2xdp2", "tp2xdp2"])
+@pytest.mark.parametrize(
+    "degrees",
+    [
+        # Slow tier for CI time (~30 s): TP2 x DP2 below runs the same node loss of a plan
+        # job in CI, and PP2 x DP2's dissolve runs on one host in tests/adapt/test_lost_replica.py.
+        pytest.param({"pp": 2}, marks=pytest.mark.slow),
+        {"tp": 2},
+    ],
+    ids=["pp2xdp2", "tp2xdp2"],
+)
 def test_a_plan_job_that_loses_node_1_continues_in_place_on_node_0(job_of, degrees):
     """PP=2 x DP=2 (and TP=2 x DP=2) over 2 nodes x 2 ranks: node 1 holds replica 1 (ranks 2
     and 3) and dies with it. The replica is dissolved; replica 0 on node 0 takes its
