@@ -63,8 +63,9 @@ def test_a_lost_device_of_a_dp_x_pp_job_continues_in_place_bit_exact(tmp_path, f
 def test_a_crash_after_the_replica_was_dissolved_then_the_last_copy_of_a_stage_lost(tmp_path):
     """Device 2 lost: replica 1 dissolved, devices 0 and 1 continue in place. Device 0 then
     crashes (a healthy device: recovered in place by the shadows prepared for the new world,
-    on the new plan). Then device 1 — the only copy of stage 1 left — is lost: one stage on
-    device 0 from the newest checkpoint. Bit-exact against the fault-free 2 x 2 run."""
+    on the new plan). Then device 1 — the only copy of stage 1 left — is lost: device 0 and
+    the standby device 3 (replica 1's survivor) run the two-stage pipeline from the newest
+    checkpoint. Bit-exact against the fault-free 2 x 2 run."""
     faults = [
         "lose:rank=2,iter=3,phase=backward",
         "kill:rank=0,iter=5,phase=update",
@@ -85,7 +86,7 @@ def test_a_crash_after_the_replica_was_dissolved_then_the_last_copy_of_a_stage_l
     replans = events_of(events, "replan")
     assert [(r["devices_after"], r["restore"]) for r in replans] == [
         ([0, 1], "in_place"),
-        ([0], "checkpoint"),
+        ([0, 3], "checkpoint"),
     ]
     crash = next(r for r in s["recoveries"] if r["fault"] == "kill")
     assert crash["mode"] == "inplace" and crash["shadow_level"] == 3
