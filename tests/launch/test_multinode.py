@@ -442,13 +442,28 @@ def test_a_dp_x_pp_job_grows_back_in_place_when_node_1_returns(job_of):
     assert summary["iterations"] == 40 and summary["state"] == "done", summary
 
 
-@pytest.mark.slow  # ~60 s; the CI tier loses a pipeline's stage on one host (tests/adapt)
+# Slow tier (~60 s and ~35 s); the CI tier loses a pipeline's stage on one host
+# (tests/adapt/test_lost_stage.py, TP 2 x PP 2).
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_pipeline_that_loses_node_1_continues_on_node_0_from_a_checkpoint(job_of):
-    """PP=4 over 2 nodes x 2 ranks (the tiny model with 4 layers): node 1 dies with stages 2
-    and 3, the only copies of their state. The job re-plans onto node 0 as PP=2 and loads its
-    newest checkpoint under that plan; bit-exact against the fault-free PP=4 run."""
-    job = job_of(iterations=24, adapt=True, join_timeout=240, pp=4, layers=4, interval=4)
+@pytest.mark.parametrize(
+    ("degrees", "after"),
+    [
+        # PP=4 (the tiny model with 4 layers): node 1 dies with stages 2 and 3; node 0 runs
+        # PP=2.
+        ({"pp": 4, "layers": 4}, [([0], [0, 2], 1), ([1], [2, 4], 1)]),
+        # TP=2 x PP=2: node 1 holds stage 1's TP group; node 0 runs TP=2 x PP=1 (the TP
+        # degree kept: a smaller group would change the bits).
+        ({"tp": 2, "pp": 2}, [([0, 1], [0, 2], 2)]),
+    ],
+    ids=["pp4", "tp2xpp2"],
+)
+def test_a_pipeline_that_loses_node_1_continues_on_node_0_from_a_checkpoint(job_of, degrees, after):
+    """A pipeline over 2 nodes x 2 ranks whose node 1 dies with the only copies of some
+    stages' state, so no replica is left whole: the job re-plans onto node 0 under a smaller
+    plan and loads its newest checkpoint under it; bit-exact against the fault-free run on
+    the launch plan."""
+    job = job_of(iterations=24, adapt=True, join_timeout=240, interval=4, **degrees)
     node1 = job.node(1)
     node0 = job.node(0, "--reference")
     _wait(lambda: job.iterations_done() >= 7 or node0.poll() is not None, 200, "iteration 7")
@@ -459,32 +474,8 @@ def test_a_pipeline_that_loses_node_1_continues_on_node_0_from_a_checkpoint(job_
     (replan,) = job.kinds("replan")
     assert sorted(replan["trigger"]["devices"]) == [2, 3], replan
     assert (replan["devices_before"], replan["devices_after"]) == ([0, 1, 2, 3], [0, 1])
-    assert [st["layers"] for st in replan["after"]] == [[0, 2], [2, 4]], replan
+    assert [(st["ranks"], st["layers"], st["tp"]) for st in replan["after"]] == after, replan
     (loaded,) = job.kinds("checkpoint_loaded")
     assert loaded["resharded"] is True and loaded["iter"] >= 4, loaded
     assert [e["mode"] for e in job.kinds("recovery_start")] == ["ckpt_restart"]
-    assert summary["iterations"] == 24 and summary["state"] == "done", summary
-
-
-@pytest.mark.slow  # ~35 s; the CI tier loses a TP pipeline's stage on one host (tests/adapt)
-@pytest.mark.timeout(300)
-def test_a_tp_pipeline_that_loses_node_1_continues_at_tp_2_on_node_0_from_a_checkpoint(job_of):
-    """TP=2 x PP=2 over 2 nodes x 2 ranks: node 1 holds stage 1's TP group and dies with it,
-    so no replica is left whole. The job re-plans onto node 0 as TP=2 x PP=1 (the TP degree
-    kept: a smaller group would change the bits) and loads its newest checkpoint under that
-    plan; bit-exact against the fault-free TP=2 x PP=2 run."""
-    job = job_of(iterations=24, adapt=True, join_timeout=240, tp=2, pp=2, interval=4)
-    node1 = job.node(1)
-    node0 = job.node(0, "--reference")
-    _wait(lambda: job.iterations_done() >= 7 or node0.poll() is not None, 200, "iteration 7")
-    assert node0.poll() is None, node0.communicate()[1][-3000:]
-    _kill_node(node1.pid, descendants(node1.pid) | {node1.pid})
-    summary = _summary(node0)
-    assert summary["bit_exact"] is True, summary
-    (replan,) = job.kinds("replan")
-    assert sorted(replan["trigger"]["devices"]) == [2, 3], replan
-    assert (replan["devices_before"], replan["devices_after"]) == ([0, 1, 2, 3], [0, 1])
-    assert [(st["ranks"], st["tp"]) for st in replan["after"]] == [([0, 1], 2)], replan
-    (loaded,) = job.kinds("checkpoint_loaded")
-    assert loaded["resharded"] is True and loaded["iter"] >= 4, loaded
     assert summary["iterations"] == 24 and summary["state"] == "done", summary
