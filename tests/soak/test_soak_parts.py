@@ -450,3 +450,84 @@ def test_cpu_ends_compare_each_class_s_cores_at_the_start_and_the_end():
     assert ends["trainer"] == (0.1, 0.1)
     first, last = ends["agent"]
     assert first == pytest.approx(0.115) and last == pytest.approx(0.475)  # 4 samples each
+
+
+def _gpu_sample(recoveries: int, used_mib: float, in_recovery: bool = False):
+    row = _sample(recoveries, 40, in_recovery=in_recovery)
+    row["gpu"] = {"used_mib": used_mib, "classes": {"trainer": used_mib}}
+    return row
+
+
+def test_gpu_memory_that_a_recovery_never_gives_back_fails_and_a_steady_level_passes():
+    rng = random.Random(3)
+    steady = [_gpu_sample(k, 5000 + rng.uniform(-6, 6)) for k in range(12) for _ in range(3)]
+    spawning = [_gpu_sample(k, 9000, in_recovery=True) for k in range(12)]  # a shadow's warm-up
+    leaking = [_gpu_sample(k, 5000 + 2 * k) for k in range(12) for _ in range(3)]  # a granule
+
+    def device_check(samples):
+        (check,) = [c for c in leak_checks(samples, {"all": CLASSES}) if "gpu" in c.name]
+        return check
+
+    assert device_check(steady + spawning).passed is True
+    check = device_check(leaking)
+    assert check.passed is False and check.value == pytest.approx(2.0)
+    cpu_only = [_sample(k, 40) for k in range(12)]
+    assert not [c for c in leak_checks(cpu_only, {"all": CLASSES}) if "gpu" in c.name]
+
+
+def test_the_gpu_probe_attributes_nvml_processes_to_the_job_s_classes(monkeypatch):
+    import types
+
+    from unbroken.bench.soak_watch import GpuProbe
+
+    mib = 1 << 20
+    procs = [
+        types.SimpleNamespace(pid=11, usedGpuMemory=700 * mib),
+        types.SimpleNamespace(pid=12, usedGpuMemory=None),  # NVML: not available
+        types.SimpleNamespace(pid=99, usedGpuMemory=50 * mib),  # not a process of the job
+    ]
+    fake = types.SimpleNamespace(
+        NVMLError=RuntimeError,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=(1000 + h) * mib),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: procs if h == 0 else procs[:1],
+    )
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
+    probe = GpuProbe()
+    read = probe.read({11: "shadow", 12: "trainer"})
+    assert read == {
+        "used_mib": 2001.0,
+        "classes": {"other": 50.0, "shadow": 1400.0, "trainer": 0.0},
+    }
+
+
+def test_a_gpu_soak_trains_one_rank_per_gpu_in_bf16_and_never_loses_a_device():
+    from unbroken.bench.soak import plan_soak
+
+    faults, iterations, cfg = plan_soak(10, 5, 0.05, nodes=1, gpus=1)
+    assert (cfg.parallel.world_size, cfg.train.device, cfg.train.precision) == (1, "cuda", "bf16")
+    assert {f.rank for f in faults} == {0} and iterations > 10 * 60 / 0.05 * 0.5
+    assert not {f.kind for f in faults} & {"lose", "nodeloss"}
+    assert {f.kind for f in faults} == set(KINDS) - {"lose", "nodeloss"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [(["--device", "cuda", "--nodes", "2"], "one host"), (["--device", "cuda"], "no CUDA device")],
+)
+def test_a_gpu_soak_needs_a_gpu_and_one_host(argv, match, monkeypatch):
+    import argparse
+
+    import torch
+
+    from unbroken.bench.soak import add_arguments, run
+    from unbroken.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(UserError, match=match):
+        run(parser.parse_args(["--minutes", "1", *argv]))

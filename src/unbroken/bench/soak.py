@@ -8,7 +8,9 @@ page loss within and beyond tolerance, corrupt checkpoint, memory spike, slow, a
 than one node a lost device and a lost node). By default the ranks run on two local hosts
 (`--nodes 2`): node 1's agent is its own process from 127.0.0.2, the job re-plans around what
 it loses, and `unbroken.bench.soak_nodes.NodeKeeper` brings node 1 back after each loss with
-its hardware replaced, so the job grows back to its launch world.
+its hardware replaced, so the job grows back to its launch world. `--device cuda` runs the
+same job on this machine's GPUs instead (one rank per GPU, bf16, one host) and adds the GPUs'
+memory in use to what is watched and checked.
 
 How long: the schedule is made of iteration triggers, so the job's length is an iteration
 count. A short fault-free calibration run of the same job measures the steady iteration time
@@ -59,7 +61,7 @@ from unbroken.bench.soak_checks import (
 )
 from unbroken.bench.soak_nodes import NodeKeeper
 from unbroken.bench.soak_schedule import ScheduledFault, draw_schedule
-from unbroken.bench.soak_watch import CLASSES, ResourceSampler, alive, descendants
+from unbroken.bench.soak_watch import CLASSES, GpuProbe, ResourceSampler, alive, descendants
 
 __all__ = ["add_arguments", "run", "soak"]
 
@@ -75,8 +77,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--nodes",
         type=int,
-        default=2,
-        help="local hosts the 4 ranks run on (default 2: lost devices and nodes are drawn too)",
+        default=None,
+        help="local hosts the 4 ranks run on (default 2 on cpu: lost devices and nodes are "
+        "drawn too; 1 on cuda)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: 4 local CPU ranks (default); cuda: one rank per GPU of this machine, "
+        "with the GPUs' memory in the leak checks",
     )
     p.add_argument("--interval", type=float, default=2.0, help="seconds between samples (2)")
     p.add_argument("--settle", type=int, default=5, help="iterations after a failure not steady")
@@ -106,15 +116,23 @@ def _say(text: str) -> None:
     print(f"[soak] {text}", file=sys.stderr, flush=True)
 
 
-def soak_config(iterations: int, inject: list[str], restarts: int, nodes: int = 1):
+def soak_config(iterations: int, inject: list[str], restarts: int, nodes: int = 1, gpus: int = 0):
     """The demo job with the soak's length and failures. On more than one node it re-plans
     (`adapt.enabled`: a lost device or node is planned around, a returned node grown back),
     with no cap on re-plans: the soak slows a rank down every few minutes on purpose, and a
-    capped job would keep the last re-plan's placement for the rest of the run."""
-    from unbroken.config import NodesConfig
+    capped job would keep the last re-plan's placement for the rest of the run. With `gpus`
+    it trains on this machine's GPUs instead, one rank each (NCCL allows one rank per GPU), in
+    bf16 like `unbroken bench gpu`'s jobs."""
+    from unbroken.config import NodesConfig, ParallelConfig
     from unbroken.config.demo import demo_config
 
     cfg = demo_config(quick=False)
+    if gpus:
+        cfg = dataclasses.replace(
+            cfg,
+            parallel=ParallelConfig(world_size=gpus),
+            train=dataclasses.replace(cfg.train, device="cuda", precision="bf16"),
+        )
     if nodes > 1:
         cfg = dataclasses.replace(
             cfg,
@@ -129,32 +147,30 @@ def soak_config(iterations: int, inject: list[str], restarts: int, nodes: int = 
     )
 
 
-def measure_iter_s(out: Path) -> float:
+def measure_iter_s(out: Path, gpus: int = 0) -> float:
     """The fault-free job's steady iteration time (median of iterations 4-11, checkpoint time
     excluded), from a 12-iteration run."""
     from unbroken.api import run_job
     from unbroken.metrics.log import read_jsonl
 
-    run_job(soak_config(12, [], 20), out, quiet=True)
+    run_job(soak_config(12, [], 20, gpus=gpus), out, quiet=True)
     rows = [m for m in read_jsonl(out / "metrics.jsonl") if m["run"] == "train" and m["iter"] >= 4]
     return statistics.median(m["iter_s"] - (m.get("ckpt_s") or 0.0) for m in rows)
 
 
-def plan_soak(minutes: float, seed: int, iter_s: float, nodes: int = 1):
+def plan_soak(minutes: float, seed: int, iter_s: float, nodes: int = 1, gpus: int = 0):
     """(the failures, the job's iterations, the job's config) of a soak."""
-    from unbroken.config.demo import demo_config
-
-    demo = demo_config(quick=False)
+    demo = soak_config(1, [], 1, gpus=gpus)
     faults, iterations = draw_schedule(
         seed,
         minutes * 60,
         iter_s,
         demo.parallel.world_size,
-        demo.protection.resolved(False).parity_pages,
+        demo.protection.parity_pages,
         nodes=nodes,
     )
     restarts = sum(f.failstop for f in faults) + 10
-    cfg = soak_config(iterations, [f.spec for f in faults], restarts, nodes)
+    cfg = soak_config(iterations, [f.spec for f in faults], restarts, nodes, gpus)
     return faults, iterations, cfg
 
 
@@ -179,6 +195,7 @@ def soak(
     settle: int = 5,
     iter_tolerance: float = 0.10,
     recovery_tolerance: float = 0.10,
+    gpus: int = 0,
 ) -> dict[str, Any]:
     """Run the soak; returns its result (`checks`, `passed`, figures). See the module docstring.
 
@@ -193,17 +210,14 @@ def soak(
         settle: iterations after a failure whose time is not steady.
         iter_tolerance: largest relative rise of the steady iteration time, first to last tenth.
         recovery_tolerance: the same for the normalized detection + restart time.
+        gpus: train on this machine's first `gpus` GPUs, one rank each (0: 4 CPU ranks), and
+            watch their memory.
     """
     from unbroken.metrics.log import read_jsonl
 
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    if iter_s is None:
-        iter_s = measure_iter_s(out / "calibrate")
-        _say(f"calibration: {iter_s:.3f} s per iteration")
-    faults, iterations, cfg = plan_soak(minutes, seed, iter_s, nodes)
-    plan = f"{len(faults)} faults over {iterations} iterations ({minutes:g} min, {nodes} node(s))"
-    _say(f"seed {seed}: {plan}")
+    iter_s, faults, iterations, cfg = _calibrated_plan(out, minutes, seed, iter_s, nodes, gpus)
     summary, samples, orphans, returns = _watched_run(cfg, out, interval_s, minutes)
     metrics = [m for m in read_jsonl(out / "job" / "metrics.jsonl") if m["run"] == "faulty"]
     events = [e for e in read_jsonl(out / "job" / "events.jsonl") if e["run"] == "faulty"]
@@ -219,8 +233,11 @@ def soak(
         world=cfg.parallel.world_size,
         returns=(len(returns), _node_returns(events)),
     )
-    result.update(seed=seed, minutes=minutes, iter_s_planned=iter_s, iterations=iterations)
     result.update(
+        seed=seed,
+        minutes=minutes,
+        iter_s_planned=iter_s,
+        iterations=iterations,
         schedule=[f.spec for f in faults],
         seconds=round(time.time() - t0, 1),
         faulty_wall_s=summary.faulty_wall_s,
@@ -228,6 +245,22 @@ def soak(
     )
     (out / "soak-result.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _calibrated_plan(
+    out: Path, minutes: float, seed: int, iter_s: float | None, nodes: int, gpus: int
+):
+    """(iteration time, failures, iterations, config): `plan_soak` with the iteration time
+    measured first (OUT/calibrate) unless given."""
+    if iter_s is None:
+        iter_s = measure_iter_s(out / "calibrate", gpus)
+        _say(f"calibration: {iter_s:.3f} s per iteration")
+    faults, iterations, cfg = plan_soak(minutes, seed, iter_s, nodes, gpus)
+    where = f"{gpus} GPU(s)" if gpus else f"{nodes} node(s)"
+    _say(
+        f"seed {seed}: {len(faults)} faults over {iterations} iterations ({minutes:g} min, {where})"
+    )
+    return iter_s, faults, iterations, cfg
 
 
 def _watched_run(cfg, out: Path, interval_s: float, minutes: float):
@@ -241,7 +274,9 @@ def _watched_run(cfg, out: Path, interval_s: float, minutes: float):
     job_dir = out / "job"
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "events.jsonl").unlink(missing_ok=True)  # the sampler must not read a stale run
-    sampler = ResourceSampler(job_dir, samples_path, interval_s, world=cfg.parallel.world_size)
+    gpu = GpuProbe() if cfg.train.device == "cuda" else None
+    world = cfg.parallel.world_size
+    sampler = ResourceSampler(job_dir, samples_path, interval_s, world=world, gpu=gpu)
     sampler.start()
     run = dict(reference=True, quiet=True, source="unbroken bench soak")
     try:
@@ -261,6 +296,8 @@ def _watched_run(cfg, out: Path, interval_s: float, minutes: float):
             returns = keeper.restarts
     finally:
         sampler.stop()
+        if gpu is not None:
+            gpu.close()
     return summary, sampler.rows, _wait_orphans(), returns
 
 
@@ -383,13 +420,35 @@ def _ends_check(name: str, values: list[float], tolerance: float) -> Check:
     )
 
 
+def _gpus(device: str, nodes: int | None) -> int:
+    """The GPUs a `--device cuda` soak trains on (every one of this machine); 0 on cpu.
+
+    Raises:
+        UserError: cuda without a GPU, or with `--nodes` other than 1.
+    """
+    from unbroken.errors import UserError
+
+    if device != "cuda":
+        return 0
+    if nodes not in (None, 1):
+        raise UserError("--device cuda: one host (--nodes 1); its GPUs are the job's ranks")
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise UserError("--device cuda: torch sees no CUDA device on this machine")
+    return count
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the soak; print a PASS/FAIL line per check (or the result as JSON)."""
     from unbroken.errors import UserError
 
     if args.minutes <= 0 or args.interval <= 0 or (args.iter_s is not None and args.iter_s <= 0):
         raise UserError("--minutes, --interval and --iter-s must be positive")
-    if args.nodes not in (1, 2, 4):
+    gpus = _gpus(args.device, args.nodes)
+    nodes = args.nodes or (1 if gpus else 2)
+    if nodes not in (1, 2, 4):
         raise UserError("--nodes: 1, 2 or 4 (the demo's 4 ranks split evenly over the nodes)")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     _say(f"seed {seed} (repeat with --seed {seed})")
@@ -398,11 +457,12 @@ def run(args: argparse.Namespace) -> int:
         seed,
         Path(args.out),
         iter_s=args.iter_s,
-        nodes=args.nodes,
+        nodes=nodes,
         interval_s=args.interval,
         settle=args.settle,
         iter_tolerance=args.iter_tolerance,
         recovery_tolerance=args.recovery_tolerance,
+        gpus=gpus,
     )
     lines = [
         Check(c["check"], c["passed"], c["value"], c["bound"], c["detail"]).line()
@@ -421,5 +481,11 @@ def run(args: argparse.Namespace) -> int:
         )
         cpu = ", ".join(f"{c} {a:.2f}->{b:.2f}" for c, (a, b) in result["cpu_cores_ends"].items())
         print(f"cores used per class, first -> last tenth (steady samples): {cpu or '-'}")
+        first, last = result["first_sample"] or {}, result["last_sample"] or {}
+        if "gpu" in last:
+            print(
+                f"GPU memory in use, first -> last sample: {first['gpu']['used_mib']:.0f} -> "
+                f"{last['gpu']['used_mib']:.0f} MiB"
+            )
         print("PASS" if result["passed"] else "FAIL")
     return 0 if result["passed"] else 1

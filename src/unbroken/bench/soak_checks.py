@@ -20,7 +20,12 @@ through (recoveries, median). The bound on its slope, per recovery:
   would exceed it over tens of recoveries;
 - shared memory 1 MiB per class: retained state lives in memfds of fixed size per rank; a
   segment not released per generation is at least one page group (tens of KiB to MiB) per
-  recovery.
+  recovery;
+- GPU memory in use on the job's devices (a GPU job only: NVML's device total, the `device`
+  check) 2 MiB per recovery: retained state is held in 2 MiB allocations of fixed number per
+  rank, and CUDA hands out memory in 2 MiB granules, so a buffer a promoted shadow keeps, a
+  context never destroyed or a page not freed per generation adds at least 2 MiB per
+  recovery, while every generation's caching allocator settles at the same reserve.
 Like with like: a node that returns (or a spare) runs fresh trainers until the next recovery
 promotes shadows again, and a fresh trainer holds other memory and fds than a promoted shadow.
 For everything but the process count only the recovery counts whose samples mostly hold the
@@ -96,6 +101,9 @@ BOUNDS = {
 }
 """Largest slope per recovery allowed, per class and resource ([Note: soak bounds])."""
 
+GPU_BOUND_MIB = 2.0
+"""Largest slope per recovery of the GPU memory in use ([Note: soak bounds])."""
+
 MIN_GROUPS = 4
 
 
@@ -138,6 +146,8 @@ def fit_slope(points: Sequence[tuple[float, float]]) -> float | None:
 
 
 def _value(row: dict[str, Any], classes: Sequence[str], resource: str) -> float:
+    if resource == "gpu_mib":  # the devices' total, whatever the classes
+        return float(row["gpu"]["used_mib"])
     key = {"rss_mib": "rss_kib", "shmem_mib": "shmem_kib"}.get(resource, resource)
     total = sum(row["classes"][c].get(key, 0) for c in classes)  # (older rows: no threads)
     return total / 1024 if key != resource else float(total)
@@ -194,29 +204,34 @@ def leak_checks(
     samples: list[dict[str, Any]], groups_of: Mapping[str, Sequence[str]]
 ) -> list[Check]:
     """One check per group of classes and resource ([Note: soak bounds]); the `zombie` group is
-    checked for its process count only."""
+    checked for its process count only; samples with GPU figures add the devices' memory in
+    use (`leak device.gpu_mib/recovery`)."""
     checks = []
     for cls, classes in groups_of.items():
         resources = ("procs",) if cls == "zombie" else tuple(BOUNDS)
         for resource in resources:
-            groups = [g for g in group_medians(samples, classes, resource) if g[0] >= 1]
-            bound = BOUNDS[resource]
-            slope = fit_slope(groups) if len(groups) >= MIN_GROUPS else None
-            name = f"leak {cls}.{resource}/recovery"
-            if slope is None:
-                checks.append(Check(name, None, "-", bound, f"too few ({len(groups)} groups)"))
-                continue
-            first, last = groups[0][1], groups[-1][1]
-            checks.append(
-                Check(
-                    name,
-                    slope < bound,
-                    round(slope, 4),
-                    bound,
-                    f"{first:.1f} -> {last:.1f} over {groups[-1][0]} recoveries",
-                )
-            )
+            groups = group_medians(samples, classes, resource)
+            checks.append(_slope_check(f"leak {cls}.{resource}/recovery", groups, BOUNDS[resource]))
+    if any("gpu" in r for r in samples):
+        groups = group_medians([r for r in samples if "gpu" in r], (), "gpu_mib")
+        checks.append(_slope_check("leak device.gpu_mib/recovery", groups, GPU_BOUND_MIB))
     return checks
+
+
+def _slope_check(name: str, groups: list[tuple[int, float]], bound: float) -> Check:
+    """The fitted slope per recovery of (recoveries, median) groups after the first recovery."""
+    groups = [g for g in groups if g[0] >= 1]
+    slope = fit_slope(groups) if len(groups) >= MIN_GROUPS else None
+    if slope is None:
+        return Check(name, None, "-", bound, f"too few ({len(groups)} groups)")
+    first, last = groups[0][1], groups[-1][1]
+    return Check(
+        name,
+        slope < bound,
+        round(slope, 4),
+        bound,
+        f"{first:.1f} -> {last:.1f} over {groups[-1][0]} recoveries",
+    )
 
 
 def disturbed(failures: Sequence[tuple[int, str]], last_iteration: int, settle: int) -> set[int]:

@@ -16,6 +16,13 @@ Per class also `cpu`: the CPU time its processes used since the previous sample,
 machine whose ranks share cores, what the other processes take is what the trainers lose, so a
 steady iteration time that rises over a run is read against it.
 
+On a GPU job (a `GpuProbe` given) each row also holds `gpu`: the device memory in use on every GPU of
+the machine (NVML's device total, in MiB: the state managers' retained allocations, every
+trainer's and shadow's CUDA context and caching allocator; what a promoted shadow never gives
+back shows there) and, per class, what NVML attributes to the class's processes. Read with
+`pynvml` (the `nvidia-ml-py` package, NVIDIA's own binding; the `gpu` extra), never with a
+CUDA context of this process.
+
 Samples are taken only once the faulty run has started (the fault-free reference before it
 runs without shadows or retained state: another process set).
 """
@@ -32,6 +39,7 @@ from typing import Any
 
 __all__ = [
     "CLASSES",
+    "GpuProbe",
     "ResourceSampler",
     "alive",
     "classify",
@@ -163,6 +171,49 @@ def sample_processes(
     return totals
 
 
+class GpuProbe:
+    """NVML's view of the machine's GPUs: memory in use per device and per process.
+
+    Raises (on construction):
+        RuntimeError: no NVML (the `nvidia-ml-py` package, or the driver's library, missing).
+    """
+
+    def __init__(self) -> None:
+        try:
+            import pynvml
+        except ImportError as exc:
+            raise RuntimeError(
+                "GPU sampling needs the nvidia-ml-py package (pip install 'unbroken[gpu]')"
+            ) from exc
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise RuntimeError(f"NVML did not initialize: {exc}") from exc
+        self._nvml = pynvml
+        self._handles = [
+            pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())
+        ]
+
+    def read(self, classes_of: dict[int, str]) -> dict[str, Any]:
+        """{"used_mib": summed over the devices, "classes": MiB per class of `classes_of`
+        (pid -> class; processes NVML lists that are not in it count as "other")}."""
+        nvml, used, per_class = self._nvml, 0, {}
+        for handle in self._handles:
+            used += nvml.nvmlDeviceGetMemoryInfo(handle).used
+            for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                cls = classes_of.get(proc.pid, "other")
+                per_class[cls] = per_class.get(cls, 0) + (proc.usedGpuMemory or 0)
+        mib = 1 << 20
+        return {
+            "used_mib": round(used / mib, 1),
+            "classes": {c: round(b / mib, 1) for c, b in sorted(per_class.items())},
+        }
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._nvml.nvmlShutdown()
+
+
 class _EventTail:
     """Reads `events.jsonl` as it grows: the faulty run's recoveries so far."""
 
@@ -216,9 +267,16 @@ class ResourceSampler(threading.Thread):
     `stop()`; `rows` holds what was written."""
 
     def __init__(
-        self, run_dir: Path, out_path: Path, interval_s: float, run: str = "faulty", world: int = 0
+        self,
+        run_dir: Path,
+        out_path: Path,
+        interval_s: float,
+        run: str = "faulty",
+        world: int = 0,
+        gpu: GpuProbe | None = None,
     ):
         super().__init__(name="soak-sampler", daemon=True)
+        self.gpu = gpu
         self.events = _EventTail(run_dir / "events.jsonl", run, world)
         self.events_path = run_dir / "events.jsonl"
         self.out_path = out_path
@@ -253,6 +311,7 @@ class ResourceSampler(threading.Thread):
         for cls, cores in _cpu_rates(self._cpu, cpu, now - self._t_cpu).items():
             per_class[cls]["cpu"] = cores
         self._cpu, self._t_cpu = cpu, now
+        gpu = self.gpu.read({pid: c for pid, (c, _) in cpu.items()}) if self.gpu else None
         self.events.poll()  # a recovery that ended while sampling counts as in progress
         try:
             events_bytes = self.events_path.stat().st_size
@@ -266,6 +325,7 @@ class ResourceSampler(threading.Thread):
             "events_bytes": events_bytes,
             "events_lines": self.events.lines,
             "classes": per_class,
+            **({"gpu": gpu} if gpu is not None else {}),
         }
 
 
