@@ -59,6 +59,7 @@ from unbroken.detect.levels import comm_factor_for, slow_factor_for
 from unbroken.inject.faults import FaultKind, FaultSpec, InjectedFault, SlowTarget
 from unbroken.jobstore import JobStore
 from unbroken.train.phases import Phase
+from unbroken.update.marker import Stage
 
 __all__ = ["HISTORY", "Injector"]
 
@@ -164,8 +165,13 @@ class Injector:
     def _matches(self, fault: FaultSpec, phase: Phase, it: int, step: int, n: int) -> bool:
         if fault.at_s is not None:
             return time.time() - self.job_t0 >= fault.at_s
-        want_step = fault.step if fault.step is not None else n // 2
         at = it >= fault.iteration if fault.kind is FaultKind.FLAKY else it == fault.iteration
+        if fault.step is None and phase is Phase.MARKER:
+            # The update's first commit write: SYNCED after its first chunk transaction, or
+            # IDLE when it has only one (a small state in 2 MiB GPU pages); SYNCED alone
+            # (the middle stage, n // 2) was never written inside such an update.
+            return at and fault.phase == phase and step in (Stage.SYNCED, Stage.IDLE)
+        want_step = fault.step if fault.step is not None else n // 2
         return at and fault.phase == phase and step == min(want_step, n - 1)
 
     def use_busy_clock(self, clock: Callable[[], float]) -> None:
