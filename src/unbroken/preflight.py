@@ -119,10 +119,11 @@ def _meta_model(cfg: JobConfig, search: list[str]):
     if not cfg.model.factory:
         return build_model(resolve_args(cfg.model), device="meta")
     from unbroken.engine.replica import factory_kwargs, import_object
+    from unbroken.model.meta import skip_meta_init
 
     factory = import_object(cfg.model.factory, "model.factory", search)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), skip_meta_init():
             model = factory(**factory_kwargs(cfg, factory))
     except UserError:  # the factory's own one-line refusal (a missing extra, a bad config)
         raise
@@ -218,13 +219,15 @@ def _rank_numel(cfg: JobConfig, model) -> int:
     from unbroken.engine.stage import StageModel
     from unbroken.engine.tp import TPGroup
     from unbroken.model import resolve_args
+    from unbroken.model.meta import skip_meta_init
 
     plan, args = plan_from_config(cfg), resolve_args(cfg.model)
     best = 0
     for s in range(plan.pp):
         ranges = [g.layers for k, g in enumerate(plan.replicas[0].stages) if k % plan.pp == s]
         tp = plan.replicas[0].stages[s].tp
-        stage = StageModel(args, ranges, TPGroup(tp, 0), device="meta")
+        with skip_meta_init():
+            stage = StageModel(args, ranges, TPGroup(tp, 0), device="meta")
         best = max(best, FlatLayout.of(stage, tied=args.tied).numel)
     return best
 

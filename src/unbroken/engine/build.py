@@ -43,6 +43,7 @@ from unbroken.model import (
     resolve_args,
 )
 from unbroken.model.flat import bind_grads
+from unbroken.model.meta import skip_meta_init
 from unbroken.parallel import ParallelPlan, make_plan
 from unbroken.train import BatchSource, TrainState
 from unbroken.update import ChunkStep, PlainUpdater, StateGeometry
@@ -206,7 +207,8 @@ def _stage_and_groups(
         return model, _plan_groups(plan, world, None, model), initial
     groups = _plan_groups(plan, world, args, None)
     try:
-        model = StageModel(args, stage_layers(plan, groups.rank), groups.tp, device="meta")
+        with skip_meta_init():
+            model = StageModel(args, stage_layers(plan, groups.rank), groups.tp, device="meta")
     except ValueError as exc:
         raise UserError(f"plan: {exc}") from None
     return model, groups, None

@@ -40,6 +40,7 @@ from unbroken.engine.sharding import load_from_full, unshard
 from unbroken.engine.stage import StageModel
 from unbroken.engine.tp import TPGroup
 from unbroken.model import FlatLayout, build_model, resolve_args
+from unbroken.model.meta import skip_meta_init
 from unbroken.parallel import ParallelPlan
 from unbroken.train.state import TrainState
 
@@ -79,7 +80,8 @@ def rank_layout(
     if entry is None:
         return FlatLayout.of(build_model(args, "meta"), no_decay=cfg.train.no_decay, tied=args.tied)
     tp = TPGroup(entry["tp"], entry["tp_rank"])
-    model = StageModel(args, [tuple(x) for x in entry["layers"]], tp, device="meta")
+    with skip_meta_init():
+        model = StageModel(args, [tuple(x) for x in entry["layers"]], tp, device="meta")
     return FlatLayout.of(model, no_decay=cfg.train.no_decay, tied=model.tied)
 
 

@@ -27,6 +27,7 @@ from unbroken.data.corpus import VOCAB_SIZE
 from unbroken.data.packing import IGNORE_INDEX
 from unbroken.errors import UserError
 from unbroken.model.attention import Documents, document_attention, uses_documents
+from unbroken.model.meta import skip_meta_init
 from unbroken.model.presets import PRESETS
 
 __all__ = [
@@ -269,8 +270,13 @@ class Transformer(nn.Module):
 
 
 def build_model(args: TransformerArgs, device: str | torch.device = "meta") -> Transformer:
-    """Build the reference model; on "meta" it holds no storage until materialized."""
-    return Transformer(args, device=torch.device(device))
+    """Build the reference model; on "meta" it holds no storage until materialized (and its
+    initializers are skipped: `unbroken.model.meta`)."""
+    device = torch.device(device)
+    if device.type != "meta":
+        return Transformer(args, device=device)
+    with skip_meta_init():
+        return Transformer(args, device=device)
 
 
 def compile_blocks(model: Transformer) -> Transformer:
