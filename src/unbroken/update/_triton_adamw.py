@@ -9,7 +9,31 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["adamw_kernel", "adamw_kernel_dev"]
+__all__ = ["adamw_kernel", "adamw_kernel_dev", "adamw_math"]
+
+
+@triton.jit
+def adamw_math(
+    p, g, m, v, decays, decay_factor, w1, beta2, w2, sqrt_bias2, eps, step_size, grad_scale
+):  # fmt: skip
+    """One AdamW step of loaded values (`g` unscaled; `decays` where weight decay applies):
+    the new (p, m, v). Every kernel that steps AdamW calls this one body, so they compute the
+    same bits (`unbroken.update._triton_transaction` too).
+
+    [Note: explicit fma] Every multiply-add is written as `tl.fma` and no product feeds an
+    addition: with a product left to the compiler, whether it is contracted into an fma
+    depends on the kernel around it (seen on an H200 with Triton 3.6: the fused transaction
+    kernel and the plain AdamW kernel, same expressions, differed in the last bit of the
+    moments from the second step on, when m and v are nonzero). The fmas are those Triton
+    3.9 contracts the plain expressions to: g·s − m, (g·s − m)·w1 + m, (g·s)²·w2 + v·β2 and
+    step·(m / denom) + p."""
+    gs = g * grad_scale
+    p = tl.where(decays, p * decay_factor, p)
+    m = tl.fma(tl.fma(g, grad_scale, -m), w1, m)
+    v = tl.fma(gs * gs, w2, v * beta2)
+    denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bias2) + eps
+    p = tl.fma(step_size, tl.div_rn(m, denom), p)
+    return p, m, v
 
 
 @triton.jit
@@ -36,15 +60,14 @@ def adamw_body(
     col = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = col < n_cols
     off = row * row_stride + col
-    g = tl.load(g_ptr + off, mask=inside, other=0.0) * grad_scale
+    g = tl.load(g_ptr + off, mask=inside, other=0.0)
     p = tl.load(p_ptr + off, mask=inside, other=0.0)
     m = tl.load(m_ptr + off, mask=inside, other=0.0)
     v = tl.load(v_ptr + off, mask=inside, other=0.0)
-    p = tl.where(first_index + off < decay_end, p * decay_factor, p)
-    m = m + w1 * (g - m)
-    v = v * beta2 + w2 * (g * g)
-    denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bias2) + eps
-    p = p + step_size * tl.div_rn(m, denom)
+    p, m, v = adamw_math(
+        p, g, m, v, first_index + off < decay_end,
+        decay_factor, w1, beta2, w2, sqrt_bias2, eps, step_size, grad_scale,
+    )  # fmt: skip
     tl.store(p_ptr + off, p, mask=inside)
     tl.store(m_ptr + off, m, mask=inside)
     tl.store(v_ptr + off, v, mask=inside)
