@@ -17,9 +17,10 @@ import triton  # noqa: F401  (no Triton: fail at import, so `auto` skips this ba
 
 from unbroken.erasure import gf256
 from unbroken.erasure._buffers import PageTable
+from unbroken.erasure._word_tables import plane_table, word_table
 from unbroken.erasure.codec import Codec
 
-__all__ = ["DEFAULT_TUNING", "KERNELS", "TritonCodec"]
+__all__ = ["DEFAULT_TUNING", "KERNELS", "TritonCodec", "plane_table", "word_table"]
 
 KERNELS = ("auto", "xor", "tc")
 
@@ -59,16 +60,6 @@ def bit_matrix(coefficients: np.ndarray, rows_p2: int, cols_pad: int) -> np.ndar
     out = np.zeros((rows_p2 * 8, cols_pad * 8), dtype=np.int8)
     out[: rows * 8, : cols * 8] = expanded
     return out
-
-
-def word_table(coefficients: np.ndarray, rows_p2: int) -> np.ndarray:
-    """``T[c, s, r] = (coef[r, c]·2^s) × 0x01010101`` as int32 (the byte in every lane)."""
-    rows, cols = coefficients.shape
-    powers = (1 << np.arange(8)).astype(np.uint8)
-    products = gf256.mul_table()[coefficients.T[:, None, :], powers[None, :, None]]  # c, s, r
-    table = np.zeros((cols, 8, rows_p2), dtype=np.uint32)
-    table[:, :, :rows] = products.astype(np.uint32) * np.uint32(0x01010101)
-    return table.view(np.int32)
 
 
 class TritonCodec(Codec):
