@@ -113,15 +113,15 @@ def _kinds():
     from unbroken.update.graph import GraphUpdater
     from unbroken.update.stream import StreamUpdater
 
-    return {"stream": StreamUpdater, "auto": GraphUpdater}
+    return {"stream": StreamUpdater, "unfused": GraphUpdater, "auto": GraphUpdater}
 
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("kind", ["stream", "auto"])
+@pytest.mark.parametrize("kind", ["stream", "unfused", "auto"])
 def test_stream_updaters_are_chosen_on_the_gpu_and_compute_the_plain_updaters_bits(kind):
-    """The stream updater, and the graph updater (the default for AdamW) whose one capture
-    serves every fresh update."""
+    """The stream updater, and the graph updater (the default for AdamW, with the fused
+    transaction or without it) whose one capture serves every fresh update."""
     from unbroken.update.factory import resumable_updater
 
     plain, _ = _build(protected=False)
@@ -139,8 +139,9 @@ def test_stream_updaters_are_chosen_on_the_gpu_and_compute_the_plain_updaters_bi
         assert on_disk == su.marker.state, it
         assert (on_disk.stage, on_disk.done_iter) == (Stage.IDLE, it)
     assert _parity_consistent(su)
-    if kind == "auto":
+    if kind != "stream":
         assert su.captures == 1
+        assert (su.fused is not None) == (kind == "auto")  # the fused transaction by default
 
 
 class _Crash(Exception):
@@ -149,7 +150,7 @@ class _Crash(Exception):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("kind", ["stream", "auto"])
+@pytest.mark.parametrize("kind", ["stream", "unfused", "auto"])
 @pytest.mark.parametrize("phase", [Phase.UPDATE, Phase.PARITY, Phase.WRITEBACK, Phase.MARKER])
 def test_an_update_interrupted_at_any_stage_is_repaired_and_resumed_to_the_same_bits(phase, kind):
     """The host stops mid-transaction with its work still queued (as a crashed trainer's

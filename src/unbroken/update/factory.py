@@ -12,9 +12,10 @@ from unbroken.update.stream import StreamUpdater, stream_capable
 
 __all__ = ["UpdaterKind", "resumable_updater"]
 
-UpdaterKind = Literal["auto", "stream", "host"]
-"""auto: the fastest that applies; stream: never the graph; host: the host-marked updater
-(CPU semantics, wrong for a GPU crash — for comparisons only)."""
+UpdaterKind = Literal["auto", "unfused", "stream", "host"]
+"""auto: the fastest that applies; unfused: the graph with the ten-launch transactions (no
+fused step + parity kernel; for comparisons); stream: never the graph; host: the host-marked
+updater (CPU semantics, wrong for a GPU crash — for comparisons only)."""
 
 
 def resumable_updater(
@@ -26,5 +27,6 @@ def resumable_updater(
     elif kind == "stream" or not graph_capable(step):
         cls = StreamUpdater
     else:
-        cls = GraphUpdater
+        fused = kind != "unfused"
+        return GraphUpdater(state, geometry, step, regions, prot, backend=backend, fused=fused)
     return cls(state, geometry, step, regions, prot, backend=backend)

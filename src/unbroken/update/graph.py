@@ -1,7 +1,12 @@
 """The resumable update of an iteration as one CUDA graph: the stream updater's transactions,
 markers included, captured once and replayed with one launch per iteration.
 
-Why: a chunk transaction enqueues ten launches (the undo copy, three marker writes, the AdamW
+Each transaction is the fused one of `unbroken.update.transaction` where its kernel covers the
+tiers (six launches: undo copy, marker, step + parity staging, marker, write-back, marker; its
+crash semantics are written there), else the ten launches below (``fused=False`` keeps them,
+for comparisons).
+
+Why a graph: a chunk transaction enqueues ten launches (the undo copy, three marker writes, the AdamW
 step, the parity staging copy, two codec updates, two write-back copies) from Python, and at
 hundreds of chunks the update is bound by the host's enqueue time, not by the device (stop 27:
 489 ms for 904 chunks on the H200 against 6.9 ms for the plain update's one launch). Every
@@ -42,6 +47,7 @@ from unbroken.update.fused_adamw import AdamWCoefficients, fused_adamw_dev_
 from unbroken.update.marker import Stage
 from unbroken.update.rmu import RepairReport
 from unbroken.update.stream import StreamUpdater
+from unbroken.update.transaction import FusedTransaction, fused_capable
 
 __all__ = ["GraphUpdater", "graph_capable"]
 
@@ -58,11 +64,16 @@ def graph_capable(step) -> bool:
 class GraphUpdater(StreamUpdater):
     """`StreamUpdater` whose fresh updates replay one CUDA graph (see the module docstring)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, fused: bool = True, fused_tuning=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if not graph_capable(self.step):
             raise ValueError("the graph updater captures one-pass AdamW with one decay boundary")
         dev = self.device
+        self.fused: FusedTransaction | None = None
+        """The fused step + parity staging (`unbroken.update.transaction`); None: the
+        ten-launch transaction (``fused=False``, or tiers the kernel does not cover)."""
+        if fused and fused_capable(self.h1, self.h2):
+            self.fused = FusedTransaction.of(self, fused_tuning)
         self._coef_host = torch.zeros(8, dtype=torch.float32, pin_memory=True)
         self._base_host = torch.zeros(8, dtype=torch.int64, pin_memory=True)
         self._coef = torch.zeros(8, dtype=torch.float32, device=dev)
@@ -132,9 +143,17 @@ class GraphUpdater(StreamUpdater):
 
     def _captured_transaction(self, k: int) -> None:
         """`ResumableUpdater._transaction` of transaction k with the scalars on the device."""
-        ref, n, s = self.chunks[k], self.transactions, self.state
+        ref, s = self.chunks[k], self.state
         self._save_undo(ref)
         self._mark_at(k, 1, Stage.CHUNK_UPDATING, **self._position(k))
+        if self.fused is not None:
+            first, end = self.step.first_index(ref), self.step.decay_end
+            self.fused.launch(ref, self._coef, first_index=first, decay_end=end)
+            self._mark_at(k, 2, Stage.PARITY_READY, **self._position(k))
+            x, c = ref.byte_lo, self.geometry.chunk_bytes
+            self.model_parity[ref.group][:, x : x + c].copy_(self.scratch)  # both tiers
+            self._commit_at(k)
+            return
         p, g, m, v = (
             self.geometry.chunk_view(t, ref) for t in (s.params, s.grads, s.exp_avg, s.exp_avg_sq)
         )
@@ -150,7 +169,11 @@ class GraphUpdater(StreamUpdater):
         self._stage_parity(ref, k)
         self._mark_at(k, 2, Stage.PARITY_READY, **self._position(k))
         self._write_back(ref)
-        if k + 1 == n:
+        self._commit_at(k)
+
+    def _commit_at(self, k: int) -> None:
+        """Write 3 of transaction k: the next chunk's SYNCED, or IDLE after the last."""
+        if k + 1 == self.transactions:
             self._mark_at(k, 3, Stage.IDLE, group=0, chunk=0, idle=True)
         else:
             self._mark_at(k, 3, Stage.SYNCED, **self._position(k + 1))

@@ -1,0 +1,173 @@
+"""The fused chunk transaction (`unbroken.update.transaction`): the plain updater's bits and
+parity equal to a fresh encode for every tier shape and kernel form, and a kill inside the
+fused kernel or inside the write-back after it repaired and resumed to the uninterrupted bits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from unbroken.config import DataConfig, JobConfig, ModelConfig, ProtectionConfig, TrainConfig
+from unbroken.engine.replica import build_training
+from unbroken.update import PlainUpdater
+from unbroken.update.layout import RetainedLayout
+from unbroken.update.marker import Stage
+from unbroken.update.rmu import state_from_regions
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+PROT = ProtectionConfig(
+    page_bytes=1 << 16, stripe_pages=4, chunk_bytes=1 << 14, parity_pages=3, second_tier_pages=1
+)
+CFG = JobConfig(
+    model=ModelConfig(preset="small"),
+    data=DataConfig(tokens_per_microbatch=256, microbatches=1, max_documents=50),
+    train=TrainConfig(iterations=4, device="cuda", precision="fp32"),
+    protection=PROT,
+)
+LR, SCALE = 1e-3, 0.7
+
+
+def _noop(*args) -> None:
+    return None
+
+
+def _build(prot: ProtectionConfig | None):
+    regions: dict[str, torch.Tensor] = {}
+
+    def allocate(layout, geometry, d):
+        for spec in RetainedLayout.of(geometry, prot).regions():
+            if spec.name == "marker":
+                regions[spec.name] = torch.zeros(spec.nbytes, dtype=torch.uint8, pin_memory=True)
+            else:
+                regions[spec.name] = torch.zeros(spec.nbytes, dtype=torch.uint8, device=d)
+        return state_from_regions(layout, geometry, regions), True
+
+    cfg = dataclasses.replace(CFG, protection=prot or PROT)
+    b = build_training(
+        cfg, n_shards=1, device=torch.device("cuda"), allocate=allocate if prot else None
+    )
+    return b, regions
+
+
+def _iterate(b, upd, iteration: int) -> None:
+    gen = torch.Generator().manual_seed(100 + iteration)
+    b.state.grads.copy_(torch.randn(b.state.grads.numel(), generator=gen) * 1e-2)
+    upd.protect(iteration)
+    upd.record_sync(iteration, loss=2.5, grad_norm=1.25, grad_scale=SCALE, lr=LR)
+    upd.update(iteration, lr=LR, grad_scale=SCALE, hook=_noop)
+
+
+def _parity_consistent(upd) -> bool:
+    before = upd.model_parity.clone()
+    for group in upd.groups:
+        group.encode()
+    return torch.equal(before, upd.model_parity)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize(
+    "h1,h2,planes,block",
+    [
+        (3, 1, 1, 256),
+        (3, 1, 0, 512),
+        (4, 1, 1, 128),
+        (4, 1, 2, 256),
+        (3, 1, 2, 128),
+        (1, 1, 1, 256),
+        (5, 2, 1, 256),
+        (16, 1, 0, 256),
+    ],
+)
+def test_the_fused_transaction_computes_the_plain_bits_and_the_encoders_parity(
+    h1, h2, planes, block
+):
+    from unbroken.update.graph import GraphUpdater
+
+    prot = dataclasses.replace(PROT, parity_pages=h1, second_tier_pages=h2)
+    plain, _ = _build(None)
+    pu = PlainUpdater(plain.state, plain.geometry, plain.step)
+    b, regions = _build(prot)
+    tuning = {"planes": planes, "block": block, "warps": 4}
+    gu = GraphUpdater(b.state, b.geometry, b.step, regions, prot, fused_tuning=tuning)
+    assert gu.fused is not None and gu.fused.planes == (planes if h1 <= 4 else 0)
+    gu.initialize(-1)
+    for it in range(3):
+        _iterate(plain, pu, it)
+        _iterate(b, gu, it)
+        assert b.state.state_hash() == plain.state.state_hash(), it
+        assert _parity_consistent(gu), it
+    assert gu.captures == 1
+
+
+def _coefficients(upd, iteration: int) -> torch.Tensor:
+    from unbroken.update.fused_adamw import AdamWCoefficients
+
+    c = AdamWCoefficients.of(upd.step.optimizer, step=iteration + 1, lr=LR, grad_scale=SCALE)
+    return torch.tensor(c.values(), dtype=torch.float32, device="cuda")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("torn", ["step", "writeback"])
+def test_a_kill_inside_the_fused_kernel_or_its_write_back_is_repaired_to_the_same_bits(torn):
+    """Transaction `target` of iteration 1 is driven by hand with the fused kernel and then
+    torn as a kill would tear it: half of the chunk's rows stepped and scratch half stale
+    (marker CHUNK_UPDATING), or half of the parity written back (marker PARITY_READY). A fresh
+    updater over the same memory repairs, resumes, and ends at the uninterrupted run's bits."""
+    from unbroken.update.factory import resumable_updater
+    from unbroken.update.layout import SEGMENTS
+
+    ref, ref_regions = _build(PROT)
+    ru = resumable_updater(ref.state, ref.geometry, ref.step, ref_regions, PROT, kind="host")
+    ru.initialize(-1)
+    for it in range(3):
+        _iterate(ref, ru, it)
+
+    b, regions = _build(PROT)
+    su = resumable_updater(b.state, b.geometry, b.step, regions, PROT)
+    assert su.fused is not None
+    su.initialize(-1)
+    _iterate(b, su, 0)
+    gen = torch.Generator().manual_seed(101)
+    b.state.grads.copy_(torch.randn(b.state.grads.numel(), generator=gen) * 1e-2)
+    su.protect(1)
+    su.record_sync(1, loss=2.5, grad_norm=1.25, grad_scale=SCALE, lr=LR)
+    su.step.begin_pass(0, b.state, step=2, lr=LR, grad_scale=SCALE)
+    target = su.transactions // 2 + 1
+    for k in range(target):
+        su._transaction(1, k, LR, SCALE)
+    ref_k = su.chunks[target]
+    su._save_undo(ref_k)
+    su._mark(stage=Stage.CHUNK_UPDATING, **su._position(target))
+    old = [su._chunk_data(sg, ref_k).clone() for sg in range(SEGMENTS)]
+    su.fused.launch(
+        ref_k,
+        _coefficients(su, 1),
+        first_index=su.step.first_index(ref_k),
+        decay_end=su.step.decay_end,
+    )
+    half = su.d // 2
+    if torn == "step":
+        for sg in range(SEGMENTS):  # rows past the first half still hold their old words
+            su._chunk_data(sg, ref_k)[half:].copy_(old[sg][half:])
+        su.scratch[:, : su.scratch.shape[1] // 2].fill_(0xA5)
+    else:
+        su._mark(stage=Stage.PARITY_READY)
+        x, c = ref_k.byte_lo, su.geometry.chunk_bytes
+        su.model_parity[ref_k.group][:, x : x + c // 2].copy_(su.scratch[:, : c // 2])
+    torch.cuda.synchronize()
+
+    again = resumable_updater(b.state, b.geometry, b.step, regions, PROT)
+    report = again.repair({})
+    want = "restored" if torn == "step" else "rolled"
+    assert report.fixup.startswith(want), report
+    assert again.marker.state.stage is Stage.SYNCED
+    again.update(1, lr=LR, grad_scale=SCALE, hook=_noop)
+    assert _parity_consistent(again)
+    _iterate(b, again, 2)
+    assert b.state.state_hash() == ref.state.state_hash()
+    assert _parity_consistent(again)
+    assert again.captures == 1
