@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rmu-kind",
         default="auto",
-        choices=("auto", "stream", "host"),
+        choices=("auto", "unfused", "stream", "host"),
         help="the resumable updater timed (unbroken.update.factory; auto: the graph-replayed "
         "one where it applies)",
     )
@@ -116,6 +116,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="kills in each run of the campaign, each after the previous one's recovery",
     )
     p.add_argument("--kill-seed", type=int, default=0, help="seed of the kill times")
+    p.add_argument(
+        "--update-only",
+        action="store_true",
+        help="only the update phase: plain and resumable updater variants on random gradients "
+        "(unbroken.bench.gpu_update)",
+    )
+    p.add_argument(
+        "--update-variants",
+        default="unfused,auto",
+        help="with --update-only: factory kinds (auto, unfused, stream) or "
+        "fused:PLANES:BLOCK:WARPS, comma-separated",
+    )
+    p.add_argument(
+        "--profile-update",
+        default=None,
+        help="with --update-only: device time per kernel of one update per variant, to this file",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -693,6 +710,13 @@ def run(args: argparse.Namespace) -> int:
         print("unbroken bench gpu needs a CUDA device", file=sys.stderr)
         return 2
     t0 = time.time()
+    if args.update_only:
+        from unbroken.bench.gpu_update import update_phase
+
+        result = update_phase(args, _job(args, args.microbatches), _build, _say)
+        result["wall_s"] = time.time() - t0
+        print(json.dumps(result, indent=1, default=str))
+        return 0
     b = _setup(args)
     _steps(b)
     if not args.no_rmu:
