@@ -38,6 +38,7 @@ def _fold(a0, a1, a2, a3, a4, a5, a6, a7, w, t1_ptr, c, rows, R1: tl.constexpr, 
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
+# Long: one kernel body is the point (the step and both tiers' parity folds share registers).
 @triton.jit(do_not_specialize=["first_index", "decay_end"])
 def chunk_transaction_kernel(
     p_ptr, g_ptr, m_ptr, v_ptr, n_cols, row_stride, first_index, decay_end, c_ptr,
