@@ -91,7 +91,7 @@ def _healthy_drift(out) -> float:
     )
 
 
-def test_demo_quick_recovers_in_place_exactly_and_finds_the_slow_rank(tmp_path):
+def test_demo_quick_recovers_in_place_exactly_and_re_plans_around_the_slow_rank(tmp_path):
     out = tmp_path / "demo"
     r = subprocess.run(
         [sys.executable, "-m", "unbroken", "demo", "--quick", "--out", str(out)],
@@ -121,6 +121,14 @@ def test_demo_quick_recovers_in_place_exactly_and_finds_the_slow_rank(tmp_path):
     drift = _healthy_drift(out)
     assert 0 < s["ettr"] * drift < 1, (s["ettr"], drift)
     assert [f["rank"] for f in s["fail_slow"]] == [3], _detector_trace(out)
+    # ... and re-planned around (adapt is on in the demo): rank 3 keeps fewer micro-batches,
+    # the others take them, the global batch stays, and the run is still bit-exact.
+    (replan,) = s["replans"]
+    assert replan["trigger"]["kind"] == "fail_slow" and replan["trigger"]["rank"] == 3
+    before, after = replan["counts_before"], replan["counts_after"]
+    assert after[3] < before[3] and sum(after) == sum(before), replan
+    assert replan["measured_after"] is not None, replan
+    assert "re-plan (fail_slow)" in r.stderr and "re-plan at iteration" in r.stdout
     for name in ("events.jsonl", "metrics.jsonl", "plot.png", "report.html"):
         assert (out / name).stat().st_size > 0
     assert "bit-exact: True" in r.stdout

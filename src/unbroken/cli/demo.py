@@ -4,9 +4,10 @@ The small reference model on 4 local CPU ranks (gloo): first a fault-free refere
 the same job with injected failures — a crash in the middle of the optimizer update, a crash with
 lost retained pages during the parity write-back, an exception in the backward pass and, without
 --quick, a hung rank, a page loss beyond parity tolerance (filled from a data-parallel replica) and a crash
-inside a progress-marker write — recovered in place, and a table comparing the two. With
---adapt a data-parallel demo re-plans around its slow rank once the detector reports it
-(`adapt.enabled`): the re-plan is printed when it happens and in the final table. The run's
+inside a progress-marker write — recovered in place, and a table comparing the two. A
+data-parallel demo re-plans around its slow rank once the detector reports it (`adapt.enabled`,
+on unless --no-adapt): the slow rank's micro-batches move to its peers at an iteration
+boundary, and the re-plan is printed when it happens and in the final table. The run's
 HTML report (`report.html`, `unbroken.cli.report`) is written next to its logs. With --nodes 2
 the ranks run on two local "hosts" and node 1 is lost near the end (`unbroken.cli.demo_nodes`). Exit status 0
 only when every injected failure was recovered and the final state is bit-identical to the
@@ -46,8 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--adapt",
-        action="store_true",
-        help="re-plan around lost and slow devices (adapt.enabled; data-parallel runs)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="re-plan around lost and slow devices: the slow rank's micro-batches move to its "
+        "peers (adapt.enabled; data-parallel runs; default: on)",
     )
     p.add_argument(
         "--nodes",
