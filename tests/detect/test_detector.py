@@ -228,3 +228,31 @@ def test_a_benign_change_inside_the_fitted_span_teaches_nothing():
     decisions = [det.observe(o) for o in obs]
     assert [d for d in decisions if d.verdict is Verdict.BENIGN]
     assert det.refits == 0
+
+
+@pytest.mark.parametrize(("world", "factor"), [(4, 5.0), (2, 1.54)])
+def test_a_rank_slow_from_the_start_is_reported_at_the_end_of_the_warm_up(world, factor):
+    # No change point exists in a series that starts slow (a device slow from the job's
+    # start, or one slowed just as a re-plan's fresh detector began): its peers tell.
+    cfg = DetectorConfig()
+    obs = series(world=world, slow_rank=world - 1, slow_iter=0, factor=factor, seed=world)
+    decisions, sink = _replay(obs)
+    reports = [d.report for d in decisions if d.report]
+    assert len(reports) == 1, reports  # once: BOCPD's later steady series adds nothing
+    (rep,) = reports
+    assert rep.rank == world - 1 and rep.what == "compute"
+    assert rep.detected_at == cfg.skip_iters + cfg.warmup_iters - 1
+    assert rep.iteration == cfg.skip_iters
+    assert rep.factor == pytest.approx(factor, rel=0.1)
+    (event,) = sink.events
+    assert "through the detector's warm-up" in event.reason
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_healthy_ranks_with_noise_are_not_reported_at_the_end_of_the_warm_up(seed):
+    obs = series(world=4, iterations=14, noise=0.08, seed=seed)  # 8 % per micro-batch
+    decisions, sink = _replay(obs)
+    assert not [d for d in decisions if d.report] and not sink.events
+    # ... and a slow-down under the threshold (the stricter of slow_ratio, localize_ratio)
+    obs = series(world=4, iterations=14, slow_rank=1, slow_iter=0, factor=1.15, seed=seed)
+    assert not [d for d in _replay(obs)[0] if d.report]

@@ -5,7 +5,9 @@ every replica's micro-batches and, when available, each rank's `RankTiming`. The
 
 1. warms up: skips the first `skip_iters` iterations (process start), then fits the workload
    model (alpha, beta on the timed micro-batches; the sync constant on the iterations) and the
-   change-point prior on the next `warmup_iters`;
+   change-point prior on the next `warmup_iters`; a rank already slow through the whole
+   warm-up (no change point would ever show it) is reported at its end by comparing the ranks'
+   observed / predicted compute (`_slow_through_warmup`);
 2. runs BOCPD on the series of iteration time over the predicted healthy time of that
    iteration's workload (the baseline: over the warm-up median), so the swings the workload
    explains do not reach the change-point detector at all;
@@ -316,6 +318,35 @@ class FailSlowDetector:
             self._points.append(_Point(obs=obs, x=x, before=before))
         self.bocpd.last_index = self.bocpd.t - 1
 
+    def _slow_through_warmup(self, iteration: int) -> Decision | None:
+        """A rank that was slow through the whole warm-up, reported at its end, or None.
+
+        BOCPD finds changes, and a series that starts slow has none: a device slow from the
+        job's start, or one that slowed down just before (or just after) a re-plan's fresh
+        detector began warming up, would never be reported (`bench adapt`'s mixed schedule: a
+        device lost, then another 5x slow three iterations later, never re-planned). Its peers
+        are the reference instead: a rank whose observed / predicted compute over the warm-up
+        exceeds its peers' median by `localize_ratio` and `slow_ratio` both (the stricter of
+        the two: no change point backs this report). Ours, data parallel, two ranks or more."""
+        cfg = self.cfg
+        if cfg.baseline or self.plan is not None:
+            return None
+        _, _, ratios = self._compute_ratios(self._warm)
+        if len(ratios) < 2:
+            return None
+        slow = max(ratios, key=lambda r: ratios[r])
+        factor = ratios[slow] / statistics.median(v for r, v in ratios.items() if r != slow)
+        if factor < max(cfg.localize_ratio, cfg.slow_ratio) or (slow, "compute") in self.reported:
+            return None
+        first = self._warm[0].iteration
+        report = self._new_report(slow, factor, "compute", first, iteration)
+        self._emit(
+            report,
+            reason=f"rank {slow}'s compute took {factor:.2f}x its peers' through the detector's "
+            f"warm-up (iterations {first}..{iteration}): slow since before it began",
+        )
+        return Decision(verdict=Verdict.FAIL_SLOW, iteration=iteration, report=report)
+
     def _x(self, obs: Observation) -> float:
         """The point BOCPD sees: the iteration time over its predicted healthy time for this
         workload (ours), or over the warm-up median (baseline, which knows no workload)."""
@@ -419,6 +450,8 @@ class FailSlowDetector:
             self._warm.append(obs)
             if len(self._warm) == cfg.warmup_iters:
                 self._finish_warmup()
+                if (slow := self._slow_through_warmup(obs.iteration)) is not None:
+                    return slow
             return Decision(verdict=Verdict.WARMUP, iteration=obs.iteration)
         before = self.bocpd.snapshot()
         x = self._x(obs)
@@ -484,9 +517,10 @@ class FailSlowDetector:
         self.reported[(rank, what)] = report
         return report
 
-    def _emit(self, report: FailSlowReport, ratio: float) -> None:
-        """Hand the report to the sink (if any) as a `DetectionEvent` with a readable reason;
-        `ratio`: observed over predicted time of the iterations since the change."""
+    def _emit(self, report: FailSlowReport, ratio: float = 0.0, reason: str | None = None) -> None:
+        """Hand the report to the sink (if any) as a `DetectionEvent` with a readable reason
+        (`reason`, else one built from `ratio`: observed over predicted time of the iterations
+        since the change)."""
         if self.sink is None:
             return
         rank, stage, factor, what = report.rank, report.stage, report.factor, report.what
@@ -503,7 +537,8 @@ class FailSlowDetector:
                 iteration=report.iteration,
                 detected_at=report.detected_at,
                 cause=what,
-                reason=(
+                reason=reason
+                or (
                     f"iterations {report.iteration}..{report.detected_at} took {ratio:.2f}x the "
                     f"predicted healthy time; {who} {part} takes {factor:.2f}x "
                     + ("its peers'" if what == "compute" else "its healthy time")
