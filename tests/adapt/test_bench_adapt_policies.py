@@ -39,7 +39,7 @@ def test_a_policy_subset_runs_ours_first_and_an_unknown_name_is_one_line():
 
 
 def test_the_load_scenario_is_fault_free_and_its_line_compares_ours_with_none():
-    assert bench._scenarios(_args())["load"] == []
+    assert bench._scenarios(_args(), {"medium": 7.0, "severe": 12.0})["load"] == []
     rows = [
         {"scenario": "load", "policy": "ours", "tokens_per_s": 980.0, "replans": 1},
         {"scenario": "load", "policy": "none", "tokens_per_s": 1000.0, "replans": 0},
@@ -60,3 +60,39 @@ def test_both_launch_plans_run_by_default_and_the_pipeline_one_is_pp2_x_dp2():
     assert job.adapt.enabled and bench._plan_name(args, "pp2") == "pp2xdp2"
     with pytest.raises(UserError, match="unknown tp2"):
         bench._plans("dp,tp2")
+
+
+def test_severity_levels_are_calibrated_to_the_loss_they_cost_on_this_machine():
+    from unbroken.detect.levels import throughput_loss
+
+    # Factor 4 cost 39 % on the 2-core VM: a share of ~0.21 of the rank's iteration stretched.
+    share = bench.effective_share(0.39, 4.0)
+    assert share == pytest.approx((1 / 0.61 - 1) / 3)
+    factors = bench.level_factors(_args(), share)
+    assert throughput_loss(factors["medium"], share) == pytest.approx(0.55)
+    assert throughput_loss(factors["severe"], share) == pytest.approx(0.70)
+    assert factors["medium"] < factors["severe"]
+    # On dedicated devices (share 1) the levels are detect.levels' own factors.
+    assert bench.level_factors(_args(), 1.0)["severe"] == pytest.approx(1 + (1 / 0.3 - 1))
+    given = bench.level_factors(_args(severe_factor=9), share)
+    assert given["severe"] == 9.0 and given["medium"] == factors["medium"]
+    assert bench.effective_share(0.0, 4.0) == 1.0  # a probe that cost nothing: no calibration
+
+
+def test_the_scenarios_slow_a_rank_lose_a_device_slow_a_link_and_mix_them():
+    args = _args(at=14)
+    sc = bench._scenarios(args, {"medium": 6.74, "severe": 11.95})
+    assert sc["medium"] == ["slow:rank=3,iter=14,factor=6.74"]
+    assert sc["severe"] == ["slow:rank=3,iter=14,factor=11.9"]
+    assert sc["slowlink"] == ["slow:rank=3,iter=14,what=comm,level=medium"]
+    # The loss first: a slow fault ends with its trainer, which a lost-device re-plan replaces.
+    assert sc["mixed"] == ["lose:rank=1,iter=14,phase=update", "slow:rank=3,iter=17,factor=11.9"]
+    assert tuple(sc) == bench.SCENARIOS
+    with pytest.raises(UserError, match="--scenarios: unknown slow"):
+        bench._names("slow,lost", bench.SCENARIOS, "--scenarios")
+    from unbroken.inject import parse_fault
+
+    for faults in sc.values():
+        for f in faults:
+            parse_fault(f)  # every spec is one the injector takes
+    assert set(bench.PIPELINE_SCENARIOS) <= set(sc)

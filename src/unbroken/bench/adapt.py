@@ -7,10 +7,16 @@ fault-free reference run on the launch plan (ordered reduction; every run is aud
 its final state hash and per-iteration hashes, so a re-planned run must match the fixed-plan
 reference bit for bit), then per scenario one run per policy:
 
-- scenarios: `slow` (rank 3 computes `--factor` x slower from iteration I on), `lost` (device 1
-  lost for good at iteration I), `load` (no fault; one process spins on a core for the whole
-  run: what re-planning costs when the detector fires on a loaded machine's noise — issue 18's
-  target is a loss of at most 2 % against no mitigation);
+- scenarios: `medium` and `severe` (rank 3 computes slower from iteration I on, by the factor
+  that costs the level's unmitigated throughput loss on this machine: ResiHP §8.3 defines the
+  levels by that loss, 55 % and 70 %; see "Severity" below), `slowlink` (rank 3's link: its
+  gradient all-reduce stalls, `what=comm,level=medium`), `lost` (device 1 lost for good at
+  iteration I), `mixed` (device 1 lost at I, then rank 3's severe slow-down 3 iterations later:
+  a `slow` fault lives as long as its trainer process, and the re-plan around a lost device
+  starts new trainers, so a slow-down before the loss would end with it),
+  `load` (no fault; one process spins on a core for the whole run: what re-planning costs when
+  the detector fires on a loaded machine's noise — issue 18's target is a loss of at most 2 %
+  against no mitigation);
 - policies (`adapt.policy`, ResiHP §8.1's baselines run live): `ours` (`adapt.enabled`: the
   coordinator re-plans), `none` (no mitigation: the slow rank keeps its micro-batches; a lost
   device fails the job, 0 tokens/s), `evict` (evict-and-restart, Oobleck-like: the slow or lost
@@ -28,15 +34,19 @@ makes (its exclusion step keeps every rank at one micro-batch or more), so `grey
 expected at about ours on the slow scenario; the plans differ where PP or TP can be re-planned,
 which live jobs do not yet do.
 
-On the `pp2` plan the scenarios are `lost` and `slow` and the policies `ours` and `none`
-(`evict` and `greyhound` are data-parallel baselines the config refuses for a pipeline job): a
-lost device dissolves its replica and the survivors continue in place on the other replica's
-retained state; a slow device is not re-planned in a pipeline job yet, so ours equals none
-there (the row says so rather than being left out).
+On the `pp2` plan the scenarios are `lost`, `medium` and `severe` and the policies `ours` and
+`none` (`evict` and `greyhound` are data-parallel baselines the config refuses for a pipeline
+job): a lost device dissolves its replica and the survivors continue in place on the other
+replica's retained state; around a slow device micro-batches move to the other replica.
 
-Caveat measured on the shared 2-core VM: four ranks oversubscribe two cores, so a rank that
-sleeps (the `slow` fault) frees CPU its peers use; the job is CPU-bound, the slow rank costs
-less than on dedicated devices, and moving work off it gains less.
+Severity. `unbroken.detect.levels` turns a level into a factor assuming the slowed rank's whole
+iteration stretches (3.33 for severe). On the shared 2-core VM four ranks oversubscribe two
+cores, so a rank that sleeps (the `slow` fault) frees CPU its peers use: factor 4 cost only
+~39 % there, a weak slow-down by the paper's measure. So per plan a probe run without
+mitigation at `--probe-factor` measures the loss L, the effective stretched share s follows
+from L = 1 - 1 / (1 + s (F - 1)), and each level gets the factor that costs its loss at that s
+(`--medium-factor` / `--severe-factor` set them instead). The `none` rows then report the loss
+the factor really cost (`loss`), next to the level's target.
 """
 
 from __future__ import annotations
@@ -64,7 +74,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=40, help="iterations per run (default 40)")
     p.add_argument("--at", type=int, default=14, help="iteration the fault fires (default 14)")
     p.add_argument("--settle", type=int, default=10, help="iterations after it not measured")
-    p.add_argument("--factor", type=float, default=4.0, help="slow scenario's factor (4)")
+    p.add_argument(
+        "--probe-factor",
+        type=float,
+        default=4.0,
+        help="factor of the run that calibrates the severity levels (4; module docstring)",
+    )
+    p.add_argument("--medium-factor", type=float, default=None, help="(default: calibrated)")
+    p.add_argument("--severe-factor", type=float, default=None, help="(default: calibrated)")
     p.add_argument("--world-size", type=int, default=4, help="ranks (default 4)")
     p.add_argument(
         "--plans",
@@ -79,6 +96,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=",".join(POLICIES),
         help=f"comma-separated subset of {','.join(POLICIES)} (ours always runs)",
     )
+    p.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all)",
+    )
     p.add_argument("--out", default=None, help="keep the run dirs here (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
 
@@ -88,7 +110,8 @@ def _say(text: str) -> None:
 
 
 PLANS = ("dp", "pp2")
-PIPELINE_SCENARIOS = ("lost", "slow")
+SCENARIOS = ("medium", "severe", "slowlink", "lost", "mixed", "load")
+PIPELINE_SCENARIOS = ("lost", "medium", "severe")
 PIPELINE_POLICIES = ("ours", "none")
 """What the `pp2` plan runs (module docstring)."""
 
@@ -124,12 +147,34 @@ def _job(args: argparse.Namespace, inject: list[str], policy: str, plan: str = "
     )
 
 
-def _scenarios(args: argparse.Namespace) -> dict[str, list[str]]:
+def _scenarios(args: argparse.Namespace, factors: dict[str, float]) -> dict[str, list[str]]:
+    """Each scenario's faults; `factors`: the compute slow-down of each level."""
+    slow = {lvl: f"slow:rank=3,iter={args.at},factor={f:.3g}" for lvl, f in factors.items()}
+    lost = f"lose:rank=1,iter={args.at},phase=update"
     return {
-        "slow": [f"slow:rank=3,iter={args.at},factor={args.factor:g}"],
-        "lost": [f"lose:rank=1,iter={args.at},phase=update"],
+        "medium": [slow["medium"]],
+        "severe": [slow["severe"]],
+        "slowlink": [f"slow:rank=3,iter={args.at},what=comm,level=medium"],
+        "lost": [lost],
+        "mixed": [lost, slow["severe"].replace(f"iter={args.at}", f"iter={args.at + 3}")],
         "load": [],
     }
+
+
+def effective_share(loss: float, factor: float) -> float:
+    """The share s of the slowed rank's iteration that factor F stretched, from the loss L it
+    cost: L = 1 - 1 / (1 + s (F - 1)) (`unbroken.detect.levels`), clamped to (0.01, 1]."""
+    if factor <= 1 or not 0 < loss < 1:
+        return 1.0
+    return min(1.0, max(0.01, (1 / (1 - loss) - 1) / (factor - 1)))
+
+
+def level_factors(args: argparse.Namespace, share: float) -> dict[str, float]:
+    """medium and severe factors at the measured share, unless given."""
+    from unbroken.detect.levels import slow_factor_for
+
+    given = {"medium": args.medium_factor, "severe": args.severe_factor}
+    return {lvl: f if f is not None else slow_factor_for(lvl, share) for lvl, f in given.items()}
 
 
 # Long: one row's fields, each computed where it is named.
@@ -190,25 +235,72 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.out or tempfile.mkdtemp(prefix="unbroken-adapt-"))
     t0 = time.time()
     policies = _policies(args.policies)
-    rows, ref_tps = [], {}
-    start = args.at + args.settle
+    rows, ref_tps, calibration = [], {}, {}
+    wanted = _names(args.scenarios, SCENARIOS, "--scenarios")
     for plan in _plans(args.plans):
         name = _plan_name(args, plan)
         reference = _one(args, root, f"{name}-reference", [], "none", plan)
-        ref_tps[name] = statistics.median(
-            m["tokens_per_s"] for m in reference["metrics"] if m["iter"] >= start
-        )
+        ref_tps[name] = _tokens_after(args, reference)
         _say(f"{name} reference: {ref_tps[name]:.0f} tokens/s")
-        for scenario, faults in _scenarios(args).items():
-            if plan == "pp2" and scenario not in PIPELINE_SCENARIOS:
+        calibration[name] = _calibrate(args, root, plan, ref_tps[name])
+        for scenario, faults in _scenarios(args, calibration[name]["factors"]).items():
+            if scenario not in wanted or (plan == "pp2" and scenario not in PIPELINE_SCENARIOS):
                 continue
             for policy in policies:
                 if plan == "pp2" and policy not in PIPELINE_POLICIES:
                     continue
                 with _background_load(scenario == "load"):
                     s = _one(args, root, f"{name}-{scenario}-{policy}", faults, policy, plan)
-                rows.append(_row(args, scenario, policy, s, reference, plan))
-                _say(f"{name} {scenario}/{policy}: {rows[-1]}")
+                row = _row(args, scenario, policy, s, reference, plan)
+                row["loss"] = 1 - row["tokens_per_s"] / ref_tps[name]
+                rows.append(row)
+                _say(f"{name} {scenario}/{policy}: {row}")
+    _ratios(rows)
+    if args.json:
+        out = {
+            "rows": rows,
+            "reference_tokens_per_s": ref_tps,
+            "calibration": calibration,
+            "load": _load_line(rows),
+            "seconds": time.time() - t0,
+        }
+        print(json.dumps(out, indent=1))
+        return 0
+    _print_table(rows, ref_tps, args.at + args.settle, calibration)
+    if (line := _load_line(rows)) is not None:
+        print(line)
+    print(f"\n{time.time() - t0:.0f} s; runs in {root}")
+    return 0
+
+
+def _tokens_after(args: argparse.Namespace, s: dict[str, Any]) -> float:
+    start = args.at + args.settle
+    return statistics.median(m["tokens_per_s"] for m in s["metrics"] if m["iter"] >= start)
+
+
+def _calibrate(args: argparse.Namespace, root: Path, plan: str, ref_tps: float) -> dict[str, Any]:
+    """The severity levels' factors for this plan on this machine (module docstring):
+    {"probe_factor", "probe_loss", "share", "factors"}; no probe run when both are given."""
+    name = _plan_name(args, plan)
+    if args.medium_factor is not None and args.severe_factor is not None:
+        return {"probe_factor": None, "probe_loss": None, "share": None,
+                "factors": level_factors(args, 1.0)}  # fmt: skip
+    probe = f"slow:rank=3,iter={args.at},factor={args.probe_factor:g}"
+    s = _one(args, root, f"{name}-probe-none", [probe], "none", plan)
+    loss = 1 - _tokens_after(args, s) / ref_tps
+    share = effective_share(loss, args.probe_factor)
+    factors = level_factors(args, share)
+    _say(
+        f"{name} probe: factor {args.probe_factor:g} cost {loss:.0%} without mitigation "
+        f"(stretched share {share:.2f}); medium factor {factors['medium']:.2f}, severe "
+        f"{factors['severe']:.2f}"
+    )
+    return {"probe_factor": args.probe_factor, "probe_loss": loss, "share": share,
+            "factors": factors}  # fmt: skip
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's tokens/s over ours' (same plan and scenario)."""
     for row in rows:
         ours = next(
             r
@@ -218,20 +310,6 @@ def run(args: argparse.Namespace) -> int:
         row["ratio_to_ours"] = (
             row["tokens_per_s"] / ours["tokens_per_s"] if ours["tokens_per_s"] else None
         )
-    if args.json:
-        out = {
-            "rows": rows,
-            "reference_tokens_per_s": ref_tps,
-            "load": _load_line(rows),
-            "seconds": time.time() - t0,
-        }
-        print(json.dumps(out, indent=1))
-        return 0
-    _print_table(rows, ref_tps, start)
-    if (line := _load_line(rows)) is not None:
-        print(line)
-    print(f"\n{time.time() - t0:.0f} s; runs in {root}")
-    return 0
 
 
 @contextlib.contextmanager
@@ -270,12 +348,17 @@ def _load_line(rows: list[dict[str, Any]]) -> str | None:
 
 def _plans(text: str) -> list[str]:
     """`--plans`: known names, in the order given."""
+    return _names(text, PLANS, "--plans")
+
+
+def _names(text: str, known: tuple[str, ...], flag: str) -> list[str]:
+    """A comma-separated list of `known` names, in the order given (at least one)."""
     from unbroken.errors import UserError
 
     names = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in names if p not in PLANS]
+    unknown = [p for p in names if p not in known]
     if unknown or not names:
-        raise UserError(f"--plans: unknown {', '.join(unknown)} (known: {', '.join(PLANS)})")
+        raise UserError(f"{flag}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     return names
 
 
@@ -290,22 +373,37 @@ def _policies(text: str) -> list[str]:
     return ["ours", *[p for p in POLICIES if p in names and p != "ours"]]
 
 
-def _print_table(rows: list[dict[str, Any]], ref_tps: dict[str, float], start: int) -> None:
+def _print_table(
+    rows: list[dict[str, Any]],
+    ref_tps: dict[str, float],
+    start: int,
+    calibration: dict[str, dict[str, Any]],
+) -> None:
     refs = ", ".join(f"{plan} {tps:.0f}" for plan, tps in ref_tps.items())
     print(f"fault-free references (tokens/s, iterations >= {start}): {refs}")
+    for plan, c in calibration.items():
+        f = c["factors"]
+        probe = (
+            f"probe factor {c['probe_factor']:g} cost {c['probe_loss']:.0%} unmitigated "
+            f"(stretched share {c['share']:.2f}); "
+            if c["probe_factor"] is not None
+            else ""
+        )
+        print(f"{plan}: {probe}medium factor {f['medium']:.2f}, severe {f['severe']:.2f}")
     print(
-        f"{'plan':10}{'scenario':10}{'policy':10}{'tokens/s':>10}{'vs ours':>9}{'reconfig s':>12}"
-        f"{'ckpt loads':>12}{'bit-exact':>11}"
+        f"{'plan':10}{'scenario':10}{'policy':10}{'tokens/s':>10}{'loss':>7}{'vs ours':>9}"
+        f"{'reconfig s':>12}{'ckpt loads':>12}{'bit-exact':>11}"
     )
     for r in rows:
         ratio = f"{r['ratio_to_ours']:.2f}" if r["ratio_to_ours"] is not None else "-"
         reconfig = f"{r['reconfig_s']:.2f}" if r["reconfig_s"] is not None else "-"
         print(
             f"{r['plan']:10}{r['scenario']:10}{r['policy']:10}{r['tokens_per_s']:>10.0f}"
-            f"{ratio:>9}{reconfig:>12}{r['ckpt_loads']:>12}{r['bit_exact']!s:>11}"
+            f"{r['loss']:>7.0%}{ratio:>9}{reconfig:>12}{r['ckpt_loads']:>12}"
+            f"{r['bit_exact']!s:>11}"
         )
-    if any(r["plan"].startswith("pp") for r in rows):
-        print(
-            "pipeline plan: a slow device is not re-planned yet (ours = none there); evict and "
-            "greyhound are data-parallel baselines, not run on it"
-        )
+    print(
+        "loss: tokens/s below the plan's fault-free reference (ResiHP's levels: medium 55 %, "
+        "severe 70 % unmitigated). Evict and greyhound are data-parallel baselines, not run on "
+        "the pipeline plan"
+    )
