@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -250,33 +252,62 @@ def _left_behind(session: int, marker: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_a_bad_input_is_refused_with_one_line_and_nothing_left_running(tmp_path, name):
-    setup, needle = CASES[name]
-    argv = setup(tmp_path)
+@dataclass(frozen=True)
+class _Refusal:
+    """What one case's command did: its exit status, stderr, whether it launched anything and
+    the processes it left behind (read as soon as it ended)."""
+
+    returncode: int
+    stderr: str
+    launched: bool
+    left: list[str]
+
+
+def _run_case(name: str, tmp: Path) -> _Refusal:
+    setup, _ = CASES[name]
+    argv = setup(tmp)
     proc = subprocess.Popen(
         [sys.executable, "-m", "unbroken", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own session: anything it starts stays findable
-        cwd=tmp_path,
+        cwd=tmp,
     )
     try:
-        _, stderr = proc.communicate(timeout=300)
+        _, stderr = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait()
-    assert proc.returncode == 2, stderr
+    launched = bool(list(tmp.rglob("events.jsonl")))
+    return _Refusal(proc.returncode, stderr, launched, _left_behind(proc.pid, str(tmp)))
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> dict[str, _Refusal]:
+    """Every case's command, two at a time (each is a process that mostly imports torch and
+    checks its input: on 2 cores the corpus takes about half as long); each in its own
+    folder and session, so what one leaves behind is never another's."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in sorted(CASES)}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(_run_case, name, d) for name, d in dirs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_bad_input_is_refused_with_one_line_and_nothing_left_running(refusals, name):
+    r = refusals[name]
+    stderr = r.stderr
+    assert r.returncode == 2, stderr
     assert "Traceback" not in stderr
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, stderr
     assert lines[0].startswith("unbroken"), lines[0]
     assert "error:" in lines[0]
-    assert needle in lines[0], lines[0]
-    assert not list(tmp_path.rglob("events.jsonl")), "something was launched"
-    assert _left_behind(proc.pid, str(tmp_path)) == []
+    assert CASES[name][1] in lines[0], lines[0]
+    assert not r.launched, "something was launched"
+    assert r.left == []
 
 
 def test_the_corpus_has_at_least_25_cases():
