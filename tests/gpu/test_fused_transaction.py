@@ -12,9 +12,8 @@ import torch
 from unbroken.config import DataConfig, JobConfig, ModelConfig, ProtectionConfig, TrainConfig
 from unbroken.engine.replica import build_training
 from unbroken.update import PlainUpdater
-from unbroken.update.layout import RetainedLayout
 from unbroken.update.marker import Stage
-from unbroken.update.rmu import state_from_regions
+from unbroken.update.rmu import local_allocator
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 PROT = ProtectionConfig(
@@ -35,19 +34,9 @@ def _noop(*args) -> None:
 
 def _build(prot: ProtectionConfig | None):
     regions: dict[str, torch.Tensor] = {}
-
-    def allocate(layout, geometry, d):
-        for spec in RetainedLayout.of(geometry, prot).regions():
-            if spec.name == "marker":
-                regions[spec.name] = torch.zeros(spec.nbytes, dtype=torch.uint8, pin_memory=True)
-            else:
-                regions[spec.name] = torch.zeros(spec.nbytes, dtype=torch.uint8, device=d)
-        return state_from_regions(layout, geometry, regions), True
-
+    allocate = local_allocator(prot, regions, pin_marker=True) if prot else None
     cfg = dataclasses.replace(CFG, protection=prot or PROT)
-    b = build_training(
-        cfg, n_shards=1, device=torch.device("cuda"), allocate=allocate if prot else None
-    )
+    b = build_training(cfg, n_shards=1, device=torch.device("cuda"), allocate=allocate)
     return b, regions
 
 

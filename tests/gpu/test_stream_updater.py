@@ -11,9 +11,9 @@ from unbroken.config import DataConfig, JobConfig, ModelConfig, ProtectionConfig
 from unbroken.engine.replica import build_training
 from unbroken.train.phases import Phase
 from unbroken.update import PlainUpdater
-from unbroken.update.layout import MARKER_PAGE, RetainedLayout
+from unbroken.update.layout import MARKER_PAGE
 from unbroken.update.marker import MARKER_BYTES, ProgressMarker, Stage
-from unbroken.update.rmu import ResumableUpdater, state_from_regions
+from unbroken.update.rmu import ResumableUpdater, local_allocator
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 PROT = ProtectionConfig(
@@ -35,14 +35,8 @@ def _noop(*args) -> None:
 def _build(protected: bool):
     dev = torch.device("cuda")
     regions: dict[str, torch.Tensor] = {}
-
-    def allocate(layout, geometry, d):
-        for spec in RetainedLayout.of(geometry, PROT).regions():
-            where = "cpu" if spec.name == "marker" else d
-            regions[spec.name] = torch.zeros(spec.nbytes, dtype=torch.uint8, device=where)
-        return state_from_regions(layout, geometry, regions), True
-
-    b = build_training(CFG, n_shards=1, device=dev, allocate=allocate if protected else None)
+    allocate = local_allocator(PROT, regions) if protected else None
+    b = build_training(CFG, n_shards=1, device=dev, allocate=allocate)
     return b, regions
 
 

@@ -60,3 +60,21 @@ def test_pages_past_the_segments_and_groups_belong_to_no_group():
     seg = layout.geometry.segment_pages
     assert layout.lost_by_group("grads", [seg], []) == {}  # past the gradient segment
     assert layout.lost_by_group("model", [], [layout.groups * layout.width]) == {}
+
+
+def test_a_local_allocator_holds_every_region_of_the_layout_in_this_process():
+    from unbroken.update.rmu import local_allocator
+
+    from ..optim._rig import PROT as RIG_PROT
+    from ..optim._rig import built
+
+    regions: dict = {}
+    b = built("adamw", allocate=local_allocator(RIG_PROT, regions))
+    specs = RetainedLayout.of(b.geometry, RIG_PROT).regions()
+    assert {s.name: s.nbytes for s in specs} == {n: r.numel() for n, r in regions.items()}
+    assert {r.device.type for r in regions.values()} == {"cpu"}
+    # The state's buffers are views of the retained model and grads regions.
+    n = b.geometry.padded_numel
+    assert b.state.params.data_ptr() == regions["model"].data_ptr()
+    assert b.state.grads.data_ptr() == regions["grads"].data_ptr()
+    assert b.state.params.numel() == n

@@ -322,18 +322,12 @@ def _build(
     from unbroken.train import Trainer
     from unbroken.update import PlainUpdater
     from unbroken.update.factory import resumable_updater
-    from unbroken.update.layout import RetainedLayout
-    from unbroken.update.rmu import state_from_regions
+    from unbroken.update.rmu import local_allocator
 
     regions: dict[str, torch.Tensor] = {}
 
-    def allocate(layout, geometry, dev):
-        prot = cfg.protection.resolved(device.type == "cuda")
-        for spec in RetainedLayout.of(geometry, prot).regions():
-            # The progress marker is host memory, as in a job (the state manager's).
-            where = "cpu" if spec.name == "marker" else dev
-            regions[spec.name] = torch.zeros(spec.nbytes, dtype=torch.uint8, device=where)
-        return state_from_regions(layout, geometry, regions), init_from is None
+    prot = cfg.protection.resolved(device.type == "cuda")
+    allocate = local_allocator(prot, regions, fresh=init_from is None)
 
     def plain_allocate(layout, geometry, dev):
         from unbroken.train.state import TrainState
@@ -347,7 +341,6 @@ def _build(
     if init_from is not None:  # the same initial parameters (padding differs by geometry)
         n = built.state.layout.numel
         built.state.params[:n].copy_(init_from[:n])
-    prot = cfg.protection.resolved(device.type == "cuda")
     if protected:
         inner = resumable_updater(built.state, built.geometry, built.step, regions, prot, kind=kind)
         inner.initialize(-1)

@@ -120,19 +120,10 @@ def _protected(cfg, device, prot):
     import torch
 
     from unbroken.engine.replica import build_training
-    from unbroken.update.layout import RetainedLayout
-    from unbroken.update.rmu import state_from_regions
+    from unbroken.update.rmu import local_allocator
 
     regions: dict[str, torch.Tensor] = {}
-
-    def allocate(layout, geometry, dev):
-        for spec in RetainedLayout.of(geometry, prot).regions():
-            if spec.name == "marker":
-                regions[spec.name] = torch.zeros(spec.nbytes, dtype=torch.uint8, pin_memory=True)
-            else:
-                regions[spec.name] = torch.zeros(spec.nbytes, dtype=torch.uint8, device=dev)
-        return state_from_regions(layout, geometry, regions), True
-
+    allocate = local_allocator(prot, regions, pin_marker=True)
     return build_training(cfg, n_shards=1, device=device, allocate=allocate), regions
 
 

@@ -46,7 +46,13 @@ from unbroken.update.marker import (
     Stage,
 )
 
-__all__ = ["NothingRetained", "RepairReport", "ResumableUpdater", "state_from_regions"]
+__all__ = [
+    "NothingRetained",
+    "RepairReport",
+    "ResumableUpdater",
+    "local_allocator",
+    "state_from_regions",
+]
 
 Hook = Callable[[Phase, int, int, int], None]
 
@@ -83,6 +89,31 @@ def state_from_regions(layout, geometry: StateGeometry, regions: dict[str, torch
     model = regions["model"][: 3 * n * 4].view(torch.float32)
     grads = regions["grads"][: n * 4].view(torch.float32)
     return TrainState(layout, model[:n], grads, model[n : 2 * n], model[2 * n :])
+
+
+def local_allocator(
+    prot: ProtectionConfig,
+    regions: dict[str, torch.Tensor],
+    *,
+    pin_marker: bool = False,
+    fresh: bool = True,
+) -> Callable:
+    """An `allocate` callback for `build_training` that holds the retained regions of `prot`'s
+    layout in this process — no state manager (benchmarks and tests): each on the training
+    device, the progress marker in host memory as in a job (page-locked if `pin_marker`),
+    stored by name into `regions`. `fresh`: whether the state starts from its initial
+    values."""
+
+    def allocate(layout, geometry: StateGeometry, device):
+        for spec in RetainedLayout.of(geometry, prot).regions():
+            if spec.name == "marker":
+                region = torch.zeros(spec.nbytes, dtype=torch.uint8, pin_memory=pin_marker)
+            else:
+                region = torch.zeros(spec.nbytes, dtype=torch.uint8, device=device)
+            regions[spec.name] = region
+        return state_from_regions(layout, geometry, regions), fresh
+
+    return allocate
 
 
 class ResumableUpdater:
