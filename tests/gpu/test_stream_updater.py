@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unbroken.config import DataConfig, JobConfig, ModelConfig, ProtectionConfig, TrainConfig
 from unbroken.engine.replica import build_training
 from unbroken.train.phases import Phase
 from unbroken.update import PlainUpdater
@@ -15,21 +14,8 @@ from unbroken.update.layout import MARKER_PAGE
 from unbroken.update.marker import MARKER_BYTES, ProgressMarker, Stage
 from unbroken.update.rmu import ResumableUpdater, local_allocator
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-PROT = ProtectionConfig(
-    page_bytes=1 << 16, stripe_pages=4, chunk_bytes=1 << 14, parity_pages=3, second_tier_pages=1
-)
-CFG = JobConfig(
-    model=ModelConfig(preset="small"),
-    data=DataConfig(tokens_per_microbatch=256, microbatches=1, max_documents=50),
-    train=TrainConfig(iterations=4, device="cuda", precision="fp32"),
-    protection=PROT,
-)
-LR, SCALE = 1e-3, 0.7
-
-
-def _noop(*args) -> None:
-    return None
+from ._updater_rig import CFG, LR, PROT, SCALE, cuda
+from ._updater_rig import noop as _noop
 
 
 def _build(protected: bool):
