@@ -93,11 +93,57 @@ def _slow(rank: int, factor: float = 4.0) -> DetectionEvent:
     )
 
 
-def test_a_slow_device_of_a_one_replica_pipeline_is_not_planned_around(tmp_path):
+def test_a_slow_device_of_a_one_replica_pipeline_is_not_planned_around_without_retained_state(
+    tmp_path,
+):
     adapt, _ = _adapt(tmp_path)
     assert adapt.on_fail_slow(_slow(1, 2.0)) is False
     (skip,) = _events(tmp_path, "replan_skipped")
-    assert "live reshard) is not built" in skip["reason"]
+    assert "recovery.mode = inplace" in skip["reason"] and not adapt.restarts
+
+
+def _moving(tmp_path, dp=1, pp=4, layers=8, iterations=None):
+    events = JsonlLog(tmp_path / "events.jsonl", run="t")
+    said: list[str] = []
+    plan = make_plan(dp, pp, 1, layers, 4)
+    return PipelineAdaptation(
+        plan, events, said.append, moves_layers=True, iterations=iterations
+    ), said
+
+
+def test_a_slow_stage_of_a_one_replica_pipeline_gives_layers_away_at_a_planned_stop(tmp_path):
+    adapt, said = _moving(tmp_path)
+    launch = adapt.plan
+    assert adapt.on_fail_slow(_slow(1, 3.0), iter_s=0.2) is True
+    # Decided, not adopted: the running generation stops first (`restarts`).
+    assert adapt.restarts and adapt.plan == launch and "moves layers" in said[-1]
+    assert _events(tmp_path, "replan") == []
+    assert adapt.on_fail_slow(_slow(2, 3.0)) is False  # one move at a time
+    world = adapt.next_world()
+    assert world is not None and world.devices == (0, 1, 2, 3) and world.epoch == 1
+    assert adapt.reshard == launch and not adapt.relayout and not adapt.restarts
+    new = ParallelPlan.from_dict(adapt.spec_fields()["plan"])
+    layers = [g.layers for g in new.replicas[0].stages]
+    assert layers[1][1] - layers[1][0] < 2 and layers[0][0] == 0 and layers[-1][1] == 8
+    (replan,) = _events(tmp_path, "replan")
+    assert replan["restore"] == "reshard" and replan["trigger"]["rank"] == 1
+    assert replan["predicted_after"] < replan["predicted_before"]
+    assert "layers per stage" in said[-1]
+    # The slow mark stays: the same report again finds nothing better.
+    assert adapt.on_fail_slow(_slow(1, 3.0)) is False
+    assert adapt.replans == 1
+
+
+def test_a_dp_x_pp_job_moves_layers_only_when_the_iterations_left_pay_for_the_restart(tmp_path):
+    # Replica 0's first stage at 1/6 speed: moving its layer beats moving micro-batches alone
+    # by ~13 % of a 0.2 s iteration, i.e. ~5 ms an iteration.
+    for left, moves in ((1000, True), (20, False)):
+        adapt, _ = _moving(tmp_path / str(left), dp=2, pp=2, layers=4, iterations=5 + left)
+        assert adapt.on_fail_slow(_slow(0, 6.0), iter_s=0.2) is True
+        assert adapt.restarts is moves, left
+        if not moves:  # kept every rank's layers: the live switch
+            (replan,) = _events(tmp_path / str(left), "replan")
+            assert replan["restore"] == "live"
 
 
 def test_a_slow_device_of_a_dp_x_pp_job_moves_microbatches_and_keeps_every_ranks_layers(

@@ -165,7 +165,8 @@ class Injector:
     def _matches(self, fault: FaultSpec, phase: Phase, it: int, step: int, n: int) -> bool:
         if fault.at_s is not None:
             return time.time() - self.job_t0 >= fault.at_s
-        at = it >= fault.iteration if fault.kind is FaultKind.FLAKY else it == fault.iteration
+        later = fault.kind is FaultKind.FLAKY or fault.phase is Phase.MOVE
+        at = it >= fault.iteration if later else it == fault.iteration
         if fault.step is None and phase is Phase.MARKER:
             # The update's first commit write: SYNCED after its first chunk transaction, or
             # IDLE when it has only one (a small state in 2 MiB GPU pages); SYNCED alone

@@ -225,10 +225,8 @@ class RankSession:
     def attach(self) -> None:
         """The retained state (in-place recovery), the fault injector, and the executor built
         once on the retained buffers (attaching maps them and localizes lost pages first)."""
-        import torch
 
         from unbroken.inject import Injector, parse_fault
-        from unbroken.launch.executor import build_executor
         from unbroken.recovery import RestoreMode
 
         spec, cfg, rank = self.spec, self.cfg, self.rank
@@ -240,8 +238,9 @@ class RankSession:
                 spec.state_sockets[str(rank)], timeout_s=60, generation=spec.generation
             )
             # A generation that restarts from a checkpoint may run another plan than the one
-            # this device's regions were made for: they take the new geometry.
-            relayout = spec.restore is not RestoreMode.IN_PLACE
+            # this device's regions were made for: they take the new geometry. One that moves
+            # the state (RESHARD) attaches them as they are first (`restore`).
+            relayout = spec.restore not in (RestoreMode.IN_PLACE, RestoreMode.RESHARD)
             self.retained = RetainedState(cfg, client, relayout=relayout)
         job_t0 = self.store.job_t0(time.time() if rank == 0 else None)
         faults = [parse_fault(f) for f in cfg.inject]
@@ -250,27 +249,10 @@ class RankSession:
         device_id = spec.device_of(rank)
         self.injector = Injector(faults, device_id, self.store, self.events.emit, job_t0)
         self.injector.device = self.device
-        autocast = None
-        if self.device.type == "cuda" and cfg.train.precision in ("auto", "bf16"):
-            autocast = torch.bfloat16
-        # The heartbeat first: it records the phase a failure (an injected one too) happened in.
-        hooks = ([self.hb] if self.hb else []) + [self.injector]
-        self.executor = build_executor(
-            cfg,
-            rank=rank,
-            group=self.group,
-            device=self.device,
-            retained=self.retained,
-            hooks=hooks,
-            autocast=autocast,
-            search=spec.search_path,
-            placement=spec.data_placement(),
-            plan=spec.engine_plan(),
-        )
-        self.injector.bitflip_target = self.executor.state.params
-        if self.retained is not None:
-            self.injector.page_loss = self.retained.page_loss_target(self.executor.geometry)
-            self.injector.release_retained = self.retained.client.shutdown
+        # The state the devices hold first: a generation that moves it starts on the plan before.
+        plan = spec.engine_plan_before() if spec.restore is RestoreMode.RESHARD else None
+        self.executor = self._build_executor(plan or spec.engine_plan())
+        self._arm()
         if spec.device_registry:
             from unbroken.inject import DeviceRegistry
 
@@ -283,20 +265,50 @@ class RankSession:
         self.rendezvous.forget()
         self._enter(SessionStage.ATTACHED)
 
-    def restore(self) -> int | None:
-        """The state as the spec's `RestoreMode` says; the first iteration to run, or None when
-        it cannot be resumed in place (the process then exits `RankExit.FALLBACK`)."""
-        from unbroken.checkpoint.policy import CheckpointPolicy
-        from unbroken.launch.restore import restore_state
+    def _build_executor(self, plan) -> Any:
+        """This rank's executor of `plan` (None: the config's) on `self.retained`, with the
+        heartbeat and the injector at every phase."""
+        import torch
 
-        spec, cfg, rank = self.spec, self.cfg, self.rank
+        from unbroken.launch.executor import build_executor
+
+        spec, cfg = self.spec, self.cfg
+        autocast = None
+        if self.device.type == "cuda" and cfg.train.precision in ("auto", "bf16"):
+            autocast = torch.bfloat16
+        # The heartbeat first: it records the phase a failure (an injected one too) happened in.
+        hooks = ([self.hb] if self.hb else []) + [self.injector]
+        return build_executor(
+            cfg,
+            rank=self.rank,
+            group=self.group,
+            device=self.device,
+            retained=self.retained,
+            hooks=hooks,
+            autocast=autocast,
+            search=spec.search_path,
+            placement=spec.data_placement(),
+            plan=plan,
+        )
+
+    def _arm(self) -> None:
+        """Point the injector's state faults at the executor's buffers."""
+        self.injector.bitflip_target = self.executor.state.params
+        if self.retained is not None:
+            self.injector.page_loss = self.retained.page_loss_target(self.executor.geometry)
+            self.injector.release_retained = self.retained.client.shutdown
+
+    def _checkpoint_policy(self) -> Any:
+        from unbroken.checkpoint.policy import CheckpointPolicy
+
+        spec, cfg = self.spec, self.cfg
         root = cfg.checkpoint.dir or Path(spec.run_dir) / "checkpoints" / spec.run_name
-        self.checkpoints = CheckpointPolicy(
+        return CheckpointPolicy(
             cfg.checkpoint,
             Path(root),
             iterations=cfg.train.iterations,
             board=self.store,
-            rank=rank,
+            rank=self.rank,
             group=self.group,
             emit=self.events.emit,
             shard=self.executor.checkpoint_shard,
@@ -304,9 +316,21 @@ class RankSession:
             reshard=self.executor.reshard,
             rng_seed=cfg.train.seed,
         )
+
+    def restore(self) -> int | None:
+        """The state as the spec's `RestoreMode` says; the first iteration to run, or None when
+        it cannot be resumed in place (the process then exits `RankExit.FALLBACK`)."""
+        import dataclasses
+
+        from unbroken.launch.restore import restore_state
+        from unbroken.recovery import RestoreMode
+
+        spec, rank = self.spec, self.rank
+        moves = spec.restore is RestoreMode.RESHARD
+        self.checkpoints = self._checkpoint_policy()
         start = restore_state(
-            spec=spec,
-            cfg=cfg,
+            spec=dataclasses.replace(spec, restore=RestoreMode.IN_PLACE) if moves else spec,
+            cfg=self.cfg,
             rank=rank,
             executor=self.executor,
             retained=self.retained,
@@ -317,6 +341,8 @@ class RankSession:
         )
         if start is None:
             return None
+        if moves:
+            self._move_state(start)
         self.injector.checkpoint_root = self.checkpoints.root
         if rank == 0:
             self.events.emit(
@@ -328,6 +354,48 @@ class RankSession:
             )
         self._enter(SessionStage.RESTORED)
         return start
+
+    def _move_state(self, start: int) -> None:
+        """RESHARD: the state, restored in place under the plan before, moves to the spec's
+        plan between the ranks (`unbroken.launch.relayout`); the executor, the regions and the
+        checkpoint policy are the new plan's from here."""
+        import gc
+
+        from unbroken.launch.relayout import copy_out, move_state
+        from unbroken.launch.retained import RetainedState
+
+        spec = self.spec
+        t0 = time.perf_counter()
+        held = copy_out(self.executor)
+        copy_s = time.perf_counter() - t0
+        client = self.retained.client
+        # Nothing may keep the old regions mapped: the new geometry's replace them.
+        self.executor = self.retained = self.checkpoints = None
+        self.injector.bitflip_target = self.injector.page_loss = None
+        gc.collect()
+        self.retained = RetainedState(self.cfg, client, relayout=True)
+        old_plan, new_plan = spec.engine_plan_before(), spec.engine_plan()
+        self.executor, times = move_state(
+            cfg=self.cfg,
+            old_plan=old_plan,
+            new_plan=new_plan,
+            held=held,
+            build_new=lambda: self._build_executor(new_plan),
+            group=self.group,
+            start=start,
+            copy_s=copy_s,
+        )
+        self._arm()
+        self.checkpoints = self._checkpoint_policy()
+        self.events.emit(
+            "state_moved",
+            rank=self.rank,
+            generation=spec.generation,
+            iter=start,
+            before=old_plan.stage_records(),
+            after=new_plan.stage_records(),
+            **times.to_dict(),
+        )
 
     def train(self, start: int) -> None:
         """The generation's iterations, then the final state hash (rank 0 writes it)."""

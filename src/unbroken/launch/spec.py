@@ -45,6 +45,9 @@ class GenerationSpec:
     """The engine plan this generation runs (`unbroken.parallel.ParallelPlan.to_dict`, ranks of
     this world); None: the config's (`engine.build.job_plan`). A pipeline job that lost a
     device runs a smaller one (issue 18)."""
+    plan_before: dict[str, Any] | None = None
+    """With `restore` RESHARD: the plan whose layout the devices' retained state holds (ranks of
+    this world, the same devices); the trainers move their state from it to `plan`."""
     device_registry: str = ""
     """The directory of the devices' health on CPU ranks (`unbroken.devices`)."""
 
@@ -67,6 +70,14 @@ class GenerationSpec:
         from unbroken.parallel import ParallelPlan
 
         return ParallelPlan.from_dict(self.plan)
+
+    def engine_plan_before(self):
+        """`plan_before` as a `ParallelPlan` (None without one)."""
+        if self.plan_before is None:
+            return None
+        from unbroken.parallel import ParallelPlan
+
+        return ParallelPlan.from_dict(self.plan_before)
 
     @property
     def resume(self) -> bool:

@@ -12,6 +12,12 @@ reconfiguration is split by the run's events: stop (the failed generation torn d
 repair (the slowest rank's in-place repair, part of start) — and `reconfig_s`, from the
 detection to the first iteration on the survivors (detection excluded).
 
+A re-plan that moves layers (`restore` "reshard") is split the same way from the planned stop
+the coordinator ordered when it decided it: stop, start (up to `trainer_ready`, the move
+included), move (the slowest rank's copy out of retained memory, build of the new plan's
+executor, exchange and parity, `state_moved`) and `reconfig_s` to the first iteration on the
+new plan.
+
 The fault-free reference does not replay the plan changes: a job that re-plans reduces its
 gradients in micro-batch order ([Note: ordered reduction] in `unbroken.train.ordered`), so
 its bits do not depend on the placement and it is audited against the original plan.
@@ -82,6 +88,35 @@ def _reconfig(
     }
 
 
+def _moved(
+    events: list[dict[str, Any]], metrics: list[dict[str, Any]], replan: dict[str, Any]
+) -> dict[str, float | None]:
+    """Seconds of a re-plan that moved layers, by step (see the module docstring)."""
+    stops = [
+        e
+        for e in events
+        if e["kind"] == "state" and e["new"] == "stopping" and e["t"] <= replan["t"]
+    ]
+    if not stops:
+        return {}
+    t_stop = stops[-1]["t"]
+    ready = next(
+        (e for e in events if e["kind"] == "trainer_ready" and e["t"] >= replan["t"]), None
+    )
+    gen = ready["generation"] if ready else None
+    moved = [e for e in events if e["kind"] == "state_moved" and e["generation"] == gen]
+    steps = ("copy_s", "build_s", "transfer_s", "parity_s")
+    first = next((m for m in metrics if m["t_start"] >= replan["t"]), None)
+    return {
+        "stop_s": replan["t"] - t_stop,
+        "start_s": (ready["t"] - replan["t"]) if ready else None,
+        "move_s": max(sum(e[k] for k in steps) for e in moved) if moved else None,
+        "transfer_s": max(e["transfer_s"] for e in moved) if moved else None,
+        "moved_bytes": sum(e["bytes_in"] for e in moved) if moved else None,
+        "reconfig_s": (first["t_start"] - t_stop) if first else None,
+    }
+
+
 def replan_records(
     events: list[dict[str, Any]], metrics: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -105,11 +140,14 @@ def replan_records(
             "predicted_after_s": r.get("predicted_after_s"),
             "plan_s": r["plan_s"],
             "switch_s": applied.get("switch_s") if applied else None,
+            "restore": r.get("restore"),
         }
         if it is not None:
             row["measured_before"] = _measure(rows, range(it - WINDOW, it))
             row["measured_after"] = _measure(rows, range(it + 1, it + 1 + WINDOW))
         if r["trigger"]["kind"] == "device_lost":
             row.update(_reconfig(events, metrics, r))
+        elif r.get("restore") == "reshard":
+            row.update(_moved(events, metrics, r))
         out.append(row)
     return out

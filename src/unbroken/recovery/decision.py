@@ -55,6 +55,11 @@ class RestoreMode(enum.StrEnum):
     CHECKPOINT = "ckpt_restart"
     """The newest complete checkpoint (or the initial state when there is none), recomputing
     what came after it: the baseline, and the fallback."""
+    RESHARD = "reshard"
+    """A planned re-plan that moves layers between the ranks (issue 18): reattach the retained
+    state of the plan the devices ran before (`GenerationSpec.plan_before`), bring it to one
+    boundary in place, then move parameters and optimizer moments to the new plan's layout
+    between the ranks (`unbroken.launch.relayout`); no checkpoint."""
 
 
 class RankExit(enum.IntEnum):

@@ -38,6 +38,11 @@ class Phase(enum.StrEnum):
     """After the last gradient all-reduce bucket: gradients averaged over the replicas (not
     fired without replicas: there is no all-reduce)."""
     BOUNDARY = "boundary"
+    MOVE = "move"
+    """A generation moving the state to a new plan's layout (`unbroken.launch.relayout`), at
+    the iteration it will start with: step 0 before the ranks exchange it, step 1 before its
+    parity is written. A fault with `phase=move,iter=I` fires at the first move at or after I
+    (when a re-plan moves layers depends on when the detector reports)."""
 
 
 class PhaseHook(Protocol):

@@ -191,6 +191,11 @@ class Adaptation:
         of them are outside the running world."""
         return bool(self.returned) and not self.lost
 
+    @property
+    def restarts(self) -> bool:
+        """Whether the running generation should stop for the next (the world grows back)."""
+        return self.grows
+
     def next_world(self, iter_s: float | None = None) -> NewWorld | None:
         """At a generation start: the world without the lost devices, or the launch world once
         returned devices complete it (None: unchanged).

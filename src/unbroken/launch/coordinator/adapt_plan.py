@@ -21,12 +21,19 @@ replicas. A pipeline job at TP 1 (`parallel.pp` > 1) is re-planned here:
   it; a plan predicted `adapt.min_gain` faster is published in the job store and every rank
   switches to it at the same iteration boundary (`unbroken.launch.switch`), on its own state.
 
+- **A slow device, layers moved** (`moves_layers`: the job retains its state; one replica, or
+  a DP x PP job whose scheduler's plan with layer repartition (ResiHP §6.2) is predicted
+  `adapt.min_gain` faster than the best plan that keeps every rank's layers): the plan is
+  adopted at a planned stop (`restarts`), and the next generation runs it on the same devices
+  in `RestoreMode.RESHARD`: each rank reattaches its retained state of the plan before,
+  brings it to the boundary in place, and the ranks move parameters and optimizer moments to
+  the new layout between them (`unbroken.launch.relayout`), no checkpoint.
+
 The plan of a lost device travels in the generation spec (`GenerationSpec.plan`), its ranks
 numbered 0..n-1 in the survivors' device order. A slow device at full speed again (`on_recovered`: the
 fail-slow watch compares it with its stages' holders in the other replicas) gets its
-micro-batches back, live, the same way. What is not built here, and said so in the
-`replan_skipped` events: a one-replica pipeline around a slow device (moving layers needs the
-live reshard).
+micro-batches back, live, the same way; a one-replica pipeline has no such holders, so its
+moved layers stay where they are.
 
 Decisions, the event log and the job store's plan key: no processes, no sockets of its own.
 """
@@ -70,6 +77,26 @@ _LIVE = PlannerConfig(exclusion=False, repartition=False)
 micro-batch ownership and stage migrations between replicas (ResiHP §6.3), which keep every
 rank's layers and state. Excluding the device or moving layers needs the live reshard."""
 
+MOVE_MARGIN = 0.03
+"""A plan that moves layers must be predicted this much faster than the best that keeps them
+(the model's error on a CPU job: a layer's cost is taken as equal everywhere)."""
+
+MOVE_COST_S = 1.0
+"""What a planned stop that moves layers is taken to cost, in seconds of training: the stop,
+the new generation's start with its shadows and the move (0.5 s measured on 2 CPU ranks,
+`tests/adapt/test_live_repartition.py`; the L3 start of a 1b rank on an H200 is about 1 s).
+
+[Note: when to move layers] Moving layers costs a generation restart; keeping them costs
+nothing now but leaves the iteration slower. The coordinator moves them when the predicted
+saving over the iterations the job has left — (keep - move) / healthy x the measured healthy
+iteration x iterations left — exceeds `MOVE_COST_S`, and the plan is `MOVE_MARGIN` faster than
+the best that keeps the layers; with one replica nothing else helps, and the gain rule
+(`adapt.min_gain`) alone decides."""
+
+_MOVE = PlannerConfig(exclusion=False)
+"""The same plus layer repartition (ResiHP §6.2): layers move between the stages of a replica,
+so the ranks' state moves with them (a planned restart in `RestoreMode.RESHARD`)."""
+
 
 class PipelineAdaptation:
     """The `Adaptation` interface for a pipeline job. Args: plan (the launch plan, ranks =
@@ -85,8 +112,16 @@ class PipelineAdaptation:
         say: Callable[[str], None],
         store: JobStore | None = None,
         adapt: AdaptConfig | None = None,
+        *,
+        moves_layers: bool = False,
+        iterations: int | None = None,
     ) -> None:
         self.plan, self.events, self.say = plan, events, say
+        self.moves_layers = moves_layers
+        """Whether a slow device may be planned around by moving layers (the job retains its
+        state, so the moved layers come from the ranks' retained buffers)."""
+        self.iterations = iterations
+        """The job's iterations (how long a faster plan pays back; None: unknown)."""
         self.store, self.adapt = store, adapt or AdaptConfig(enabled=True)
         self.devices: tuple[int, ...] = tuple(sorted(plan.ranks))
         """rank -> device, of the running world."""
@@ -104,6 +139,11 @@ class PipelineAdaptation:
         self.relayout = False
         """The plan of the next generation differs from the one the survivors' state holds:
         they start from a checkpoint (read and cleared by the coordinator)."""
+        self.reshard: ParallelPlan | None = None
+        """The plan the survivors' state holds when the next generation moves it to the new
+        plan's layout itself (`RestoreMode.RESHARD`; read and cleared by the coordinator)."""
+        self._moving: tuple[PlanResult, ParallelPlan, dict, float | None] | None = None
+        """A fail-slow re-plan that moves layers, waiting for the planned stop."""
 
     # -- reports ----------------------------------------------------------------------------
     def note_lost(self, device: int, reason: str) -> None:
@@ -123,6 +163,12 @@ class PipelineAdaptation:
         some of them are outside the running world."""
         return bool(self.returned) and not self.lost and self.devices != self.launch_devices
 
+    @property
+    def restarts(self) -> bool:
+        """Whether the running generation should stop for the next (a planned stop, not a
+        failure): the world grows back, or a re-plan moves layers."""
+        return self.grows or self._moving is not None
+
     def on_fail_slow(self, event: DetectionEvent, iter_s: float | None = None) -> bool:
         """A validated fail-slow report (rank of the running world, measured factor): publish
         the scheduler's plan that moves micro-batches off the slow replica — every rank keeps
@@ -131,26 +177,55 @@ class PipelineAdaptation:
         trigger, device = fail_slow_trigger(event, self.devices)
         if device is None:
             return self._skip(trigger, "the report names no rank of the running world")
-        if self.plan.dp == 1:
+        if self.plan.dp == 1 and not self.moves_layers:
             return self._skip(
                 trigger,
-                "a pipeline of one replica has no replica to move micro-batches to, and moving "
-                "layers off a slow stage in a running job (live reshard) is not built",
+                "a pipeline of one replica has no replica to move micro-batches to, and its "
+                "layers move only when the job retains its state (recovery.mode = inplace)",
             )
+        if self._moving is not None:
+            return self._skip(trigger, "a re-plan that moves layers is waiting for its stop")
         if self.replans >= self.adapt.max_replans:
             return self._skip(trigger, f"adapt.max_replans = {self.adapt.max_replans} reached")
         self.state = self.state.apply(event)
-        result = plan_for_state(self.state, _LIVE)
+        result, moves = self._best_plan(event.iteration, iter_s)
         gain = 1.0 - result.predicted_s / result.current_s
         if result.kept_current or gain < self.adapt.min_gain:
             return self._skip(
                 trigger, f"predicted gain {gain:.1%} < adapt.min_gain {self.adapt.min_gain:.0%}"
             )
         plan = result.plan()
-        if not _keeps_stages(self.plan, self.devices, plan, self.devices):
-            return self._skip(trigger, "the scheduler's plan moves layers: not built live")
+        if moves:
+            self.replans += 1
+            self._moving = (result, plan, trigger, iter_s)
+            self.say(
+                f"re-plan ({trigger['kind']}, rank {trigger['rank']} {trigger['factor']:.2f}x): "
+                "moves layers; stopping at the next boundary to move the state"
+            )
+            return True
         self._adopt_live(result, plan, trigger, iter_s)
         return True
+
+    def _best_plan(self, iteration: int | None, iter_s: float | None) -> tuple[PlanResult, bool]:
+        """The scheduler's plan for the current state and whether it moves layers: the best
+        plan that keeps every rank's layers, unless moving layers is allowed and saves more
+        than the planned restart costs over the iterations left ([Note: when to move layers])."""
+        keep = plan_for_state(self.state, _LIVE)
+        if not self.moves_layers:
+            return keep, False
+        move = plan_for_state(self.state, _MOVE)
+        if move.kept_current or _keeps_stages(self.plan, self.devices, move.plan(), self.devices):
+            return keep, False
+        if keep.kept_current:  # nothing else helps (one replica): the gain rule decides
+            return move, True
+        if move.predicted_s >= keep.predicted_s * (1.0 - MOVE_MARGIN):
+            return keep, False
+        if iter_s is None or iteration is None or self.iterations is None:
+            better = move.predicted_s < keep.predicted_s * (1.0 - self.adapt.min_gain)
+            return (move, True) if better else (keep, False)
+        left = max(0, self.iterations - iteration - 1)
+        saved_s = (keep.predicted_s - move.predicted_s) / self.healthy_s * iter_s * left
+        return (move, True) if saved_s > MOVE_COST_S else (keep, False)
 
     def _adopt_live(
         self,
@@ -158,14 +233,17 @@ class PipelineAdaptation:
         plan: ParallelPlan,
         trigger: dict,
         iter_s: float | None,
+        restore: str = "live",
     ) -> None:
-        """Make `plan` the running one: publish it for the boundary switch, log `replan`."""
+        """Make `plan` the running one: publish it for the boundary switch (`restore` "live";
+        "reshard": the next generation runs it), log `replan`."""
         before = self.plan
         self.plan, self.state = plan, self.state.with_plan(plan)
-        self.replans += 1
         self.epoch += 1
-        if self.store is not None:
-            self.store.publish_placement(self.epoch, json.dumps({"plan": plan.to_dict()}))
+        if restore == "live":
+            self.replans += 1  # a re-plan that moves layers was counted when it was decided
+            if self.store is not None:
+                self.store.publish_placement(self.epoch, json.dumps({"plan": plan.to_dict()}))
         scale = iter_s / self.healthy_s if iter_s else None
         self.events.emit(
             "replan",
@@ -183,12 +261,16 @@ class PipelineAdaptation:
             predicted_before_s=result.current_s * scale if scale else None,
             predicted_after_s=result.predicted_s * scale if scale else None,
             plan_s=result.planning_s,
-            restore="live",
+            restore=restore,
             explain=result.explain(),
         )
+        moved = ""
+        if restore == "reshard":
+            stages = [[list(g.layers) for g in rep.stages] for rep in plan.replicas]
+            moved = f"layers per stage {stages} (state moved between the ranks), "
         self.say(
             f"re-plan ({trigger['kind']}, rank {trigger['rank']} {trigger['factor']:.2f}x): "
-            "micro-batches per "
+            f"{moved}micro-batches per "
             f"replica {list(before.microbatches)} -> {list(plan.microbatches)}, "
             f"{len(plan.migrations)} stage migration(s); predicted iteration "
             f"{result.predicted_s / self.healthy_s:.2f}x the fault-free one, was "
@@ -234,6 +316,9 @@ class PipelineAdaptation:
             NoPlanError: no device is left.
         """
         gone = [d for d in self.devices if d in self.lost]
+        if not gone and self._moving is not None:
+            return self._move_layers()
+        self._moving = None  # a lost device is planned around from scratch
         if not gone:
             return self._grow() if self.grows else None
         t0 = time.perf_counter()
@@ -258,6 +343,16 @@ class PipelineAdaptation:
             f"{list(self.devices)}, {before.dp} x {before.pp} -> {self.plan.dp} x {self.plan.pp} "
             f"(replicas x stages) stages {stages}, {source}"
         )
+        return NewWorld(self.devices, None, self.epoch)
+
+    def _move_layers(self) -> NewWorld:
+        """The decided re-plan that moves layers, on the same devices: the next generation
+        moves the ranks' retained state to its layout (`reshard`: the plan it holds now)."""
+        assert self._moving is not None
+        result, plan, trigger, iter_s = self._moving
+        self._moving = None
+        self.reshard = self.plan
+        self._adopt_live(result, plan, trigger, iter_s, restore="reshard")
         return NewWorld(self.devices, None, self.epoch)
 
     def _adopt_world(

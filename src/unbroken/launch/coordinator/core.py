@@ -96,7 +96,16 @@ def _adaptation(
 
     plan = job_plan(cfg, search)
     assert plan is not None  # planned
-    return PipelineAdaptation(plan, events, monitor.say, store, cfg.adapt)
+    moves_layers = cfg.recovery.mode == "inplace" and cfg.adapt.policy == "resihp"
+    return PipelineAdaptation(
+        plan,
+        events,
+        monitor.say,
+        store,
+        cfg.adapt,
+        moves_layers=moves_layers,
+        iterations=cfg.train.iterations,
+    )
 
 
 def _machine(cfg: JobConfig, world_size: int, retains_state: bool) -> RecoveryMachine:
@@ -176,6 +185,8 @@ class CoordinatorCore:
         self._crash_loops = CrashLoopWatch()
         """rank -> (node, its exit) of start-up failures held in the window."""
         self._held_until: float | None = None
+        self._reshard_gen: int | None = None  # the last generation started in RESHARD mode
+        self._reshard_progressed = False  # a failure of it reported a completed iteration
 
     # -- nodes ----------------------------------------------------------------------------
     def handle(self, node: int, msg: Message) -> None:
@@ -281,7 +292,7 @@ class CoordinatorCore:
             "node_returned", node=node, pid=hello.pid, host=hello.host, devices=devices
         )
         self.monitor.say(f"node {node} returned ({hello.host}): devices {devices} offered")
-        self._grow_pending = self.adapt.grows
+        self._grow_pending = self.adapt.restarts
         self._grow()
         return True
 
@@ -295,7 +306,7 @@ class CoordinatorCore:
         self.events.emit("spare_joined", node=node, pid=hello.pid, host=hello.host)
         self.monitor.say(f"node {node} joined as a spare ({hello.host})")
         if self._use_spare():
-            self._grow_pending = self.adapt is not None and self.adapt.grows
+            self._grow_pending = self.adapt is not None and self.adapt.restarts
             self._grow()
 
     def _use_spare(self) -> bool:
@@ -323,10 +334,14 @@ class CoordinatorCore:
         return True
 
     def _grow(self) -> None:
-        """Stop the running generation for the larger world, once it runs."""
+        """Stop the running generation for the next world (a larger one, or a plan that moves
+        layers), once it runs."""
         if not self._grow_pending:
             return
-        action = self.fsm.on_grow("devices returned: re-plan onto the larger world")
+        reason = "devices returned: re-plan onto the larger world"
+        if self.adapt is not None and not self.adapt.grows:
+            reason = "re-plan moves layers: the next generation moves the state"
+        action = self.fsm.on_grow(reason)
         if action is not None:
             self._grow_pending = False
             self.execute(action)
@@ -351,8 +366,8 @@ class CoordinatorCore:
         if started >= set(self.live_nodes):
             self.fsm.on_started(msg.generation)
             self._log_transitions()
-            if self.adapt is not None and not self.adapt.grows:
-                self._grow_pending = False  # this generation already runs the larger world
+            if self.adapt is not None and not self.adapt.restarts:
+                self._grow_pending = False  # this generation already runs the next world
             self._grow()
 
     def _stopped_on(self, node: int, msg: Stopped) -> None:
@@ -506,7 +521,10 @@ class CoordinatorCore:
             self._log_fail_stop(event, progressed, phase)
         elif self.adapt is not None and self.fsm.state is RecoveryState.RUNNING:
             acted = self.adapt.on_fail_slow(event, self._healthy_iter_s(event.iteration))
-            if acted and self.adapt.plan is not None:  # a pipeline's live plan: watch it
+            if acted and self.adapt.restarts:  # layers move: at a planned stop
+                self._grow_pending = True
+                self._grow()
+            elif acted and self.adapt.plan is not None:  # a pipeline's live plan: watch it
                 self.monitor.slow_watch.reset(len(self.devices), self.adapt.plan, same_ranks=True)
             if acted and self.adapt.evicts:
                 self.execute(
@@ -585,6 +603,8 @@ class CoordinatorCore:
             **common,
         )
         self._last_failure_t = event.t
+        if event.generation == self._reshard_gen and progressed:
+            self._reshard_progressed = True
         # A lost device explains its failure: not a stall of the job's crash-loop rule.
         explained = injected is not None or event.cause == FailStopCause.DEVICE_LOST
         self.fsm.note_progress(progressed=progressed, injected=explained)
@@ -615,7 +635,9 @@ class CoordinatorCore:
             return {}
         return {str(r): self._socket(d) for r, d in enumerate(self.devices)}
 
-    def write_spec(self, generation: int, restore: RestoreMode) -> Path:
+    def write_spec(
+        self, generation: int, restore: RestoreMode, plan_before: dict | None = None
+    ) -> Path:
         spec = GenerationSpec(
             config=to_dict(self.cfg),
             run_dir=str(self.run_dir),
@@ -631,6 +653,7 @@ class CoordinatorCore:
             debug=self.debug,
             devices=list(self.devices),
             **(self.adapt.spec_fields() if self.adapt else {}),
+            plan_before=plan_before,
             device_registry=str(self.registry),
         )
         path = self.run_dir / "specs" / f"{self.run_name}-gen{generation}.json"
@@ -664,6 +687,33 @@ class CoordinatorCore:
         self.monitor.slow_watch.reset(len(world.devices), self.adapt.plan)
         return True
 
+    def _restore_for(self, action: Start, changed: bool) -> tuple[Start, dict | None]:
+        """How the generation of `action` obtains its state when the world or plan changed,
+        and the plan its devices' state holds when it moves that state itself (RESHARD). A
+        failure of a RESHARD generation before a completed iteration (`_reshard_progressed`:
+        then every rank had moved its state) may leave the ranks' regions in two layouts:
+        the next one restarts from the checkpoint."""
+        unfinished = (
+            self._reshard_gen is not None
+            and action.generation == self._reshard_gen + 1
+            and not self._reshard_progressed
+            and action.restore is RestoreMode.IN_PLACE
+        )
+        before = getattr(self.adapt, "reshard", None) if changed else None
+        if before is not None:
+            self.adapt.reshard = None  # type: ignore[union-attr]
+        relayout = changed and self.adapt is not None and self.adapt.relayout
+        if relayout or unfinished or (before is not None and not self.retains_state):
+            # The survivors' retained state holds another plan's layout (or, after a failure
+            # while moving it, a mix of two): checkpoint, resharded.
+            if self.adapt is not None:
+                self.adapt.relayout = False
+            return replace(action, restore=RestoreMode.CHECKPOINT), None
+        if before is not None and action.restore is RestoreMode.IN_PLACE:
+            self._reshard_gen, self._reshard_progressed = action.generation, False
+            return replace(action, restore=RestoreMode.RESHARD), before.to_dict()
+        return action, None
+
     def _start(self, action: Start) -> None:
         if action.generation > 0:
             self._conclude_crash_loop(action.generation - 1)
@@ -673,11 +723,8 @@ class CoordinatorCore:
             self.execute(self.fsm.give_up(f"no devices left to re-plan on: {exc}"))
             return
         self._worlds[action.generation] = self.devices
-        if changed and self.adapt is not None and self.adapt.relayout:
-            # The survivors' retained state holds the old plan's layout: checkpoint, resharded.
-            self.adapt.relayout = False
-            action = replace(action, restore=RestoreMode.CHECKPOINT)
-        spec = self.write_spec(action.generation, action.restore)
+        action, plan_before = self._restore_for(action, changed)
+        spec = self.write_spec(action.generation, action.restore, plan_before)
         if action.generation > 0:
             self.events.emit(
                 "recovery_start", mode=action.restore.value, generation=action.generation

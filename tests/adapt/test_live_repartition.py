@@ -1,0 +1,86 @@
+"""A running pipeline job moves layers off a slow device (issue 18 items 2-4, ResiHP §6.2 and
+Figure 8): the state moves between the ranks' retained buffers, no checkpoint.
+
+PP = 2 on 2 local ranks (one replica: no other replica to move micro-batches to), the tiny
+model with 4 layers, `adapt.enabled`, in-place recovery. Rank 0 (layers 0-1 and the
+embedding) runs 6x slower from iteration 16. The fail-slow watch reports it, the scheduler's
+layer repartition gives rank 0 fewer layers, the coordinator stops the generation at a
+planned stop, and the next generation (`RestoreMode.RESHARD`) restores the old layout in place,
+then moves parameters and both Adam moments to the new one between the ranks
+(`unbroken.launch.relayout`). At TP 1 with the ordered reduction a layer computes the same bits
+on any stage: the run ends bit for bit where the fault-free run on the launch plan ends.
+
+A kill of a rank while it moves the state (`phase=move`) leaves the two ranks' regions in two
+layouts: the coordinator restarts from the newest checkpoint under the new plan, still
+bit-exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from unbroken.api import run_job
+from unbroken.config import ModelConfig, ParallelConfig
+from unbroken.metrics.log import read_jsonl
+
+from .conftest import adapt_job, events_of
+
+
+def _job(iterations: int, faults: list[str], interval: int = 1000):
+    cfg = adapt_job(world_size=2, iterations=iterations, microbatches=4, inject=faults)
+    return dataclasses.replace(
+        cfg,
+        model=ModelConfig(preset="tiny", n_layers=4),
+        parallel=ParallelConfig(world_size=2, pp=2),
+        checkpoint=dataclasses.replace(cfg.checkpoint, interval=interval),
+    )
+
+
+def _faulty(run_dir):
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["run"] == "faulty"]
+
+
+def _layers(stages):
+    return [tuple(s["layers"]) for s in stages]
+
+
+@pytest.mark.timeout(900)
+def test_a_one_replica_pipeline_moves_layers_off_a_slow_device_bit_exact(tmp_path):
+    s = run_job(_job(36, ["slow:rank=0,iter=16,factor=6"]), tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = _faulty(tmp_path)
+    (replan,) = events_of(events, "replan")
+    assert replan["trigger"]["kind"] == "fail_slow" and replan["trigger"]["rank"] == 0
+    assert replan["restore"] == "reshard"
+    assert _layers(replan["before"]) == [(0, 2), (2, 4)]
+    after = _layers(replan["after"])
+    assert after[0][1] - after[0][0] < 2 and after[-1][1] == 4, after  # fewer on rank 0
+    moved = events_of(events, "state_moved")
+    assert sorted(e["rank"] for e in moved) == [0, 1]
+    assert {e["iter"] for e in moved} == {moved[0]["iter"]}
+    assert all(_layers(e["after"]) == after for e in moved)
+    assert sum(e["bytes_in"] for e in moved) > 0  # a layer's state crossed between the ranks
+    applied = [e for e in events_of(events, "plan_applied") if "stages" in e]
+    assert applied[0]["iter"] == moved[0]["iter"] and _layers(applied[0]["stages"]) == after
+    assert events_of(events, "checkpoint_loaded") == []
+    assert s["recoveries"] == [] or all(r.get("planned") for r in s["recoveries"]), s["recoveries"]
+
+
+@pytest.mark.timeout(900)
+def test_a_kill_while_the_state_moves_restarts_from_a_checkpoint_under_the_new_plan(tmp_path):
+    faults = ["slow:rank=0,iter=16,factor=6", "kill:rank=1,iter=1,phase=move,step=0"]
+    s = run_job(_job(36, faults, interval=5), tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = _faulty(tmp_path)
+    (replan,) = events_of(events, "replan")
+    assert replan["restore"] == "reshard"
+    assert events_of(events, "state_moved") == []  # no rank finished moving: rank 1 died
+    loads = events_of(events, "checkpoint_loaded")
+    assert loads, [e["kind"] for e in events]
+    # The restart runs the new plan: the first plan_applied after the kill has its stages.
+    applied = [e for e in events_of(events, "plan_applied") if "stages" in e]
+    assert applied and _layers(applied[-1]["stages"]) == _layers(replan["after"])
