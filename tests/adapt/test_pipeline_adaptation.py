@@ -102,13 +102,11 @@ def test_a_slow_device_of_a_one_replica_pipeline_is_not_planned_around_without_r
     assert "recovery.mode = inplace" in skip["reason"] and not adapt.restarts
 
 
-def _moving(tmp_path, dp=1, pp=4, layers=8, iterations=None):
+def _moving(tmp_path, dp=1, pp=4, layers=8):
     events = JsonlLog(tmp_path / "events.jsonl", run="t")
     said: list[str] = []
     plan = make_plan(dp, pp, 1, layers, 4)
-    return PipelineAdaptation(
-        plan, events, said.append, moves_layers=True, iterations=iterations
-    ), said
+    return PipelineAdaptation(plan, events, said.append, moves_layers=True), said
 
 
 def test_a_slow_stage_of_a_one_replica_pipeline_gives_layers_away_at_a_planned_stop(tmp_path):
@@ -134,16 +132,16 @@ def test_a_slow_stage_of_a_one_replica_pipeline_gives_layers_away_at_a_planned_s
     assert adapt.replans == 1
 
 
-def test_a_dp_x_pp_job_moves_layers_only_when_the_iterations_left_pay_for_the_restart(tmp_path):
-    # Replica 0's first stage at 1/6 speed: moving its layer beats moving micro-batches alone
-    # by ~13 % of a 0.2 s iteration, i.e. ~5 ms an iteration.
-    for left, moves in ((1000, True), (20, False)):
-        adapt, _ = _moving(tmp_path / str(left), dp=2, pp=2, layers=4, iterations=5 + left)
-        assert adapt.on_fail_slow(_slow(0, 6.0), iter_s=0.2) is True
-        assert adapt.restarts is moves, left
-        if not moves:  # kept every rank's layers: the live switch
-            (replan,) = _events(tmp_path / str(left), "replan")
-            assert replan["restore"] == "live"
+def test_a_dp_x_pp_job_keeps_its_layers_when_the_repartition_splits_replicas_unevenly(tmp_path):
+    # Replica 0's first stage at 1/6 speed: the scheduler's repartition gives that replica alone
+    # layers [0, 1) [1, 4), which the ordered reduction cannot run beside replica 1's [0, 2)
+    # [2, 4); the job takes the live plan that moves micro-batches instead.
+    adapt, _ = _moving(tmp_path, dp=2, pp=2, layers=4)
+    assert adapt.on_fail_slow(_slow(0, 6.0), iter_s=0.2) is True
+    assert not adapt.restarts and adapt.plan.microbatches[0] < adapt.plan.microbatches[1]
+    assert [g.layers for g in adapt.plan.replicas[0].stages] == [(0, 2), (2, 4)]
+    (replan,) = _events(tmp_path, "replan")
+    assert replan["restore"] == "live"
 
 
 def test_a_slow_device_of_a_dp_x_pp_job_moves_microbatches_and_keeps_every_ranks_layers(

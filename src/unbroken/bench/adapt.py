@@ -37,11 +37,7 @@ which live jobs do not yet do.
 On the `pp2` plan the scenarios are `lost`, `medium` and `severe` and the policies `ours` and
 `none` (`evict` and `greyhound` are data-parallel baselines the config refuses for a pipeline
 job): a lost device dissolves its replica and the survivors continue in place on the other
-replica's retained state; around a slow device micro-batches move to the other replica, and
-layers move between the slow replica's stages when that pays ([Note: when to move layers] in
-`unbroken.launch.coordinator.adapt_plan`: a planned stop, the state moved between the ranks'
-retained buffers, no checkpoint). The `pp2` plan's model has `--pp-layers` layers (default 4,
-the tiny model's 2 leave a stage nothing to give away).
+replica's retained state; around a slow device micro-batches move to the other replica.
 
 Severity. `unbroken.detect.levels` turns a level into a factor assuming the slowed rank's whole
 iteration stretches (3.33 for severe). On the shared 2-core VM four ranks oversubscribe two
@@ -105,12 +101,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=",".join(SCENARIOS),
         help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all)",
     )
-    p.add_argument(
-        "--pp-layers",
-        type=int,
-        default=4,
-        help="decoder layers of the pp2 plan's model (default 4: a stage can give one away)",
-    )
     p.add_argument("--out", default=None, help="keep the run dirs here (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
 
@@ -144,7 +134,7 @@ def _job(args: argparse.Namespace, inject: list[str], policy: str, plan: str = "
     )
 
     return JobConfig(
-        model=ModelConfig(preset="tiny", n_layers=args.pp_layers if plan == "pp2" else None),
+        model=ModelConfig(preset="tiny"),
         data=DataConfig(tokens_per_microbatch=64, microbatches=4, max_documents=200),
         train=TrainConfig(iterations=args.iterations, lr=1e-3),
         parallel=ParallelConfig(

@@ -21,9 +21,9 @@ replicas. A pipeline job at TP 1 (`parallel.pp` > 1) is re-planned here:
   it; a plan predicted `adapt.min_gain` faster is published in the job store and every rank
   switches to it at the same iteration boundary (`unbroken.launch.switch`), on its own state.
 
-- **A slow device, layers moved** (`moves_layers`: the job retains its state; one replica, or
-  a DP x PP job whose scheduler's plan with layer repartition (ResiHP §6.2) is predicted
-  `adapt.min_gain` faster than the best plan that keeps every rank's layers): the plan is
+- **A slow device, layers moved** (`moves_layers`: the job retains its state; a plan with
+  layer repartition (ResiHP §6.2) predicted `adapt.min_gain` faster than the best plan that
+  keeps every rank's layers, whose replicas share one layout — a one-replica pipeline): the plan is
   adopted at a planned stop (`restarts`), and the next generation runs it on the same devices
   in `RestoreMode.RESHARD`: each rank reattaches its retained state of the plan before,
   brings it to the boundary in place, and the ranks move parameters and optimizer moments to
@@ -77,22 +77,6 @@ _LIVE = PlannerConfig(exclusion=False, repartition=False)
 micro-batch ownership and stage migrations between replicas (ResiHP §6.3), which keep every
 rank's layers and state. Excluding the device or moving layers needs the live reshard."""
 
-MOVE_MARGIN = 0.03
-"""A plan that moves layers must be predicted this much faster than the best that keeps them
-(the model's error on a CPU job: a layer's cost is taken as equal everywhere)."""
-
-MOVE_COST_S = 1.0
-"""What a planned stop that moves layers is taken to cost, in seconds of training: the stop,
-the new generation's start with its shadows and the move (0.5 s measured on 2 CPU ranks,
-`tests/adapt/test_live_repartition.py`; the L3 start of a 1b rank on an H200 is about 1 s).
-
-[Note: when to move layers] Moving layers costs a generation restart; keeping them costs
-nothing now but leaves the iteration slower. The coordinator moves them when the predicted
-saving over the iterations the job has left — (keep - move) / healthy x the measured healthy
-iteration x iterations left — exceeds `MOVE_COST_S`, and the plan is `MOVE_MARGIN` faster than
-the best that keeps the layers; with one replica nothing else helps, and the gain rule
-(`adapt.min_gain`) alone decides."""
-
 _MOVE = PlannerConfig(exclusion=False)
 """The same plus layer repartition (ResiHP §6.2): layers move between the stages of a replica,
 so the ranks' state moves with them (a planned restart in `RestoreMode.RESHARD`)."""
@@ -114,14 +98,11 @@ class PipelineAdaptation:
         adapt: AdaptConfig | None = None,
         *,
         moves_layers: bool = False,
-        iterations: int | None = None,
     ) -> None:
         self.plan, self.events, self.say = plan, events, say
         self.moves_layers = moves_layers
         """Whether a slow device may be planned around by moving layers (the job retains its
         state, so the moved layers come from the ranks' retained buffers)."""
-        self.iterations = iterations
-        """The job's iterations (how long a faster plan pays back; None: unknown)."""
         self.store, self.adapt = store, adapt or AdaptConfig(enabled=True)
         self.devices: tuple[int, ...] = tuple(sorted(plan.ranks))
         """rank -> device, of the running world."""
@@ -188,7 +169,7 @@ class PipelineAdaptation:
         if self.replans >= self.adapt.max_replans:
             return self._skip(trigger, f"adapt.max_replans = {self.adapt.max_replans} reached")
         self.state = self.state.apply(event)
-        result, moves = self._best_plan(event.iteration, iter_s)
+        result, moves = self._best_plan()
         gain = 1.0 - result.predicted_s / result.current_s
         if result.kept_current or gain < self.adapt.min_gain:
             return self._skip(
@@ -206,26 +187,27 @@ class PipelineAdaptation:
         self._adopt_live(result, plan, trigger, iter_s)
         return True
 
-    def _best_plan(self, iteration: int | None, iter_s: float | None) -> tuple[PlanResult, bool]:
+    def _best_plan(self) -> tuple[PlanResult, bool]:
         """The scheduler's plan for the current state and whether it moves layers: the best
-        plan that keeps every rank's layers, unless moving layers is allowed and saves more
-        than the planned restart costs over the iterations left ([Note: when to move layers])."""
+        plan that keeps every rank's layers, unless moving layers is allowed and predicted
+        `adapt.min_gain` faster still. A plan whose replicas hold different layouts is not
+        run: the ordered reduction folds a layer's gradient over the replicas in one layout
+        (`unbroken.engine.ordered_plan`), and the scheduler's repartition of a DP x PP job
+        moves the slow replica's layers alone — so today only one-replica pipelines move."""
         keep = plan_for_state(self.state, _LIVE)
         if not self.moves_layers:
             return keep, False
         move = plan_for_state(self.state, _MOVE)
-        if move.kept_current or _keeps_stages(self.plan, self.devices, move.plan(), self.devices):
+        plan = move.plan()
+        if (
+            move.kept_current
+            or _keeps_stages(self.plan, self.devices, plan, self.devices)
+            or not same_layouts(plan)
+        ):
             return keep, False
-        if keep.kept_current:  # nothing else helps (one replica): the gain rule decides
+        if move.predicted_s < keep.predicted_s * (1.0 - self.adapt.min_gain):
             return move, True
-        if move.predicted_s >= keep.predicted_s * (1.0 - MOVE_MARGIN):
-            return keep, False
-        if iter_s is None or iteration is None or self.iterations is None:
-            better = move.predicted_s < keep.predicted_s * (1.0 - self.adapt.min_gain)
-            return (move, True) if better else (keep, False)
-        left = max(0, self.iterations - iteration - 1)
-        saved_s = (keep.predicted_s - move.predicted_s) / self.healthy_s * iter_s * left
-        return (move, True) if saved_s > MOVE_COST_S else (keep, False)
+        return keep, False
 
     def _adopt_live(
         self,

@@ -98,13 +98,7 @@ def _adaptation(
     assert plan is not None  # planned
     moves_layers = cfg.recovery.mode == "inplace" and cfg.adapt.policy == "resihp"
     return PipelineAdaptation(
-        plan,
-        events,
-        monitor.say,
-        store,
-        cfg.adapt,
-        moves_layers=moves_layers,
-        iterations=cfg.train.iterations,
+        plan, events, monitor.say, store, cfg.adapt, moves_layers=moves_layers
     )
 
 
