@@ -110,6 +110,27 @@ def _warm_update(cfg: JobConfig, geometry: StateGeometry, device: torch.device) 
     fused_adamw_(*bufs, coeffs, first_index=0, decay_end=n // 2)
 
 
+def _warm_transaction(protection, geometry: StateGeometry, device: torch.device) -> None:
+    """The fused chunk transaction (`unbroken.update.transaction`), the graph updater's step,
+    which Triton compiles on first use (about 0.5 s, more with a cold disk cache): one launch
+    on chunk 0 of a one-stripe state of the job's tiers and chunk shape, with the default
+    tuning. Its integer arguments (a chunk's words, the rows' strides, the stripe) and its
+    pointers' alignment are those of the updater's launches, so Triton's specialization key is
+    the same and the promoted trainer's first capture finds the kernel loaded."""
+    from unbroken.update.transaction import FusedTransaction, fused_capable
+
+    h1, h2 = protection.parity_pages, protection.second_tier_pages
+    if not fused_capable(h1, h2):
+        return
+    n = geometry.padded_numel
+    segments = tuple(torch.zeros(n, dtype=torch.float32, device=device) for _ in range(4))
+    parity = torch.zeros((1, h1 + h2, geometry.page_bytes), dtype=torch.uint8, device=device)
+    scratch = torch.zeros((h1 + h2, geometry.chunk_bytes), dtype=torch.uint8, device=device)
+    tx = FusedTransaction(geometry, segments, parity, scratch, h1, h2)
+    coeffs = torch.zeros(8, dtype=torch.float32, device=device)
+    tx.launch(geometry.chunks()[0], coeffs, first_index=0, decay_end=n)
+
+
 def _warm_marker(device: torch.device) -> None:
     """The stream-ordered marker writes (`unbroken.update.device_marker`): both Triton kernels
     and the CRC table, into pinned scratch pages (the promoted trainer registers its own region)."""
@@ -126,9 +147,9 @@ def _warm_marker(device: torch.device) -> None:
 
 def warm_cuda(cfg: JobConfig, device: torch.device) -> float:
     """Load cuBLAS and the model's kernels (`_warm_model`), the codec kernels for the job's
-    model and gradient groups, the update's kernel (`_warm_update`) and the stream's marker
-    write (`_warm_marker`) on `device`; returns
-    the seconds taken."""
+    model and gradient groups, the update's kernel (`_warm_update`), the stream's marker
+    write (`_warm_marker`) and the fused chunk transaction (`_warm_transaction`) on `device`;
+    returns the seconds taken."""
     t0 = time.perf_counter()
     if not cfg.model.factory:
         _warm_model(cfg, device)
@@ -146,6 +167,7 @@ def warm_cuda(cfg: JobConfig, device: torch.device) -> float:
 
         if fused_available():  # Triton: the stream updater runs (unbroken.update.stream)
             _warm_marker(device)
+            _warm_transaction(p, geometry, device)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # keep the loaded code and handles, not the scratch pages
     return time.perf_counter() - t0
