@@ -151,6 +151,30 @@ def test_a_compute_slowed_plan_rank_is_not_stretched_by_its_waits(tmp_path):
     assert compute <= stalled <= busy + 0.1, (stalled, busy, waited)
 
 
+def test_a_compute_slowed_plan_ranks_actions_take_longer_in_its_own_timings(tmp_path):
+    # PP2, rank 0 at F = 4 from iteration 2, stalls slept: each F and B action of rank 0 takes
+    # about 4x its healthy seconds in the worker's own timings (`StageTiming.compute`, what
+    # the fail-slow watch compares replicas by), as a slower device's kernels would. Before
+    # `after_compute` the stall ran at the next hook, between actions: the timings showed a
+    # slowed rank at full speed and the watch took it for recovered.
+    plan = make_plan(1, 2, 1, 4, 4, "1f1b")
+    job = HookedJob(
+        plan,
+        engine_job(microbatches=4),
+        4,
+        ("slow:rank=0,iter=2,factor=4",),
+        real_stalls=True,
+    )
+    rank0 = run_hooked(job, tmp_path)[0]
+
+    def action_s(it: int) -> float:
+        (t,) = [t for t in rank0.timings if t["iter"] == it]
+        return sum(c[-1] for c in t["compute"])
+
+    healthy, slowed = action_s(1), action_s(3)
+    assert slowed > 2.5 * healthy, (healthy, slowed)
+
+
 def _sending_batches(actions) -> int:
     n, sends = 0, False
     for a in [*actions, None]:

@@ -56,7 +56,12 @@ methods for it, which the fault injector's `slow` faults use ([Note: slow-fault]
   gradient reduction and the sync all-reduce; `StageTiming.busy_s` per iteration);
 - ``after_transfer(iteration, seconds, sent)``: after each p2p batch, with its duration and
   whether it sent anything. It runs inside the batch's blocked time: a stall there is the
-  rank's transfer taking longer.
+  rank's transfer taking longer;
+- ``after_compute(iteration)``: after each F, B or W action's work, inside the action's timed
+  seconds (`StageTiming.compute`): a stall there is the action taking longer, as a slower
+  device's kernels would. (A stall at the next phase hook instead lands between actions, where
+  the per-action timings never see it: the fail-slow watch's pace comparison, which reads
+  them, then took a slowed rank for a healthy one.)
 """
 
 from __future__ import annotations
@@ -465,8 +470,12 @@ class PlanWorker:
             self._backward(a.stage, a.microbatch)
         else:
             self._weight(a.stage, a.microbatch)
-        self._compute_s.append((a.kind.value, a.stage, a.microbatch, time.perf_counter() - t))
+        # The action's TP collectives are blocked time before a hook reads the busy clock.
         self._blocked["tp"] += self.groups.tp.clock.seconds - tp0
+        for hook in self.hooks:  # [Note: plan hooks]
+            if (after := getattr(hook, "after_compute", None)) is not None:
+                after(iteration)
+        self._compute_s.append((a.kind.value, a.stage, a.microbatch, time.perf_counter() - t))
 
     def _record(self, key: str, since: float) -> None:
         if self.profile is not None:

@@ -16,7 +16,9 @@ the start of every phase step and stalls for the step that just ended:
   peers (a p2p batch waiting for a neighbour's compute, TP collectives, the reductions), which
   a slower device does not stretch: the worker gives the injector a clock of its own work
   (`use_busy_clock`, [Note: plan hooks] in `unbroken.engine.interpreter`), and the step's
-  duration on that clock is what is stretched. On a CUDA device the hooks run ahead of the
+  duration on that clock is what is stretched, at the end of each compute action
+  (`after_compute`, inside the action's timed seconds) and, for what follows it, at the next
+  hook. On a CUDA device the hooks run ahead of the
   kernels, so while the fault is active the injector first waits for the device at each hook:
   the step's duration is then its kernels' (a healthy run is never synchronized by it).
 - `what=comm`: after each all-reduce bucket b (at the next ALLREDUCE or the REDUCED hook), sleep
@@ -181,6 +183,20 @@ class Injector:
         `unbroken.engine.interpreter`)."""
         self.busy_clock = clock
         self._busy_start = clock()
+
+    def after_compute(self, iteration: int) -> None:
+        """Called by a plan's worker at the end of each compute action, inside its timed
+        seconds: the compute stall of the step that just ran lands in the action, as a slower
+        device's kernels would ([Note: slow-fault]); the next hook then stalls only for the
+        rank's own work after it."""
+        if self.slow_factor <= 1.0 or self._last is None:
+            return
+        if self._on_cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+        self.sleep((self.slow_factor - 1.0) * max(0.0, self.busy_clock() - self._busy_start))
+        self._phase_start, self._busy_start = self.clock(), self.busy_clock()
 
     def after_transfer(self, iteration: int, seconds: float, sent: bool) -> None:
         """Called by a plan's worker after each p2p batch, inside the batch's time: stalls
