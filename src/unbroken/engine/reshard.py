@@ -126,9 +126,10 @@ def reshard(
     old_tensors: Tensors,
     new_tensors: Tensors,
     alive: Collection[int] | None = None,
-) -> None:
+) -> int:
     """Fill this rank's `new_tensors` from the ranks holding them under `old`; collective over
-    `world` (ranks with nothing to send or receive return at once).
+    `world` (ranks with nothing to send or receive return at once). Returns the bytes this
+    rank received from other ranks (its own pieces are copied locally, not counted).
 
     Args:
         old, new: the plans before and after.
@@ -180,3 +181,4 @@ def reshard(
             for v in views:
                 v.copy_(buf[offset : offset + v.numel()].view_as(v))
                 offset += v.numel()
+    return sum(buf.numel() * buf.element_size() for buf, _ in unpack)

@@ -73,26 +73,16 @@ def move_state(*, cfg, old_plan, new_plan, held, build_new, group, start: int, c
     this rank's state under `old_plan` (`copy_out`) at the boundary before iteration `start`;
     `build_new()` builds the executor of `new_plan` on regions of its geometry. Returns the
     new executor and this rank's `MoveTimes`."""
-    from unbroken.engine.reshard import reshard, routes
+    from unbroken.engine.reshard import reshard
 
     t1 = time.perf_counter()
     new = build_new()
     t2 = time.perf_counter()
-    args = resolve_args(cfg.model)
-    rank = dist.get_rank(group)
-    named = _named(new)
     new.hook(Phase.MOVE, start, 0, 2)
-    reshard(old_plan, new_plan, args, group, held, named)
+    bytes_in = reshard(old_plan, new_plan, resolve_args(cfg.model), group, held, _named(new))
     t3 = time.perf_counter()
     new.hook(Phase.MOVE, start, 1, 2)
     new.updater.initialize(done_iter=start - 1)  # parity and marker of the moved state
     dist.barrier(group)
     t4 = time.perf_counter()
-    params = named["params"]
-    bytes_in = 0
-    for r in routes(old_plan, new_plan, args):
-        if r.dst == rank and r.src != rank:
-            t = params[r.name]
-            rows = t.numel() if r.dim is None else t.numel() // t.shape[r.dim] * r.length
-            bytes_in += rows * t.element_size() * len(SEGMENTS)
     return new, MoveTimes(copy_s, t2 - t1, t3 - t2, t4 - t3, bytes_in)

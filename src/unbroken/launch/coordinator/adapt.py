@@ -154,6 +154,8 @@ class Adaptation:
     """The engine plan the job runs: none, the data-parallel trainer runs it."""
     relayout = False
     """Never: a data-parallel re-plan keeps every survivor's layout (its retained replica)."""
+    reshard: ParallelPlan | None = None
+    """Never: a data-parallel re-plan moves no layers (`PipelineAdaptation.reshard`)."""
 
     def spec_fields(self) -> dict:
         """The generation spec's fields of the running placement."""

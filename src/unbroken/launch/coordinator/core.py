@@ -693,9 +693,9 @@ class CoordinatorCore:
             and not self._reshard_progressed
             and action.restore is RestoreMode.IN_PLACE
         )
-        before = getattr(self.adapt, "reshard", None) if changed else None
+        before = self.adapt.reshard if changed and self.adapt is not None else None
         if before is not None:
-            self.adapt.reshard = None  # type: ignore[union-attr]
+            self.adapt.reshard = None
         relayout = changed and self.adapt is not None and self.adapt.relayout
         if relayout or unfinished or (before is not None and not self.retains_state):
             # The survivors' retained state holds another plan's layout (or, after a failure
