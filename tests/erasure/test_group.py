@@ -152,6 +152,48 @@ def test_group_on_cuda_tensors_matches_the_cpu_group():
     np.testing.assert_array_equal(pages.cpu().numpy(), truth)
 
 
+def test_host_pages_map_into_a_cuda_device_by_their_addresses_and_nothing_else_does():
+    host = np.zeros((3, PAGE), np.uint8)
+    table = PageTable.from_rows(host)
+    mapped = table.mapped_into("cuda:1")
+    assert mapped.device == "cuda:1" and table.device == "cpu"
+    assert np.array_equal(mapped.ptrs, table.ptrs) and mapped.page_bytes == PAGE
+    assert mapped.slice(64, 64).device == "cuda:1"  # derived tables keep the device
+    with pytest.raises(ValueError, match="only host pages"):
+        mapped.mapped_into("cuda:0")
+    with pytest.raises(ValueError, match="only host pages"):
+        table.mapped_into("cpu")
+
+
+@pytest.mark.gpu
+def test_a_gpu_group_with_its_parity_in_registered_host_memory_encodes_and_repairs_in_place():
+    """The model's parity in host memory (the GPU default): the Triton codec reads and writes
+    the registered host pages through their mapped addresses."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    group_cpu, truth, _ = make_group(d=40, h1=8, h2=2, seed=12)
+    data = torch.from_numpy(truth[:40].copy()).cuda()
+    parity = torch.zeros((10, PAGE), dtype=torch.uint8, pin_memory=True)
+    group = ProtectionGroup(
+        group_cpu.geometry,
+        PageTable.from_rows(data),
+        PageTable.from_rows(parity[:8]).mapped_into("cuda:0"),
+        PageTable.from_rows(parity[8:]).mapped_into("cuda:0"),
+        name="host-parity",
+    )
+    assert group.first_tier_codec.backend == "triton"
+    group.encode()
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(parity.numpy(), truth[40:])
+    data[[0, 7, 39]] = 0
+    parity[3] = 0  # a first-tier page, rebuilt from the second tier
+    group.reconstruct([0, 7, 39, 43])
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(data.cpu().numpy(), truth[:40])
+    np.testing.assert_array_equal(parity.numpy(), truth[40:])
+
+
 def test_auto_falls_back_when_the_native_kernel_is_unavailable(monkeypatch):
     from unbroken.erasure import backends
 

@@ -15,7 +15,7 @@ def test_unset_sizes_resolve_per_device():
     assert (p.page_bytes, p.chunk_bytes, p.stripe_pages) == (None, None, None)
     cpu, gpu = p.resolved(cuda=False), p.resolved(cuda=True)
     assert (cpu.page_bytes, cpu.chunk_bytes, cpu.stripe_pages) == (64 << 10, 32 << 10, 8)
-    assert (gpu.page_bytes, gpu.chunk_bytes, gpu.stripe_pages) == (2 * MIB, 2 * MIB, 32)
+    assert (gpu.page_bytes, gpu.chunk_bytes, gpu.stripe_pages) == (2 * MIB, 2 * MIB, 64)
     assert gpu.resolved(cuda=False) == gpu  # resolved sizes stay
 
 
@@ -59,4 +59,4 @@ def test_a_gpu_job_with_default_protection_gets_the_gpu_page(monkeypatch):
     # The geometry every process builds from this resolved config is the GPU one, even where
     # it is built without a device (the coordinator's side).
     g = state_geometry(cfg, 76_000_000)
-    assert (g.page_bytes, g.chunk_bytes, g.stripe_pages) == (2 * MIB, 2 * MIB, 32)
+    assert (g.page_bytes, g.chunk_bytes, g.stripe_pages) == (2 * MIB, 2 * MIB, 64)

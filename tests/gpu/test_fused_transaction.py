@@ -45,30 +45,34 @@ def _parity_consistent(upd) -> bool:
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize(
-    "h1,h2,planes,block",
+    "h1,h2,planes,block,memory",
     [
-        (3, 1, 1, 256),
-        (3, 1, 0, 512),
-        (4, 1, 1, 128),
-        (4, 1, 2, 256),
-        (3, 1, 2, 128),
-        (1, 1, 1, 256),
-        (5, 2, 1, 256),
-        (16, 1, 0, 256),
+        (3, 1, 1, 256, "host"),
+        (3, 1, 0, 512, "host"),
+        (4, 1, 1, 128, "host"),
+        (4, 1, 2, 256, "device"),
+        (3, 1, 2, 128, "host"),
+        (1, 1, 1, 256, "host"),
+        (5, 2, 1, 256, "device"),
+        (16, 1, 0, 256, "host"),
+        (4, 1, 0, 512, "device"),
     ],
 )
 def test_the_fused_transaction_computes_the_plain_bits_and_the_encoders_parity(
-    h1, h2, planes, block
+    h1, h2, planes, block, memory
 ):
+    """Both parity placements: in host memory the graph writes back on its second stream."""
     from unbroken.update.graph import GraphUpdater
 
-    prot = dataclasses.replace(PROT, parity_pages=h1, second_tier_pages=h2)
+    prot = dataclasses.replace(PROT, parity_pages=h1, second_tier_pages=h2, parity_memory=memory)
     plain, _ = _build(None)
     pu = PlainUpdater(plain.state, plain.geometry, plain.step)
     b, regions = _build(prot)
     tuning = {"planes": planes, "block": block, "warps": 4}
     gu = GraphUpdater(b.state, b.geometry, b.step, regions, prot, fused_tuning=tuning)
     assert gu.fused is not None and gu.fused.planes == (planes if h1 <= 4 else 0)
+    assert gu.model_parity.is_cuda == (memory == "device")
+    assert (gu._host is None) == (memory == "device")
     gu.initialize(-1)
     for it in range(3):
         _iterate(plain, pu, it)
@@ -91,8 +95,10 @@ def _coefficients(upd, iteration: int) -> torch.Tensor:
 def test_a_kill_inside_the_fused_kernel_or_its_write_back_is_repaired_to_the_same_bits(torn):
     """Transaction `target` of iteration 1 is driven by hand with the fused kernel and then
     torn as a kill would tear it: half of the chunk's rows stepped and scratch half stale
-    (marker CHUNK_UPDATING), or half of the parity written back (marker PARITY_READY). A fresh
-    updater over the same memory repairs, resumes, and ends at the uninterrupted run's bits."""
+    (marker CHUNK_UPDATING), or half of the parity written back (marker PARITY_READY). Either
+    way the write-back of the transaction before it is taken back too, as the graph's second
+    stream may leave it (parity in host memory, the default). A fresh updater over the same
+    memory repairs, resumes, and ends at the uninterrupted run's bits."""
     from unbroken.update.factory import resumable_updater
     from unbroken.update.layout import SEGMENTS
 
@@ -113,9 +119,12 @@ def test_a_kill_inside_the_fused_kernel_or_its_write_back_is_repaired_to_the_sam
     su.record_sync(1, loss=2.5, grad_norm=1.25, grad_scale=SCALE, lr=LR)
     su.step.begin_pass(0, b.state, step=2, lr=LR, grad_scale=SCALE)
     target = su.transactions // 2 + 1
+    assert not su.model_parity.is_cuda
+    x, c = su.chunks[target - 1].byte_lo, su.geometry.chunk_bytes
+    previous = su.model_parity[su.chunks[target - 1].group][:, x : x + c].clone()
     for k in range(target):
         su._transaction(1, k, LR, SCALE)
-    ref_k = su.chunks[target]
+    ref_k, slot = su.chunks[target], su._slot(target)
     su._save_undo(ref_k)
     su._mark(stage=Stage.CHUNK_UPDATING, **su._position(target))
     old = [su._chunk_data(sg, ref_k).clone() for sg in range(SEGMENTS)]
@@ -124,17 +133,20 @@ def test_a_kill_inside_the_fused_kernel_or_its_write_back_is_repaired_to_the_sam
         _coefficients(su, 1),
         first_index=su.step.first_index(ref_k),
         decay_end=su.step.decay_end,
+        slot=slot,
     )
     half = su.d // 2
     if torn == "step":
         for sg in range(SEGMENTS):  # rows past the first half still hold their old words
             su._chunk_data(sg, ref_k)[half:].copy_(old[sg][half:])
-        su.scratch[:, : su.scratch.shape[1] // 2].fill_(0xA5)
+        su.scratch[slot][:, : c // 2].fill_(0xA5)
     else:
         su._mark(stage=Stage.PARITY_READY)
-        x, c = ref_k.byte_lo, su.geometry.chunk_bytes
-        su.model_parity[ref_k.group][:, x : x + c // 2].copy_(su.scratch[:, : c // 2])
+        x = ref_k.byte_lo
+        su.model_parity[ref_k.group][:, x : x + c // 2].copy_(su.scratch[slot][:, : c // 2])
     torch.cuda.synchronize()
+    x = su.chunks[target - 1].byte_lo  # its write-back had not landed
+    su.model_parity[su.chunks[target - 1].group][:, x : x + c].copy_(previous)
 
     again = resumable_updater(b.state, b.geometry, b.step, regions, PROT)
     report = again.repair({})

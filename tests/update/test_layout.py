@@ -26,7 +26,7 @@ def test_region_sizes_follow_the_geometry():
     assert sizes["model_parity"] == sizes["grad_parity"] == g.groups * (3 + 1) * 4096
     assert sizes["marker"] == 3 * MARKER_PAGE
     assert sizes["undo"] == 3 * 2 * 1024
-    assert sizes["scratch"] == (3 + 1) * 1024
+    assert sizes["scratch"] == 2 * (3 + 1) * 1024  # two staging slots
     assert [r.protected for r in layout.regions()] == [True] * 5 + [False] * 2
 
 

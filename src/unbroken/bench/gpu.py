@@ -78,6 +78,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "STRIPE:CHUNK_BYTES:H1 (2 MiB pages, H2 = 1)",
     )
     p.add_argument(
+        "--parity-memory",
+        default="host",
+        choices=("host", "device"),
+        help="protection.parity_memory: the model's parity in pinned host memory (default, "
+        "Leto §4) or in HBM",
+    )
+    p.add_argument(
         "--rmu-kind",
         default="auto",
         choices=("auto", "unfused", "stream", "host"),
@@ -149,6 +156,7 @@ def _with_protection(cfg, stripe: int, chunk: int, h1: int):
         chunk_bytes=chunk,
         parity_pages=h1,
         second_tier_pages=1,
+        parity_memory=cfg.protection.parity_memory,
     )
     return dataclasses.replace(cfg, protection=prot)
 
@@ -179,7 +187,7 @@ def _geometry_sweep(
             "rmu_capture_ms": 1e3 * getattr(upd.inner, "capture_s", 0.0),
             "rmu_protect_ms": 1e3 * statistics.median(upd.protect_s[1:]),
         }
-        row.update(_hbm(regions, geometry))
+        row.update(_hbm(regions, geometry, getattr(upd.inner, "staging_bytes", 0)))
         out.append(row)
         _say(
             f"geometry {item}: update {row['rmu_update_ms']:.1f} ms, HBM +{row['hbm_overhead_pct']:.1f} %"
@@ -255,11 +263,19 @@ def _kills(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _job(args: argparse.Namespace, microbatches: int):
-    from unbroken.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+    from unbroken.config import (
+        DataConfig,
+        JobConfig,
+        ModelConfig,
+        ParallelConfig,
+        ProtectionConfig,
+        TrainConfig,
+    )
 
     cuda = args.device == "cuda"
     return JobConfig(
         model=ModelConfig(preset=args.preset),
+        protection=ProtectionConfig(parity_memory=getattr(args, "parity_memory", "host")),
         parallel=ParallelConfig(world_size=1),  # one rank on this GPU
         data=DataConfig(
             tokens_per_microbatch=args.tokens,
@@ -469,9 +485,13 @@ def _phase_overhead(r: dict[str, Any], plain_iteration_s: float) -> float:
     return 100 * extra_ms / (plain_iteration_s * 1e3)
 
 
-def _hbm(regions: dict, geometry) -> dict[str, Any]:
+def _hbm(regions: dict, geometry, staging: int = 0) -> dict[str, Any]:
+    """Protection's HBM over the retained state: every device region but the state's, and the
+    updater's own staging buffers (`staging` bytes)."""
     retained = sum(regions[k].numel() for k in ("model", "grads"))
     extra = {k: t.numel() for k, t in regions.items() if k not in ("model", "grads") and t.is_cuda}
+    if staging:
+        extra["staging"] = staging
     return {
         "retained_bytes": retained,
         "protection_bytes": extra,
@@ -655,7 +675,7 @@ def _protection(b: _Bench) -> None:
     rmu.model.attention_kernel = b.plain.model.attention_kernel
     r["geometry"] = dataclasses.asdict(geometry)
     r["protection"] = dataclasses.asdict(b.cfg.protection.resolved(cuda))
-    r.update(_hbm(regions, geometry))
+    r.update(_hbm(regions, geometry, getattr(rmu_upd.inner, "staging_bytes", 0)))
     _time_step(rmu, 2, 0)
     b.plain_upd.update_s.clear()
     ov = _overhead(b.plain, rmu, args.iterations, b.first)

@@ -70,7 +70,9 @@ def _run_variant(variant, built, regions, prot, init, args, say) -> dict[str, An
     s.params.copy_(init)
     s.exp_avg.zero_()
     s.exp_avg_sq.zero_()
+    t0 = time.perf_counter()
     upd = _updater(variant, built, regions, prot)
+    build_ms = 1e3 * (time.perf_counter() - t0)
     upd.initialize(-1)
     times = []
     for it in range(args.iterations):
@@ -87,6 +89,9 @@ def _run_variant(variant, built, regions, prot, init, args, say) -> dict[str, An
         "fused": getattr(upd, "fused", None) is not None,
         "update_ms": 1e3 * statistics.median(times[2:]),
         "first_update_ms": 1e3 * times[0],
+        "build_ms": build_ms,
+        "parity_register_ms": 1e3 * upd.parity_register_s,
+        "parity_memory": "device" if upd.model_parity.is_cuda else "host",
         "state_hash": s.state_hash(),
     }
     before = upd.model_parity.clone()

@@ -317,14 +317,16 @@ class CheckpointConfig:
 
 
 #: Device defaults of (page_bytes, chunk_bytes, stripe_pages). GPU: the 2 MiB CUDA
-#: virtual-memory page that retained GPU memory needs, whole-page chunks and stripes of 32
-#: pages per segment (D = 96): on the H200 at 1b this geometry's update took 26.8 ms against
-#: 76.6 ms for 512 KiB chunks and stripes of 8 (both as one CUDA graph; the parity math is the
-#: same per byte, the smaller chunks pay 16x the transactions) and its protection 9.2 % of the
-#: retained state's HBM against 31.4 % (bench/results/gpu-h200-graph.json). CPU: small pages
-#: suit the small CPU models. The CPU geometry on a GPU cut a 125m state into 1,160 update
-#: chunks, 0.23 s of kernel launches per iteration on the H200.
-PROTECTION_DEFAULTS = {"cpu": (64 << 10, 32 << 10, 8), "cuda": (2 << 20, 2 << 20, 32)}
+#: virtual-memory page that retained GPU memory needs, whole-page chunks and stripes of 64
+#: pages per segment (D = 192). With the model's parity in host memory what stays in HBM is the
+#: gradient parity (shrinking as D grows), the undo buffer of one chunk (growing with it) and
+#: the staging: on the H200 at 1b, stripes of 64 took 22.6 ms an update and 4.8 % of the
+#: retained state's HBM, stripes of 32 23.0 ms and 5.5 % (bench/results/gpu-h200.md, stop 38).
+#: Whole-page chunks: 512 KiB chunks and stripes of 8 took 76.6 ms against 26.8 ms (stop 28,
+#: the parity math is the same per byte, smaller chunks pay more transactions). CPU: small
+#: pages suit the small CPU models. The CPU geometry on a GPU cut a 125m state into 1,160
+#: update chunks, 0.23 s of kernel launches per iteration on the H200.
+PROTECTION_DEFAULTS = {"cpu": (64 << 10, 32 << 10, 8), "cuda": (2 << 20, 2 << 20, 64)}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -334,7 +336,7 @@ class ProtectionConfig:
     the CPU; see `resolved`)."""
     stripe_pages: int | None = None
     """Pages of each state segment per protection group; a group has D = 3 x stripe_pages
-    data pages (parameters, exp_avg, exp_avg_sq). Unset: 32 when the job trains on a GPU, 8
+    data pages (parameters, exp_avg, exp_avg_sq). Unset: 64 when the job trains on a GPU, 8
     on the CPU (see `resolved`)."""
     parity_pages: int = 4
     """First-tier parity pages H1 per group: tolerates H1 lost pages per group."""
@@ -343,6 +345,11 @@ class ProtectionConfig:
     chunk_bytes: int | None = None
     """Bytes per page of one update transaction (must divide page_bytes; unset: the whole
     2 MiB page on a GPU, 32 KiB on the CPU, at most page_bytes)."""
+    parity_memory: Literal["host", "device"] = "host"
+    """Where the model's parity (both tiers) lives when the job trains on a GPU: pinned host
+    memory owned by the state manager (Leto §4: persistent parity takes no HBM; the updater
+    stages each chunk's new parity range in HBM and writes it back over PCIe beside the next
+    chunk's work), or HBM beside the state. The CPU keeps everything in host memory."""
 
     def __post_init__(self) -> None:
         if self.page_bytes is not None and (self.page_bytes <= 0 or self.page_bytes % 4096):

@@ -119,6 +119,22 @@ class PageTable:
         table.owners = owners
         return table
 
+    def mapped_into(self, device: str) -> PageTable:
+        """This table of host pages as pages of CUDA `device`: the same addresses, which the
+        device reaches because the caller registered the memory with CUDA (pinned and mapped,
+        under unified addressing) and keeps it registered while the table is used. A codec on
+        that device then reads and writes the host pages in place (the model's parity in host
+        memory, `unbroken.update.host_pin`).
+
+        Raises:
+            ValueError: pages that are not host pages, or a device that is not CUDA.
+        """
+        if self.device != "cpu" or not device.startswith("cuda"):
+            raise ValueError(f"erasure: only host pages map into a CUDA device, not {self!r}")
+        table = PageTable._derived(self, self.ptrs, self.page_bytes, self.owners)
+        table.device = device
+        return table
+
     @classmethod
     def from_rows(cls, array: Buffer) -> PageTable:
         """A table whose pages are the rows of a C-contiguous 2-D array or tensor.

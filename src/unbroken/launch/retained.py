@@ -68,17 +68,18 @@ class RetainedState:
         """The `allocate` callback of `build_training`: map every region; if they are
         retained, localize and remap failed pages before anything touches them.
 
-        On a CUDA device every region but the marker is GPU memory owned by the state manager
-        (`unbroken.state.cuda_vmm`): the model state, gradients, both parity tiers and the
-        updater's buffers live on the device, where the codec runs; the marker, written after
-        every operation and read first on recovery, stays in host memory."""
+        On a CUDA device the model state, gradients, gradient parity and the updater's buffers
+        are GPU memory owned by the state manager (`unbroken.state.cuda_vmm`); the marker,
+        written after every operation and read first on recovery, and the model's parity
+        (`RetainedLayout.host_regions`) stay in host memory, which the updater registers with
+        CUDA."""
         specs = RetainedLayout.of(geometry, self.cfg.protection).regions()
         self.regions = {
             s.name: self.client.allocate(
                 s.name,
                 s.nbytes,
                 replace=self.relayout,
-                **_placement(s, device, geometry.page_bytes),
+                **_placement(s, device, geometry.page_bytes, self.cfg.protection),
             )
             for s in specs
         }
@@ -156,11 +157,12 @@ class RetainedState:
         return {name: r.tensor for name, r in self.regions.items()}
 
 
-def _placement(spec, device: torch.device, page_bytes: int) -> dict[str, Any]:
-    """allocate() keywords for one region: host memory on CPU and for the marker; else GPU
-    memory, whose unprotected buffers take the protected pages' size (a multiple of the
-    allocation granularity, which the manager checks)."""
-    if device.type == "cpu" or spec.name == "marker":
+def _placement(spec, device: torch.device, page_bytes: int, prot) -> dict[str, Any]:
+    """allocate() keywords for one region: host memory on CPU, for the marker, and for the
+    model's parity unless `protection.parity_memory` is "device"; else GPU memory, whose
+    unprotected buffers take the protected pages' size (a multiple of the allocation
+    granularity, which the manager checks)."""
+    if device.type == "cpu" or spec.name in RetainedLayout.host_regions(prot):
         return {"page_bytes": spec.page_bytes, "protected": spec.protected}
     page = spec.page_bytes if spec.protected else page_bytes
     return {"page_bytes": page, "protected": spec.protected, "device": device.index or 0}

@@ -113,8 +113,8 @@ def _warm_update(cfg: JobConfig, geometry: StateGeometry, device: torch.device) 
 def _warm_transaction(protection, geometry: StateGeometry, device: torch.device) -> None:
     """The fused chunk transaction (`unbroken.update.transaction`), the graph updater's step,
     which Triton compiles on first use (about 0.5 s, more with a cold disk cache): one launch
-    on chunk 0 of a one-stripe state of the job's tiers and chunk shape, with the default
-    tuning. Its integer arguments (a chunk's words, the rows' strides, the stripe) and its
+    on chunk 0 of a one-stripe state of the job's tiers, chunk shape and parity memory, with
+    the default tuning. Its integer arguments (a chunk's words, the rows' strides, the stripe) and its
     pointers' alignment are those of the updater's launches, so Triton's specialization key is
     the same and the promoted trainer's first capture finds the kernel loaded."""
     from unbroken.update.transaction import FusedTransaction, fused_capable
@@ -124,8 +124,12 @@ def _warm_transaction(protection, geometry: StateGeometry, device: torch.device)
         return
     n = geometry.padded_numel
     segments = tuple(torch.zeros(n, dtype=torch.float32, device=device) for _ in range(4))
-    parity = torch.zeros((1, h1 + h2, geometry.page_bytes), dtype=torch.uint8, device=device)
-    scratch = torch.zeros((h1 + h2, geometry.chunk_bytes), dtype=torch.uint8, device=device)
+    shape = (1, h1 + h2, geometry.page_bytes)
+    if protection.parity_memory == "host":  # read in place, as the job's host parity
+        parity = torch.zeros(shape, dtype=torch.uint8, pin_memory=True)
+    else:
+        parity = torch.zeros(shape, dtype=torch.uint8, device=device)
+    scratch = torch.zeros((1, h1 + h2, geometry.chunk_bytes), dtype=torch.uint8, device=device)
     tx = FusedTransaction(geometry, segments, parity, scratch, h1, h2)
     coeffs = torch.zeros(8, dtype=torch.float32, device=device)
     tx.launch(geometry.chunks()[0], coeffs, first_index=0, decay_end=n)

@@ -25,17 +25,17 @@ a CRC-stamped record from a GPU stream into host memory.
 from __future__ import annotations
 
 import struct
-import weakref
 import zlib
 from functools import cache
 
 import numpy as np
 import torch
 
+from unbroken.update.host_pin import HostRegistration
 from unbroken.update.layout import MARKER_PAGE
 from unbroken.update.marker import SLOT_BYTES, MarkerState
 
-__all__ = ["DeviceMarker", "register_host"]
+__all__ = ["DeviceMarker"]
 
 _BODY_BYTES = 80
 _WORDS = struct.Struct("<qqqqqqdddd")
@@ -104,31 +104,6 @@ class _Pointer:
         return self._address
 
 
-def register_host(t: torch.Tensor) -> bool:
-    """Make host tensor `t` addressable by CUDA kernels (pinned and mapped: the default flags
-    under unified addressing). Returns False when it already was (nothing registered here).
-
-    Raises:
-        RuntimeError: the driver refused.
-    """
-    if t.is_pinned():
-        return False
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(rc) != 0:
-        raise RuntimeError(f"cudaHostRegister of the marker region failed (error {int(rc)})")
-    return True
-
-
-def _unregister_host(pages: torch.Tensor, device: torch.device) -> None:
-    """Undo `register_host` once the writes into `pages` have landed. Held by the marker's
-    finalizer, which keeps `pages` alive until then: freed host memory that stays registered
-    poisons the next allocation at its address (the likely cause of an asynchronous copy that
-    failed with `cudaErrorInvalidValue` on the H200, in `bench gpu` after a resumable trainer
-    with host-allocated marker pages was dropped)."""
-    torch.cuda.synchronize(device)
-    torch.cuda.cudart().cudaHostUnregister(pages.data_ptr())
-
-
 class DeviceMarker:
     """Enqueues marker writes on the current stream of `device`. The pages stay registered
     with CUDA while the marker lives (or until `reregister`), and no longer.
@@ -146,12 +121,11 @@ class DeviceMarker:
         table, z = _crc_tables()
         self._table = torch.from_numpy(table).to(device)
         self._crc0 = z
-        self._registered = False
-        self._unregister: weakref.finalize | None = None
+        self._pin = HostRegistration(pages, device)
 
     def write(self, state: MarkerState) -> None:
         """Enqueue the write of `state` into slot `state.seq % 2` of every marker page."""
-        self._ensure_registered()
+        self._pin.ensure()
         words = _words(state)
         with torch.cuda.device(self.device):
             _kernels()[0][(1,)](
@@ -163,13 +137,6 @@ class DeviceMarker:
                 PAGE=MARKER_PAGE,
                 num_warps=4,
             )
-
-    def _ensure_registered(self) -> None:
-        if not self._registered:
-            if register_host(self.pages):
-                self._unregister = weakref.finalize(self, _unregister_host, self.pages, self.device)
-                self._unregister.atexit = False  # the process's exit releases it anyway
-            self._registered = True
 
     @staticmethod
     def base_words(state: MarkerState) -> list[int]:
@@ -186,7 +153,7 @@ class DeviceMarker:
         done_iter from the iteration (the update's last commit). Every argument but `base` is
         fixed at enqueue, so a CUDA graph can capture the write and replay it each iteration
         with a new `base`."""
-        self._ensure_registered()
+        self._pin.ensure()
         with torch.cuda.device(self.device):
             _kernels()[1][(1,)](
                 _Pointer(self.pages.data_ptr()),
@@ -204,7 +171,4 @@ class DeviceMarker:
 
     def reregister(self) -> None:
         """Register the pages again at the next write (after the manager remapped them)."""
-        if self._unregister is not None:
-            self._unregister()  # the old mapping's registration, once
-            self._unregister = None
-        self._registered = False
+        self._pin.reregister()

@@ -16,7 +16,13 @@ blocks (`fused_adamw_dev_`: the eight AdamW scalars; `DeviceMarker.write_at`: se
 number, iteration, done_iter, loss, norm, scale, lr), which the host refreshes before each
 replay, and everything else is fixed at capture.
 
-Crash semantics are the stream updater's, unchanged: the graph is the same kernels in the same
+With the model's parity in host memory (the default on a GPU: `ProtectionConfig.parity_memory`)
+each fused transaction's committed parity range is copied into HBM ahead of its kernel and its
+new parity back behind it, on two copy streams (`unbroken.update.host_parity`); the marker may
+then run ahead of the write-backs, which `repair` writes again ([Note: write-back behind the
+marker] in `unbroken.update.rmu`).
+
+Crash semantics are the stream updater's: the graph is the same kernels in the same
 stream order, each marker write lands after the work it records and a torn one is ignored
 (`unbroken.update.device_marker`), and `repair` is `StreamUpdater.repair`. A kill at any wall
 time — the host anywhere, the device anywhere in the graph — leaves the last completed marker
@@ -44,6 +50,7 @@ import torch
 
 from unbroken.train.phases import Phase
 from unbroken.update.fused_adamw import AdamWCoefficients, fused_adamw_dev_
+from unbroken.update.host_parity import HostParityStreams
 from unbroken.update.marker import Stage
 from unbroken.update.rmu import RepairReport
 from unbroken.update.stream import StreamUpdater
@@ -79,11 +86,22 @@ class GraphUpdater(StreamUpdater):
         self._coef = torch.zeros(8, dtype=torch.float32, device=dev)
         self._base = torch.zeros(8, dtype=torch.int64, device=dev)
         self._graph: torch.cuda.CUDAGraph | None = None
+        self._host: HostParityStreams | None = None
+        """Staging and write-back of parity in host memory (fused transactions); None: the
+        parity is in HBM, read in place and written back in line (device to device)."""
+        if self.fused is not None and not self.model_parity.is_cuda:
+            c = self.geometry.chunk_bytes
+            self._host = HostParityStreams(self.model_parity, self.scratch, c, dev)
         self._held: list[torch.Tensor] = []
         self.captures = 0
         """How many times the update was captured (a test and the bench read it)."""
         self.capture_s = 0.0
         """Host seconds of the last capture (recording and instantiation)."""
+
+    @property
+    def staging_bytes(self) -> int:
+        """HBM this updater holds beside the retained regions (the host parity's staging)."""
+        return 0 if self._host is None else self._host.stage.numel()
 
     # -- steady state -------------------------------------------------------------------------
     def update(self, iteration: int, *, lr: float, grad_scale: float, hook) -> None:
@@ -135,6 +153,8 @@ class GraphUpdater(StreamUpdater):
         self._held = [codec.prepare_pointer_updates() for codec in codecs]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="relaxed"):
+            if self._host is not None:
+                self._host.begin()
             for k in range(self.transactions):
                 self._captured_transaction(k)
         self.captures += 1
@@ -143,15 +163,24 @@ class GraphUpdater(StreamUpdater):
 
     def _captured_transaction(self, k: int) -> None:
         """`ResumableUpdater._transaction` of transaction k with the scalars on the device."""
-        ref, s = self.chunks[k], self.state
+        ref, s, slot, host = self.chunks[k], self.state, self._slot(k), self._host
+        if host is not None:
+            host.before_undo(k)
         self._save_undo(ref)
         self._mark_at(k, 1, Stage.CHUNK_UPDATING, **self._position(k))
         if self.fused is not None:
             first, end = self.step.first_index(ref), self.step.decay_end
-            self.fused.launch(ref, self._coef, first_index=first, decay_end=end)
+            committed = None if host is None else host.committed(ref, k)
+            self.fused.launch(
+                ref, self._coef, first_index=first, decay_end=end, slot=slot, committed=committed
+            )
             self._mark_at(k, 2, Stage.PARITY_READY, **self._position(k))
-            x, c = ref.byte_lo, self.geometry.chunk_bytes
-            self.model_parity[ref.group][:, x : x + c].copy_(self.scratch)  # both tiers
+            if host is None:
+                x, c = ref.byte_lo, self.geometry.chunk_bytes
+                self.model_parity[ref.group][:, x : x + c].copy_(self.scratch[slot])
+            else:
+                host.after_kernel(k)
+                host.write_back(ref, slot, k)
             self._commit_at(k)
             return
         p, g, m, v = (
@@ -166,14 +195,17 @@ class GraphUpdater(StreamUpdater):
             first_index=self.step.first_index(ref),
             decay_end=self.step.decay_end,
         )
-        self._stage_parity(ref, k)
+        self._stage_parity(ref, k, slot)
         self._mark_at(k, 2, Stage.PARITY_READY, **self._position(k))
-        self._write_back(ref)
+        self._write_back(ref, slot)
         self._commit_at(k)
 
     def _commit_at(self, k: int) -> None:
-        """Write 3 of transaction k: the next chunk's SYNCED, or IDLE after the last."""
+        """Write 3 of transaction k: the next chunk's SYNCED, or IDLE after the last (which
+        waits for every write-back: the update is then whole in host memory too)."""
         if k + 1 == self.transactions:
+            if self._host is not None:
+                self._host.join()
             self._mark_at(k, 3, Stage.IDLE, group=0, chunk=0, idle=True)
         else:
             self._mark_at(k, 3, Stage.SYNCED, **self._position(k + 1))

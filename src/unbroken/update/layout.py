@@ -15,7 +15,9 @@ Regions, by stable name:
     grad_parity   the same for the gradient groups
     marker        page 0: the progress marker; page 1: its first tier; page 2: its second tier
     undo          the current chunk's pre-update bytes, D x chunk_bytes (process buffer)
-    scratch       the current chunk's new parity range, (H1 + H2) x chunk_bytes (process buffer)
+    scratch       two slots of a chunk's new parity range, 2 x (H1 + H2) x chunk_bytes (process
+                  buffer): transaction k stages into slot k % 2, so on a GPU with parity in host
+                  memory the write-back of transaction k can run beside transaction k + 1
 
 Protection group i of the model holds the d stripe pages of group i of each of the three
 segments (D = 3·d data pages; see [Note: chunk-geometry] in `unbroken.update.geometry`);
@@ -31,13 +33,16 @@ from unbroken.config import ProtectionConfig
 from unbroken.erasure import ErasureGeometry
 from unbroken.update.geometry import StateGeometry
 
-__all__ = ["MARKER_PAGE", "SEGMENTS", "GroupKind", "RegionSpec", "RetainedLayout"]
+__all__ = ["MARKER_PAGE", "SCRATCH_SLOTS", "SEGMENTS", "GroupKind", "RegionSpec", "RetainedLayout"]
 
 MARKER_PAGE = 4096
 """Bytes of one marker page (the marker region is three of them)."""
 
 SEGMENTS = 3
 """Segments of the `model` region: parameters, exp_avg, exp_avg_sq."""
+
+SCRATCH_SLOTS = 2
+"""Staging slots of the `scratch` region (transaction k uses slot k % SCRATCH_SLOTS)."""
 
 GroupKind = Literal["model", "grads"]
 
@@ -121,8 +126,16 @@ class RetainedLayout:
             RegionSpec("grad_parity", parity, s, True),
             RegionSpec("marker", 3 * MARKER_PAGE, MARKER_PAGE, True),
             RegionSpec("undo", self.data_pages("model") * g.chunk_bytes, MARKER_PAGE, False),
-            RegionSpec("scratch", self.width * g.chunk_bytes, MARKER_PAGE, False),
+            RegionSpec("scratch", SCRATCH_SLOTS * self.width * g.chunk_bytes, MARKER_PAGE, False),
         ]
+
+    @staticmethod
+    def host_regions(prot: ProtectionConfig) -> frozenset[str]:
+        """Regions kept in host memory when the state trains on a GPU: the marker always, the
+        model's parity (both tiers) unless `prot.parity_memory` is "device" (Leto §4)."""
+        if prot.parity_memory == "host":
+            return frozenset({"marker", "model_parity"})
+        return frozenset({"marker"})
 
     # -- page <-> group -------------------------------------------------------------------
     def group_rows(self, kind: GroupKind, group: int) -> list[int]:

@@ -21,6 +21,21 @@ computed again from retained state on entry).
 Recovery per stage: SYNCED / GRADS_PROTECTED / IDLE need nothing; CHUNK_UPDATING restores the
 chunk from the undo buffer (its parity is still the committed one); PARITY_READY writes the
 scratch parity back (the chunk's data is already new). Either way data and parity then agree.
+
+[Note: write-back behind the marker] Transaction k stages its parity range in scratch slot
+k % 2. The graph updater with parity in host memory (`unbroken.update.graph`) writes it back on
+a second stream, beside transaction k + 1, so the marker may run ahead of the write-backs:
+transaction k waits for write-back k - 2 before its undo copy (slot k % 2 is free again), and
+the update's IDLE waits for all of them. At marker position p, write-backs of p - 2 and p - 1
+may be pending at SYNCED(p), of p - 1 at CHUNK_UPDATING(p), of p - 1 and p at PARITY_READY(p),
+and their slots still hold their parity (the next writer of slot p % 2 is transaction p + 2,
+and of slot (p - 1) % 2 transaction p + 1, neither started). `repair` therefore first writes
+those slots back again, in transaction order (idempotent: the same bytes, the latest last),
+whatever updater wrote the marker. Every updater uses the same slots, so this holds after a
+host-marked or stream update too, where the write-backs happened to be complete. A lost
+scratch page makes the slots unreadable: the groups concerned are encoded again from their
+data (made consistent first) and the slots refilled from that parity, so a second repair
+before the next commit writes back the same bytes.
 """
 
 from __future__ import annotations
@@ -37,7 +52,13 @@ from unbroken.train.phases import Phase
 from unbroken.train.state import TrainState
 from unbroken.update.geometry import StateGeometry
 from unbroken.update.kernel import ChunkStep
-from unbroken.update.layout import MARKER_PAGE, SEGMENTS, GroupKind, RetainedLayout
+from unbroken.update.layout import (
+    MARKER_PAGE,
+    SCRATCH_SLOTS,
+    SEGMENTS,
+    GroupKind,
+    RetainedLayout,
+)
 from unbroken.update.marker import (
     MARKER_BYTES,
     MarkerReplicas,
@@ -50,6 +71,7 @@ __all__ = [
     "NothingRetained",
     "RepairReport",
     "ResumableUpdater",
+    "copy_rows",
     "local_allocator",
     "state_from_regions",
 ]
@@ -83,6 +105,18 @@ class RepairReport:
     groups_repaired: int = 0
 
 
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src for [rows, bytes] views, stream-ordered between host memory registered
+    with CUDA and the device: one copy when both are contiguous, else one per row (torch would
+    stage a strided host side through a pageable temporary, synchronously — and refuse it
+    inside a CUDA graph capture)."""
+    if dst.device == src.device or (dst.is_contiguous() and src.is_contiguous()):
+        dst.copy_(src, non_blocking=True)
+        return
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s, non_blocking=True)
+
+
 def state_from_regions(layout, geometry: StateGeometry, regions: dict[str, torch.Tensor]):
     """TrainState whose buffers are views of the retained `model` and `grads` regions."""
     n = geometry.padded_numel
@@ -100,14 +134,18 @@ def local_allocator(
 ) -> Callable:
     """An `allocate` callback for `build_training` that holds the retained regions of `prot`'s
     layout in this process — no state manager (benchmarks and tests): each on the training
-    device, the progress marker in host memory as in a job (page-locked if `pin_marker`),
-    stored by name into `regions`. `fresh`: whether the state starts from its initial
-    values."""
+    device, the progress marker and the host regions of a GPU job in host memory as in a job
+    (`RetainedLayout.host_regions`; the marker page-locked if `pin_marker`, the parity
+    always), stored by name into `regions`. `fresh`: whether the state starts from its
+    initial values."""
 
     def allocate(layout, geometry: StateGeometry, device):
+        host = RetainedLayout.host_regions(prot) if device.type == "cuda" else frozenset()
         for spec in RetainedLayout.of(geometry, prot).regions():
             if spec.name == "marker":
                 region = torch.zeros(spec.nbytes, dtype=torch.uint8, pin_memory=pin_marker)
+            elif spec.name in host:
+                region = torch.zeros(spec.nbytes, dtype=torch.uint8, pin_memory=True)
             else:
                 region = torch.zeros(spec.nbytes, dtype=torch.uint8, device=device)
             regions[spec.name] = region
@@ -145,6 +183,19 @@ class ResumableUpdater:
         par = regions["model_parity"][: g.groups * w * s].view(g.groups * w, s)
         gpar = regions["grad_parity"][: g.groups * w * s].view(g.groups * w, s)
         self.model_parity = par.view(g.groups, w, s)
+        self._parity_pin = None
+        """The model parity's registration with CUDA when the state is on a GPU and its parity
+        in host memory (`RetainedLayout.host_regions`): the codec and the fused kernel read it
+        in place, copies write it back."""
+        self.parity_register_s = 0.0
+        """Seconds the registration took (part of attaching the retained state)."""
+        if self.model_pages.is_cuda and not par.is_cuda:
+            from unbroken.update.host_pin import HostRegistration
+
+            t0 = time.perf_counter()
+            self._parity_pin = HostRegistration(regions["model_parity"], self.model_pages.device)
+            self._parity_pin.ensure()
+            self.parity_register_s = time.perf_counter() - t0
         self.groups = [
             self._group(layout, "model", i, self.model_pages, par, backend) for i in range(g.groups)
         ]
@@ -156,10 +207,11 @@ class ResumableUpdater:
         self.marker = ProgressMarker(mk[0][:MARKER_BYTES])
         c, dd = g.chunk_bytes, layout.data_pages("model")
         self.undo = regions["undo"][: dd * c].view(SEGMENTS, d, c)
-        self.scratch = regions["scratch"][: w * c].view(w, c)
+        self.scratch = regions["scratch"][: SCRATCH_SLOTS * w * c].view(SCRATCH_SLOTS, w, c)
+        """Staging slots: transaction k uses slot k % 2 ([Note: write-back behind the marker])."""
         self.undo_table = PageTable([self.undo[a, b] for a in range(SEGMENTS) for b in range(d)])
-        self.s1_table = PageTable([self.scratch[r] for r in range(h1)])
-        self.s2_table = PageTable([self.scratch[h1 + r] for r in range(h2)])
+        self.s1_tables = [PageTable([sl[r] for r in range(h1)]) for sl in self.scratch]
+        self.s2_tables = [PageTable([sl[h1 + r] for r in range(h2)]) for sl in self.scratch]
         # uint8 [segment_pages, S] views of the three segments, for chunk copies.
         seg = g.segment_pages
         self.segments = [self.model_pages[sg * seg : (sg + 1) * seg] for sg in range(SEGMENTS)]
@@ -173,12 +225,18 @@ class ResumableUpdater:
         parity: torch.Tensor,
         backend: str,
     ) -> ProtectionGroup:
-        """Protection group `i` of the model or the gradients over the region views."""
+        """Protection group `i` of the model or the gradients over the region views; parity
+        in host memory beside data on a GPU is taken as mapped into the GPU (the updater
+        registers it), where the codec runs."""
+        tiers = [PageTable([parity[r] for r in layout.parity_rows(i, tier)]) for tier in (1, 2)]
+        if pages.is_cuda and not parity.is_cuda:
+            dev = f"cuda:{pages.device.index or 0}"
+            tiers = [t.mapped_into(dev) if len(t) else t for t in tiers]
         return ProtectionGroup(
             layout.erasure(kind),
             [pages[r] for r in layout.group_rows(kind, i)],
-            [parity[r] for r in layout.parity_rows(i, 1)],
-            [parity[r] for r in layout.parity_rows(i, 2)],
+            tiers[0],
+            tiers[1],
             name=f"{kind}/g{i}",
             backend=backend,
         )
@@ -235,6 +293,11 @@ class ResumableUpdater:
     def _index(self, st: MarkerState) -> int:
         return st.group * self.geometry.chunks_per_group + st.chunk
 
+    @staticmethod
+    def _slot(k: int) -> int:
+        """Transaction k's scratch slot."""
+        return k % SCRATCH_SLOTS
+
     def update(self, iteration: int, *, lr: float, grad_scale: float, hook: Hook) -> None:
         """Run (or resume) the chunk transactions of `iteration` from the marker's position.
         Entering a pass (at its start or resumed inside it) derives the pass's buffer first."""
@@ -277,9 +340,9 @@ class ResumableUpdater:
             pass_=pass_,
         )
         self.hook(Phase.PARITY, iteration, k, n)
-        self._stage_parity(ref, chunk)
+        self._stage_parity(ref, chunk, self._slot(k))
         self._mark(stage=Stage.PARITY_READY)
-        self._write_back(ref, iteration, k)
+        self._write_back(ref, self._slot(k), iteration, k)
         self._commit(iteration, k)
 
     def _save_undo(self, ref) -> None:
@@ -287,24 +350,23 @@ class ResumableUpdater:
         for sg in range(SEGMENTS):
             self.undo[sg].copy_(self._chunk_data(sg, ref))
 
-    def _stage_parity(self, ref, chunk: int) -> None:
-        """The chunk's new parity range (both tiers) into scratch, from the committed parity
-        and the chunk's old (undo) and new bytes."""
+    def _stage_parity(self, ref, chunk: int, slot: int) -> None:
+        """The chunk's new parity range (both tiers) into scratch slot `slot`, from the
+        committed parity and the chunk's old (undo) and new bytes."""
         x, c = ref.byte_lo, self.geometry.chunk_bytes
         group = self.groups[ref.group]
-        self.scratch.copy_(self.model_parity[ref.group][:, x : x + c])
+        copy_rows(self.scratch[slot], self.model_parity[ref.group][:, x : x + c])
         t1 = group.first_tier.slice(x, c)
-        group.first_tier_codec.update_from_old_new(
-            self.s1_table, self.undo_table, group.data.slice(x, c)
-        )
-        group.second_tier_codec.update_from_old_new(self.s2_table, t1, self.s1_table)
+        s1, s2 = self.s1_tables[slot], self.s2_tables[slot]
+        group.first_tier_codec.update_from_old_new(s1, self.undo_table, group.data.slice(x, c))
+        group.second_tier_codec.update_from_old_new(s2, t1, s1)
 
-    def _write_back(self, ref, iteration: int = 0, k: int = 0) -> None:
+    def _write_back(self, ref, slot: int, iteration: int = 0, k: int = 0) -> None:
         x, c, h1 = ref.byte_lo, self.geometry.chunk_bytes, self.h1
-        par = self.model_parity[ref.group]
-        par[:h1, x : x + c].copy_(self.scratch[:h1])
+        par, scr = self.model_parity[ref.group], self.scratch[slot]
+        copy_rows(par[:h1, x : x + c], scr[:h1])
         self.hook(Phase.WRITEBACK, iteration, k, self.transactions)
-        par[h1:, x : x + c].copy_(self.scratch[h1:])
+        copy_rows(par[h1:, x : x + c], scr[h1:])
 
     def _commit(self, iteration: int, k: int) -> None:
         if k + 1 == self.transactions:
@@ -329,6 +391,9 @@ class ResumableUpdater:
         """
         report = RepairReport(lost_pages={k: sorted(v) for k, v in lost.items() if v})
         t0 = time.perf_counter()
+        if self._parity_pin is not None and lost.get("model_parity"):
+            self._parity_pin.reregister()  # lost pages were given new memory at their address
+            self._parity_pin.ensure()
         if lost.get("marker"):
             self.marker_group.reconstruct(lost["marker"])
         st = self.marker.read()
@@ -337,21 +402,19 @@ class ResumableUpdater:
                 "the progress marker has no completed write: its trainer died before "
                 "initializing the retained state"
             )
-        undo_lost, scratch_lost = bool(lost.get("undo")), bool(lost.get("scratch"))
-        if st.stage is Stage.CHUNK_UPDATING:
-            if undo_lost:
+        n, p = len(self.chunks), self._index(st)
+        if st.stage is Stage.CHUNK_UPDATING:  # the chunk's data back to its committed bytes
+            if lost.get("undo"):
                 raise UnrecoverableError(group="undo", lost=set(lost["undo"]))
-            ref = self.chunks[self._index(st) % len(self.chunks)]
+            ref = self.chunks[p % n]
             for sg in range(SEGMENTS):
                 self._chunk_data(sg, ref).copy_(self.undo[sg])
+        self._finish_write_backs(self._pending(st), lost)
+        if st.stage is Stage.CHUNK_UPDATING:
             self._mark(stage=Stage.SYNCED)
             report.fixup = f"restored chunk g{st.group}/c{st.chunk} from undo"
         elif st.stage is Stage.PARITY_READY:
-            if scratch_lost:
-                raise UnrecoverableError(group="scratch", lost=set(lost["scratch"]))
-            k = self._index(st)
-            self._write_back(self.chunks[k % len(self.chunks)])
-            self._commit(st.iteration, k)
+            self._commit(st.iteration, p)
             report.fixup = f"rolled chunk g{st.group}/c{st.chunk} parity forward"
         report.groups_repaired += self._reconstruct(
             self.groups, lost.get("model", []), lost.get("model_parity", []), 3
@@ -362,6 +425,36 @@ class ResumableUpdater:
             )
         report.reconstruct_ms = (time.perf_counter() - t0) * 1e3
         return report
+
+    def _pending(self, st: MarkerState) -> list[int]:
+        """Transactions whose write-back may not have landed at marker `st` ([Note: write-back
+        behind the marker]), in order."""
+        p = self._index(st)
+        first = {Stage.SYNCED: p - 2, Stage.CHUNK_UPDATING: p - 1, Stage.PARITY_READY: p - 1}
+        if st.stage not in first:
+            return []
+        last = p if st.stage is Stage.PARITY_READY else p - 1
+        return list(range(max(first[st.stage], 0), last + 1))
+
+    def _finish_write_backs(self, pending: list[int], lost: dict[str, list[int]]) -> None:
+        """Write the pending transactions' slots back; with scratch pages lost, encode their
+        groups again from the (consistent) data and refill the slots from it instead."""
+        n = len(self.chunks)
+        if not lost.get("scratch"):
+            for k in pending:
+                self._write_back(self.chunks[k % n], self._slot(k))
+            return
+        groups = sorted({self.chunks[k % n].group for k in pending})
+        damaged = self.layout.lost_by_group("model", lost.get("model", []), [])
+        for g in groups:
+            if g in damaged:  # neither its data nor its staged parity can be trusted
+                raise UnrecoverableError(group=f"model/g{g}", lost=set(lost["scratch"]))
+            self.groups[g].encode()
+        c = self.geometry.chunk_bytes
+        for k in pending:
+            ref = self.chunks[k % n]
+            par = self.model_parity[ref.group][:, ref.byte_lo : ref.byte_lo + c]
+            copy_rows(self.scratch[self._slot(k)], par)
 
     def _reconstruct(
         self, groups: list[ProtectionGroup], data_lost: list[int], parity_lost: list[int], segs: int

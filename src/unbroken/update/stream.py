@@ -32,7 +32,7 @@ from unbroken.train.phases import Phase
 from unbroken.update.device_marker import DeviceMarker
 from unbroken.update.layout import SEGMENTS
 from unbroken.update.marker import MarkerState, Stage
-from unbroken.update.rmu import RepairReport, ResumableUpdater
+from unbroken.update.rmu import RepairReport, ResumableUpdater, copy_rows
 
 __all__ = ["StreamUpdater", "stream_capable"]
 
@@ -70,8 +70,8 @@ class StreamUpdater(ResumableUpdater):
         self._model3 = self.model_pages.view(SEGMENTS, g.segment_pages, g.page_bytes)
         c = g.chunk_bytes
         self._undo_ptrs = _device_ptrs([self.undo_table.ptrs], dev)[0]
-        self._s1_ptrs = _device_ptrs([self.s1_table.ptrs], dev)[0]
-        self._s2_ptrs = _device_ptrs([self.s2_table.ptrs], dev)[0] if self.h2 else None
+        self._s1_ptrs = _device_ptrs([t.ptrs for t in self.s1_tables], dev)
+        self._s2_ptrs = _device_ptrs([t.ptrs for t in self.s2_tables], dev) if self.h2 else None
         new_rows, t1_rows = [], []
         for ref in self.chunks:
             group = self.groups[ref.group]
@@ -115,17 +115,20 @@ class StreamUpdater(ResumableUpdater):
             return
         self.undo.copy_(self._model3[:, rows, x : x + c])
 
-    def _stage_parity(self, ref, chunk: int) -> None:
+    def _stage_parity(self, ref, chunk: int, slot: int) -> None:
         """The codec's kernel over the pointer tables built at start-up."""
         c = self.geometry.chunk_bytes
         group = self.groups[ref.group]
-        self.scratch.copy_(self.model_parity[ref.group][:, ref.byte_lo : ref.byte_lo + c])
+        copy_rows(
+            self.scratch[slot], self.model_parity[ref.group][:, ref.byte_lo : ref.byte_lo + c]
+        )
+        s1 = self._s1_ptrs[slot]
         group.first_tier_codec.update_from_old_new_ptrs(
-            self._undo_ptrs, self._new_ptrs[chunk], self._s1_ptrs, length=c
+            self._undo_ptrs, self._new_ptrs[chunk], s1, length=c
         )
         if self._s2_ptrs is not None:
             group.second_tier_codec.update_from_old_new_ptrs(
-                self._t1_ptrs[chunk], self._s1_ptrs, self._s2_ptrs, length=c
+                self._t1_ptrs[chunk], s1, self._s2_ptrs[slot], length=c
             )
 
     # -- recovery -----------------------------------------------------------------------------

@@ -65,6 +65,22 @@ def _pow2(n: int) -> int:
     return value
 
 
+class _HostPointer:
+    """A registered host tensor as a Triton pointer argument (its address is the device's
+    under unified addressing; Triton's launcher would refuse a CPU tensor by type)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.dtype = t.dtype
+        self._address = t.data_ptr()
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+def _addressable(t: torch.Tensor):
+    return t if t.is_cuda else _HostPointer(t)
+
+
 def fused_capable(h1: int, h2: int) -> bool:
     """Whether the fused kernel covers tiers of h1 and h2 pages (one program holds a
     power-of-two block of rows of each)."""
@@ -77,8 +93,9 @@ class FusedTransaction:
     Args:
         geometry: the state's pages, stripes and chunks.
         segments: the flat fp32 parameters, gradients, exp_avg and exp_avg_sq.
-        parity: the model groups' parity, uint8 [groups, H1 + H2, page_bytes].
-        scratch: the staging rows, uint8 [H1 + H2, chunk_bytes].
+        parity: the model groups' parity, uint8 [groups, H1 + H2, page_bytes], on the device
+            or in host memory registered with CUDA (the kernel reads it in place).
+        scratch: the staging slots, uint8 [slots, H1 + H2, chunk_bytes].
         h1, h2: the tiers' page counts.
         codecs: (first tier, second tier or None) codec of each group, to check that they
             encode with the field's Cauchy matrices, as this kernel's tables do.
@@ -121,9 +138,9 @@ class FusedTransaction:
         self.h1, self.h2, self.d = h1, h2, d
         self.geometry = geometry
         self.segments = segments
-        # int32 words of each group's committed parity and of the scratch.
+        # int32 words of each group's committed parity and of each scratch slot.
         self._parity = [p.view(torch.int32) for p in parity]
-        self._scratch = scratch.view(torch.int32)
+        self._scratch = [sl.view(torch.int32) for sl in scratch]
 
     @classmethod
     def of(cls, updater, tuning: dict[str, int] | None = None) -> FusedTransaction:
@@ -140,20 +157,36 @@ class FusedTransaction:
             tuning=tuning,
         )
 
-    def launch(self, ref, coeffs: torch.Tensor, *, first_index: int, decay_end: int) -> None:
-        """Step chunk `ref` in place and stage its parity range into scratch (one launch on the
-        current stream; `coeffs`: the fp32 [8] device block of `fused_adamw_dev_`)."""
+    def launch(
+        self,
+        ref,
+        coeffs: torch.Tensor,
+        *,
+        first_index: int,
+        decay_end: int,
+        slot: int = 0,
+        committed: torch.Tensor | None = None,
+    ) -> None:
+        """Step chunk `ref` in place and stage its parity range into scratch slot `slot` (one
+        launch on the current stream; `coeffs`: the fp32 [8] device block of
+        `fused_adamw_dev_`). `committed`: the chunk's committed parity range, uint8 [H1 + H2,
+        chunk_bytes], where it was staged (`unbroken.update.host_parity`); default: read in
+        place in the parity."""
         from unbroken.update._triton_transaction import chunk_transaction_kernel
 
         g = self.geometry
         p, gr, m, v = (g.chunk_view(x, ref) for x in self.segments)
         lo, hi = ref.byte_lo // 4, ref.byte_hi // 4
-        par = self._parity[ref.group][:, lo:hi]
+        if committed is None:
+            par = self._parity[ref.group][:, lo:hi]
+        else:
+            par = committed.view(torch.int32)
+        scr = self._scratch[slot]
         cols = hi - lo
         grid = (-(-cols // self.block),)
         chunk_transaction_kernel[grid](
             p, gr, m, v, cols, p.stride(0), first_index, decay_end, coeffs,
-            par, par.stride(0), self._scratch, self._scratch.stride(0), self._t1, self._t2, self.d,
+            _addressable(par), par.stride(0), scr, scr.stride(0), self._t1, self._t2, self.d,
             H1=self.h1, R1=self.r1, H2=self.h2, R2=self.r2,
             BLOCK=self.block, PLANES=self.planes, num_warps=self.warps,
         )  # fmt: skip
