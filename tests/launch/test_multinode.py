@@ -442,6 +442,44 @@ def test_a_dp_x_pp_job_grows_back_in_place_when_node_1_returns(job_of):
     assert summary["iterations"] == 40 and summary["state"] == "done", summary
 
 
+@pytest.mark.slow  # 4 loopback nodes and a reference: ~90 s
+@pytest.mark.timeout(500)
+def test_a_standby_whose_replica_was_dissolved_takes_a_replicas_state_when_the_world_grows(
+    job_of,
+):
+    """PP=2 x DP=2 on 4 nodes of one rank: node 2 (replica 1's first stage) dies, replica 1 is
+    dissolved and device 3 stands by outside the world, holding the iteration it left at.
+    Node 2 comes back: the job grows back to the launch plan, node 2's fresh rank *and* the
+    standby take replica 0's state (the standby is behind the job, not a reason to fall back
+    to the checkpoint) — no checkpoint, bit-exact against the fault-free run."""
+    job = job_of(iterations=40, adapt=True, join_timeout=240, pp=2, nnodes="4")
+    nodes = {r: job.node(r) for r in (1, 2, 3)}
+    node0 = job.node(0, "--reference")
+    _wait(lambda: job.iterations_done() >= 5 or node0.poll() is not None, 240, "iteration 5")
+    assert node0.poll() is None, node0.communicate()[1][-3000:]
+    _wait(lambda: job.parked(1) >= {0, 1, 3}, 120, "the shadows for generation 1", job)
+    _kill_node(nodes[2].pid, descendants(nodes[2].pid) | {nodes[2].pid})
+    _wait(lambda: job.kinds("recovery_done"), 90, "the survivors to train again", job)
+    _wait(lambda: job.iterations_done() >= 12, 200, "training on the dissolved plan", job)
+    back = job.node(2)
+    summary = _summary(node0, timeout=400)
+    for p in (back, nodes[1], nodes[3]):
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err[-3000:]
+    assert summary["bit_exact"] is True, summary
+    replans = job.kinds("replan")
+    assert [(r["trigger"]["kind"], r["restore"]) for r in replans][:2] == [
+        ("device_lost", "in_place"),
+        ("devices_returned", "in_place"),
+    ], replans
+    assert replans[0]["devices_after"] == [0, 1], replans
+    assert replans[1]["devices_after"] == [0, 1, 2, 3], replans
+    fills = [r for r in job.kinds("inplace_repair") if r["fixup"] == "filled from a replica"]
+    assert sorted(r["rank"] for r in fills) == [2, 3], job.kinds("inplace_repair")
+    assert not job.kinds("checkpoint_loaded"), "retained state and replicas, no checkpoint"
+    assert summary["iterations"] == 40 and summary["state"] == "done", summary
+
+
 # Slow tier (~60 s and ~35 s); the CI tier loses a pipeline's stage on one host
 # (tests/adapt/test_lost_stage.py, TP 2 x PP 2).
 @pytest.mark.slow

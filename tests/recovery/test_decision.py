@@ -95,6 +95,29 @@ def test_a_rank_without_a_healthy_replica_still_falls_back():
     assert decide_restore([BROKEN, NOTHING], [(0, 1)]).path is RestorePath.FALLBACK
 
 
+def test_a_rank_behind_the_job_takes_its_replicas_state_where_one_has_it():
+    """A standby rejoining a grown world holds the iteration its replica was dissolved at
+    (done 2); its replica (rank 0) and the other stage's ranks completed 6. It is filled, not
+    a reason to fall back; without a replica it still falls back."""
+    rows = [_rank(Stage.IDLE, 7, 6), _rank(Stage.IDLE, 7, 6), _rank(Stage.IDLE, 3, 2)]
+    rows.append(_rank(Stage.IDLE, 7, 6))
+    d = decide_restore(rows, [[0, 2], [1, 3]])
+    assert (d.path, d.next_iteration) == (RestorePath.RESUME, 7)
+    assert d.actions[2] is RankAction.FILL and d.fill == ((2, 0),)
+    assert d.actions[0] is RankAction.AT_BOUNDARY
+    assert decide_restore(rows, [[0], [1, 3], [2]]).path is RestorePath.FALLBACK
+    assert decide_restore(rows).path is RestorePath.FALLBACK
+
+
+def test_ranks_inside_the_newest_update_are_not_behind_it():
+    """A peer completed 5; ranks past 5's sync, or protected for it, finish it (not filled)."""
+    rows = [_rank(Stage.IDLE, 6, 5), _rank(Stage.SYNCED, 5), _rank(Stage.GRADS_PROTECTED, 5)]
+    d = decide_restore(rows, [[0, 1, 2]])
+    assert d.path is RestorePath.RESUME and d.fill == () and d.finish == 5
+    behind = [_rank(Stage.IDLE, 6, 5), _rank(Stage.GRADS_PROTECTED, 4, 3)]
+    assert decide_restore(behind, [[0, 1]]).fill == ((1, 0),)
+
+
 def test_nothing_retained_and_no_progress_starts_over_in_this_generation():
     fresh_start = _rank(Stage.IDLE, 0, -1)
     d = decide_restore([NOTHING, fresh_start])

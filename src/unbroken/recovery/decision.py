@@ -197,6 +197,8 @@ def decide_restore(
     order) and the job's sets of ranks holding identical state. Pure: every rank computes it
     from the same gathered table."""
     lacking = [r for r, s in enumerate(rows) if not s.held or not s.repaired]
+    if replica_sets:
+        lacking += _behind(rows, lacking)
     if lacking and len(lacking) < len(rows):
         donors = _donors(lacking, replica_sets)
         if donors is not None:
@@ -216,6 +218,29 @@ def decide_restore(
                     fill=tuple(sorted(donors.items())),
                 )
     return _decide(rows)
+
+
+def _behind(rows: Sequence[RetainedSummary], lacking: list[int]) -> list[int]:
+    """Ranks whose repaired state is older than the job's: neither at the newest iteration any
+    rank completed, t, nor inside the update of t (past its sync, or protected for it while a
+    peer passed it). A device that stood by outside the world (its replica dissolved) rejoins
+    a grown world so, with the iteration it left at; a marker rebuilt one write behind can
+    too. Such a rank takes a replica's state like one that retained nothing (every persistent
+    byte is overwritten, parity and marker written again), where a replica has it."""
+    current = [s.marker for r, s in enumerate(rows) if r not in lacking and s.marker is not None]
+    if not current:
+        return []
+    t = max(m.done_iter for m in current)
+
+    def is_behind(m: MarkerState) -> bool:
+        inside = m.iteration == t and m.stage in (Stage.SYNCED, Stage.GRADS_PROTECTED)
+        return m.done_iter < t and not inside
+
+    return [
+        r
+        for r, s in enumerate(rows)
+        if r not in lacking and s.marker is not None and is_behind(s.marker)
+    ]
 
 
 def _donors(lacking: list[int], replica_sets: Sequence[Sequence[int]]) -> dict[int, int] | None:
