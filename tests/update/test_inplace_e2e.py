@@ -39,6 +39,7 @@ def test_crash_at_every_update_operation_recovers_in_place_bit_exact(tmp_path):
     assert (
         len(lost[0]["lost_pages"]["model"]) == 2 and len(lost[0]["lost_pages"]["model_parity"]) == 1
     )
+    assert all(r["register_ms"] == 0 for r in repairs)  # host parity is registered on GPUs only
     fixups = {r["fixup"].split(" chunk")[0] for r in repairs}
     assert {"restored", "rolled"} <= fixups  # both undo restore and parity roll-forward ran
     # A crash inside the update phase loses no completed work: nothing is recomputed.

@@ -172,6 +172,7 @@ def restore_state(
         generation=spec.generation,
         localize_ms=retained.localize_ms,
         remap_ms=retained.remap_ms,
+        register_ms=updater.parity_register_s * 1e3,  # host parity registered with CUDA
         reconstruct_ms=report.reconstruct_ms,
         finish_ms=finish_ms,
         lost_pages=report.lost_pages,
