@@ -10,6 +10,11 @@ allocation at its address (the likely cause of an asynchronous copy that failed 
 marker pages was dropped). Pages the manager remapped after a loss are new memory at the same
 address, which the old registration does not cover: `reregister` registers them again.
 
+Registrations are per process, as the driver keeps them: several users of one region (a test
+building a second updater over the first one's regions) share one registration, counted in
+`_users`, and the last of them to go unregisters it — one user's end never pulls the memory out
+from under another.
+
 Hand-written because torch registers only memory it allocates (`pin_memory`); the calls are
 `cudaHostRegister` / `cudaHostUnregister` through `torch.cuda.cudart()`.
 """
@@ -38,11 +43,38 @@ def register_host(t: torch.Tensor) -> bool:
     return True
 
 
+_users: dict[int, int] = {}
+"""Address of a region registered here -> its live `HostRegistration`s (this process's)."""
+
+
 def _unregister_host(pages: torch.Tensor, device: torch.device) -> None:
-    """Undo `register_host` once the device's work on `pages` has landed (held by the
-    finalizer, which keeps `pages` alive until then)."""
+    """Undo `register_host` once the device's work on `pages` has landed."""
     torch.cuda.synchronize(device)
     torch.cuda.cudart().cudaHostUnregister(pages.data_ptr())
+
+
+def _acquire(pages: torch.Tensor) -> bool:
+    """One more user of `pages`' registration, registering it if it is the first. False:
+    memory torch pinned itself (nothing to release)."""
+    address = pages.data_ptr()
+    if address in _users:
+        _users[address] += 1
+        return True
+    if register_host(pages):
+        _users[address] = 1
+        return True
+    return False
+
+
+def _release(pages: torch.Tensor, device: torch.device) -> None:
+    """One user fewer; the last unregisters (held by the finalizer, which keeps `pages` alive
+    until then)."""
+    address = pages.data_ptr()
+    if _users.get(address, 0) > 1:
+        _users[address] -= 1
+        return
+    _users.pop(address, None)
+    _unregister_host(pages, device)
 
 
 class HostRegistration:
@@ -64,14 +96,18 @@ class HostRegistration:
     def ensure(self) -> None:
         """Register the pages unless they already are (idempotent, cheap when they are)."""
         if not self._registered:
-            if register_host(self.pages):
-                self._unregister = weakref.finalize(self, _unregister_host, self.pages, self.device)
+            if _acquire(self.pages):
+                self._unregister = weakref.finalize(self, _release, self.pages, self.device)
                 self._unregister.atexit = False  # the process's exit releases it anyway
             self._registered = True
 
     def reregister(self) -> None:
-        """Register the pages again at the next `ensure` (after the manager remapped them)."""
-        if self._unregister is not None:
-            self._unregister()  # the old mapping's registration, once
-            self._unregister = None
-        self._registered = False
+        """Register the pages again now (after the manager remapped them: new memory at the
+        same address, which the old registration does not cover); every user of the region
+        keeps using the new registration."""
+        if self._unregister is None:
+            self._registered = False
+            self.ensure()
+            return
+        _unregister_host(self.pages, self.device)
+        register_host(self.pages)
