@@ -187,7 +187,7 @@ def _geometry_sweep(
             "rmu_capture_ms": 1e3 * getattr(upd.inner, "capture_s", 0.0),
             "rmu_protect_ms": 1e3 * statistics.median(upd.protect_s[1:]),
         }
-        row.update(_hbm(regions, geometry, getattr(upd.inner, "staging_bytes", 0)))
+        row.update(_hbm(regions, geometry, upd.inner.staging_bytes))
         out.append(row)
         _say(
             f"geometry {item}: update {row['rmu_update_ms']:.1f} ms, HBM +{row['hbm_overhead_pct']:.1f} %"
@@ -675,7 +675,7 @@ def _protection(b: _Bench) -> None:
     rmu.model.attention_kernel = b.plain.model.attention_kernel
     r["geometry"] = dataclasses.asdict(geometry)
     r["protection"] = dataclasses.asdict(b.cfg.protection.resolved(cuda))
-    r.update(_hbm(regions, geometry, getattr(rmu_upd.inner, "staging_bytes", 0)))
+    r.update(_hbm(regions, geometry, rmu_upd.inner.staging_bytes))
     _time_step(rmu, 2, 0)
     b.plain_upd.update_s.clear()
     ov = _overhead(b.plain, rmu, args.iterations, b.first)

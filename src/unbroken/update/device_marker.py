@@ -31,7 +31,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from unbroken.update.host_pin import HostRegistration
+from unbroken.update.host_pin import DevicePointer, HostRegistration
 from unbroken.update.layout import MARKER_PAGE
 from unbroken.update.marker import SLOT_BYTES, MarkerState
 
@@ -92,18 +92,6 @@ def _words(state: MarkerState) -> tuple[int, ...]:
     )
 
 
-class _Pointer:
-    """A raw device-accessible address in the form Triton takes a pointer argument."""
-
-    dtype = torch.uint8
-
-    def __init__(self, address: int) -> None:
-        self._address = address
-
-    def data_ptr(self) -> int:
-        return self._address
-
-
 class DeviceMarker:
     """Enqueues marker writes on the current stream of `device`. The pages stay registered
     with CUDA while the marker lives (or until `reregister`), and no longer.
@@ -129,7 +117,7 @@ class DeviceMarker:
         words = _words(state)
         with torch.cuda.device(self.device):
             _kernels()[0][(1,)](
-                _Pointer(self.pages.data_ptr()),
+                DevicePointer(self.pages.data_ptr()),
                 self._table,
                 (state.seq % 2) * SLOT_BYTES,
                 self._crc0,
@@ -156,7 +144,7 @@ class DeviceMarker:
         self._pin.ensure()
         with torch.cuda.device(self.device):
             _kernels()[1][(1,)](
-                _Pointer(self.pages.data_ptr()),
+                DevicePointer(self.pages.data_ptr()),
                 self._table,
                 base,
                 self._crc0,
@@ -170,5 +158,5 @@ class DeviceMarker:
             )
 
     def reregister(self) -> None:
-        """Register the pages again at the next write (after the manager remapped them)."""
+        """Register the pages again (after the manager remapped them)."""
         self._pin.reregister()

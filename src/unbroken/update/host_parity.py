@@ -113,6 +113,5 @@ class HostParityStreams:
         main = self._main()
         for k in sorted(self._written):
             main.wait_event(self._written.pop(k))
-        for k in sorted(self._read):  # the ahead stream's copies all preceded these kernels
-            self._read.pop(k)
+        self._read.clear()  # the ahead stream's copies all preceded these kernels
         self._start = None

@@ -25,7 +25,20 @@ import weakref
 
 import torch
 
-__all__ = ["HostRegistration", "register_host"]
+__all__ = ["DevicePointer", "HostRegistration", "register_host"]
+
+
+class DevicePointer:
+    """A raw device-accessible address (registered host memory is one under unified
+    addressing) in the form Triton takes a pointer argument: Triton's launcher would refuse a
+    CPU tensor by its type."""
+
+    def __init__(self, address: int, dtype: torch.dtype = torch.uint8) -> None:
+        self.dtype = dtype
+        self._address = address
+
+    def data_ptr(self) -> int:
+        return self._address
 
 
 def register_host(t: torch.Tensor) -> bool:
@@ -104,7 +117,7 @@ class HostRegistration:
     def reregister(self) -> None:
         """Register the pages again now (after the manager remapped them: new memory at the
         same address, which the old registration does not cover); every user of the region
-        keeps using the new registration."""
+        keeps using the new registration. Registers them if they never were."""
         if self._unregister is None:
             self._registered = False
             self.ensure()

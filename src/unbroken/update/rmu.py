@@ -157,6 +157,10 @@ def local_allocator(
 class ResumableUpdater:
     """Crash-consistent update phase over retained regions (uint8 tensors by name)."""
 
+    staging_bytes = 0
+    """HBM the updater holds beside the retained regions (`GraphUpdater`'s staging of host
+    parity; none here)."""
+
     def __init__(
         self,
         state: TrainState,
@@ -393,7 +397,6 @@ class ResumableUpdater:
         t0 = time.perf_counter()
         if self._parity_pin is not None and lost.get("model_parity"):
             self._parity_pin.reregister()  # lost pages were given new memory at their address
-            self._parity_pin.ensure()
         if lost.get("marker"):
             self.marker_group.reconstruct(lost["marker"])
         st = self.marker.read()

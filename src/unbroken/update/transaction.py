@@ -46,6 +46,7 @@ import torch
 
 from unbroken.erasure import gf256
 from unbroken.erasure._word_tables import plane_table, word_table
+from unbroken.update.host_pin import DevicePointer
 
 __all__ = ["DEFAULT_FUSED_TUNING", "FusedTransaction", "fused_capable"]
 
@@ -65,20 +66,9 @@ def _pow2(n: int) -> int:
     return value
 
 
-class _HostPointer:
-    """A registered host tensor as a Triton pointer argument (its address is the device's
-    under unified addressing; Triton's launcher would refuse a CPU tensor by type)."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.dtype = t.dtype
-        self._address = t.data_ptr()
-
-    def data_ptr(self) -> int:
-        return self._address
-
-
 def _addressable(t: torch.Tensor):
-    return t if t.is_cuda else _HostPointer(t)
+    """`t` as a Triton pointer argument, a registered host tensor by its address."""
+    return t if t.is_cuda else DevicePointer(t.data_ptr(), t.dtype)
 
 
 def fused_capable(h1: int, h2: int) -> bool:
