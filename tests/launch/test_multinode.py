@@ -201,6 +201,23 @@ def _summary(p: subprocess.Popen, timeout: float = 240) -> dict:
     return json.loads(out)
 
 
+def _assert_grew_back_in_place(job: _Job, summary: dict) -> None:
+    """A 40-iteration PP2 x DP2 job lost a device, continued in place, and grew back to all
+    four devices in place when it returned, ranks 2 and 3 filled from replica 0: no
+    checkpoint, bit-exact."""
+    assert summary["bit_exact"] is True, summary
+    replans = job.kinds("replan")
+    assert [(r["trigger"]["kind"], r["restore"]) for r in replans][:2] == [
+        ("device_lost", "in_place"),
+        ("devices_returned", "in_place"),
+    ], replans
+    assert replans[1]["devices_after"] == [0, 1, 2, 3], replans
+    fills = [r for r in job.kinds("inplace_repair") if r["fixup"] == "filled from a replica"]
+    assert sorted(r["rank"] for r in fills) == [2, 3], job.kinds("inplace_repair")
+    assert not job.kinds("checkpoint_loaded"), "retained state and replicas, no checkpoint"
+    assert summary["iterations"] == 40 and summary["state"] == "done", summary
+
+
 @pytest.mark.ci_required
 @pytest.mark.timeout(300)
 def test_two_nodes_train_and_recover_a_rank_of_node_1_in_place(job_of):
@@ -429,17 +446,7 @@ def test_a_dp_x_pp_job_grows_back_in_place_when_node_1_returns(job_of):
     summary = _summary(node0)
     _, err = back.communicate(timeout=60)
     assert back.returncode == 0, err[-3000:]
-    assert summary["bit_exact"] is True, summary
-    replans = job.kinds("replan")
-    assert [(r["trigger"]["kind"], r["restore"]) for r in replans][:2] == [
-        ("device_lost", "in_place"),
-        ("devices_returned", "in_place"),
-    ], replans
-    assert replans[1]["devices_after"] == [0, 1, 2, 3], replans
-    fills = [r for r in job.kinds("inplace_repair") if r["fixup"] == "filled from a replica"]
-    assert sorted(r["rank"] for r in fills) == [2, 3], job.kinds("inplace_repair")
-    assert not job.kinds("checkpoint_loaded"), "retained state and replicas, no checkpoint"
-    assert summary["iterations"] == 40 and summary["state"] == "done", summary
+    _assert_grew_back_in_place(job, summary)
 
 
 @pytest.mark.slow  # 4 loopback nodes and a reference: ~90 s
@@ -466,18 +473,9 @@ def test_a_standby_whose_replica_was_dissolved_takes_a_replicas_state_when_the_w
     for p in (back, nodes[1], nodes[3]):
         _, err = p.communicate(timeout=60)
         assert p.returncode == 0, err[-3000:]
-    assert summary["bit_exact"] is True, summary
+    _assert_grew_back_in_place(job, summary)
     replans = job.kinds("replan")
-    assert [(r["trigger"]["kind"], r["restore"]) for r in replans][:2] == [
-        ("device_lost", "in_place"),
-        ("devices_returned", "in_place"),
-    ], replans
     assert replans[0]["devices_after"] == [0, 1], replans
-    assert replans[1]["devices_after"] == [0, 1, 2, 3], replans
-    fills = [r for r in job.kinds("inplace_repair") if r["fixup"] == "filled from a replica"]
-    assert sorted(r["rank"] for r in fills) == [2, 3], job.kinds("inplace_repair")
-    assert not job.kinds("checkpoint_loaded"), "retained state and replicas, no checkpoint"
-    assert summary["iterations"] == 40 and summary["state"] == "done", summary
 
 
 # Slow tier (~60 s and ~35 s); the CI tier loses a pipeline's stage on one host
