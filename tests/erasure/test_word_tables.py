@@ -1,6 +1,6 @@
 """The GPU's word-level GF(2^8) operands (`unbroken.erasure._word_tables`) against the field,
 by emulating the Triton device functions' arithmetic in numpy: the word-table column update
-(`gf_column_words`) and the bit-plane form (`gf_planes_add`, `gf_xtime`, `gf_planes_sum`)."""
+(`gf_column_words`, its byte masks as `gf_byte_mask` forms them) and the bit-plane form (`gf_planes_add`, `gf_xtime`, `gf_planes_sum`)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ def _reference(coef: np.ndarray, data: np.ndarray) -> np.ndarray:
     return out
 
 
+def _byte_mask(w: np.ndarray, s: int) -> np.ndarray:
+    """`gf_byte_mask`: w << (7 - s), then each byte's top bit replicated over it (`prmt` in
+    sign mode)."""
+    x = (w.astype(np.uint32) << np.uint32(7 - s)).astype(np.uint32)
+    lanes = x.view(np.uint8).reshape(*w.shape, 4)
+    return ((lanes >> 7) * np.uint8(255)).astype(np.uint8).reshape(*w.shape[:-1], -1).view(np.int32)
+
+
 def _xtime(x: np.ndarray) -> np.ndarray:
     """`gf_xtime` on int32 words (arithmetic shift, as Triton's int32 >>)."""
     return ((x << 1) & np.int32(-16843010)) ^ (((x >> 7) & np.int32(0x01010101)) * np.int32(0x1D))
@@ -38,7 +46,8 @@ def test_word_and_plane_forms_compute_the_fields_parity(rows, cols, rows_p2):
     acc = np.zeros((rows_p2, words.shape[1]), dtype=np.int32)
     for c in range(cols):
         for s in range(8):
-            m = ((words[c] >> s) & np.int32(0x01010101)) * np.int32(255)
+            m = _byte_mask(words[c], s)
+            assert np.array_equal(m, ((words[c] >> s) & np.int32(0x01010101)) * np.int32(255))
             acc ^= m[None, :] & table[c, s][:, None]
     assert np.array_equal(acc[:rows].view(np.uint8), want)
     assert not acc[rows:].any()

@@ -8,7 +8,8 @@ over pages given as device-resident pointer tables, so pages may be scattered in
   values turns encoding into an int8 matrix product on tensor cores (``tl.dot``), whose int32
   sums are reduced mod 2 (``& 1``). Any length and alignment.
 - `gf_matmul_xor` works on 32-bit words with CUDA cores: for each data bit s it forms a byte
-  mask and XORs in ``mask & (coef·2^s)`` per row (one LOP3 per row and bit). Needs 4-byte
+  mask (`gf_byte_mask`: a shift and a byte permute) and XORs in ``mask & (coef·2^s)`` per row
+  (one LOP3 per row and bit). Needs 4-byte
   aligned pages, offsets and lengths. Small pages give too few word blocks to fill the GPU, so
   the columns are then split over a second grid axis and partial results combined with
   ``atomic_xor`` (XOR is associative, so the result is exact in any order).
@@ -17,7 +18,7 @@ Device functions for kernels that fold a parity delta into other work (the resum
 updater's fused chunk transaction, `unbroken.update._triton_transaction`):
 
 - `gf_column_words`: ``acc[r] ^= coef[r, c]·w`` for one column of packed bytes, with the
-  CUDA-core kernel's word table (three operations per data bit, one LOP3 per row and bit);
+  CUDA-core kernel's word table (two operations per data bit, one LOP3 per row and bit);
 - `gf_planes_add` / `gf_planes_sum`: the bit-plane form. With ``coef = XOR_b bit_b(coef)·2^b``,
   ``XOR_c coef[r, c]·w_c = XOR_b 2^b·(XOR_{c: bit b of coef[r, c]} w_c)``: per column one LOP3
   per row and coefficient bit into eight plane accumulators (``plane_table``'s all-ones or
@@ -35,6 +36,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "gf_byte_mask",
     "gf_column_words",
     "gf_matmul_tc",
     "gf_matmul_xor",
@@ -97,6 +99,21 @@ def gf_matmul_tc(
 
 
 @triton.jit
+def gf_byte_mask(w, S: tl.constexpr):
+    """0xFF in each byte of int32 `w` whose bit S is set, else 0x00: the shift takes every
+    byte's bit S to that byte's top bit (bits crossing into the next byte are below its top
+    bit), and `prmt` in sign mode (selector 0xBA98) replicates each byte's top bit over the
+    byte. Two instructions (one for S = 7) instead of ``((w >> S) & 0x01010101) * 255``'s
+    three; the word table's inner loop runs it once per data bit and column."""
+    x = w
+    if S < 7:
+        x = w << (7 - S)
+    return tl.inline_asm_elementwise(
+        "prmt.b32 $0, $1, 0, 0xBA98;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
 def gf_matmul_xor(
     src_ptrs,
     src2_ptrs,
@@ -127,7 +144,7 @@ def gf_matmul_xor(
             base2 = tl.load(src2_ptrs + c).to(tl.pointer_type(tl.int32))
             w = w ^ tl.load(base2 + w_idx, mask=wmask, other=0)
         for s in tl.static_range(8):
-            m = ((w >> s) & 0x01010101) * 255
+            m = gf_byte_mask(w, s)
             coef = tl.load(table_ptr + (c * 8 + s) * ROWS_P2 + rows)
             acc = acc ^ (m[None, :] & coef[:, None])
     rmask = rows < rows_used
@@ -147,7 +164,7 @@ def gf_column_words(acc, w, table_ptr, c, rows, ROWS_P2: tl.constexpr):
     """``acc[r, :] ^= coef[r, c]·w`` (acc: [ROWS_P2, B] int32; w: [B] int32 of packed bytes;
     table: `word_table`'s [cols, 8, ROWS_P2])."""
     for s in tl.static_range(8):
-        m = ((w >> s) & 0x01010101) * 255
+        m = gf_byte_mask(w, s)
         coef = tl.load(table_ptr + (c * 8 + s) * ROWS_P2 + rows)
         acc = acc ^ (m[None, :] & coef[:, None])
     return acc
