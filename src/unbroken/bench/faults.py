@@ -101,6 +101,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="with --external: kills in each run, each after the previous one's recovery",
     )
+    p.add_argument(
+        "--aim-ms",
+        type=float,
+        default=None,
+        help="with --external: aim each kill at the update, uniformly within this many ms "
+        "before the predicted end of an iteration",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -111,7 +118,13 @@ def _external(args: argparse.Namespace, cfg: JobConfig, root: Path) -> int:
         print(f"[kills] {text}", file=sys.stderr, flush=True)
 
     result = run_campaign(
-        cfg, root, trials=args.trials, seed=args.seed, kills_per_run=args.kills_per_run, say=say
+        cfg,
+        root,
+        trials=args.trials,
+        seed=args.seed,
+        kills_per_run=args.kills_per_run,
+        aim_s=None if args.aim_ms is None else args.aim_ms / 1e3,
+        say=say,
     )
     result["config"] = {"preset": args.preset, "world_size": args.world_size, "seed": args.seed}
     if args.json:
@@ -120,7 +133,8 @@ def _external(args: argparse.Namespace, cfg: JobConfig, root: Path) -> int:
         print(
             f"external kills: trials {result['trials']} (of {result['drawn']} drawn; "
             f"{result['not_killed']} ended before their kill)  exact {result['exact']}  "
-            f"undetected {result['undetected']}  median recovery {result['median_recovery_s']} s "
+            f"undetected {result['undetected']}  where {result['where']}  "
+            f"median recovery {result['median_recovery_s']} s "
             f"({result['seconds']:.0f}s, runs in {root})"
         )
     return 0 if result["all_exact"] and result["undetected"] == 0 else 1

@@ -124,6 +124,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kill-seed", type=int, default=0, help="seed of the kill times")
     p.add_argument(
+        "--kill-aim-ms",
+        type=float,
+        default=None,
+        help="aim the campaign's kills at the update: uniformly within this many ms before "
+        "the predicted end of an iteration (default: uniform over the run)",
+    )
+    p.add_argument(
         "--update-only",
         action="store_true",
         help="only the update phase: plain and resumable updater variants on random gradients "
@@ -258,6 +265,7 @@ def _kills(args: argparse.Namespace) -> dict[str, Any]:
         trials=args.kill_trials,
         seed=args.kill_seed,
         kills_per_run=args.kills_per_run,
+        aim_s=None if args.kill_aim_ms is None else args.kill_aim_ms / 1e3,
         say=_say,
     )
 

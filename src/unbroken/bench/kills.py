@@ -10,6 +10,12 @@ over the rest of the run's expected length, finds the job's active trainers amon
 descendant processes and kills one. Every trial's final state must equal the fault-free
 reference's bit for bit.
 
+Uniform times rarely land inside the update, a few milliseconds of an iteration on a GPU. An
+aimed campaign (`aim_s`) predicts the end of an iteration from the job's own metrics (the
+update is an iteration's last phase) and kills uniformly within `aim_s` before it; the repair
+then records the marker it found, so every trial says where it landed (`where_killed`:
+inside a chunk transaction, before the first, or outside the update).
+
 Finding trainers from outside, through /proc only: a trainer is a descendant process started
 as `python -m unbroken.launch.trainer`, or a child of the shadow fork server (the standard
 library's `multiprocessing.forkserver`, see `unbroken.shadow.forkserver`; its children are
@@ -120,7 +126,8 @@ def active_trainers(root: int | None = None) -> list[int]:
 class KillRecord:
     trial: int
     delay_s: float
-    """Drawn delay after the first completed iteration."""
+    """Drawn delay after the first completed iteration (after the previous kill's recovery);
+    in an aimed campaign, seconds before the predicted end of an iteration."""
     killed_pid: int | None = None
     t_kill: float | None = None
     state: str = ""
@@ -134,8 +141,16 @@ class KillRecord:
     fixup: str | None = None
     """What the in-place repair did to the interrupted update (`inplace_repair`'s fixup:
     "none" when the kill landed outside a chunk transaction)."""
+    marker: dict[str, Any] = field(default_factory=dict)
+    """The progress marker the repair found (`inplace_repair`'s marker: stage, iteration,
+    group, chunk)."""
     breakdown: dict[str, Any] = field(default_factory=dict)
     """The recovery's own times (detect_s, init_s, recompute_s, total_s) from the summary."""
+
+    @property
+    def where(self) -> str:
+        """Where the kill left the update (`where_killed`)."""
+        return where_killed(self.marker)
 
 
 def _first_iteration_done(run_dir: Path, stop: threading.Event) -> bool:
@@ -159,16 +174,42 @@ def _resumed_after(run_dir: Path, t: float, stop: threading.Event) -> bool:
     return False
 
 
+def _aim(run_dir: Path, since: float, before_end_s: float, stop: threading.Event) -> float | None:
+    """The wall time `before_end_s` before the predicted end of an iteration: the period of
+    the last three iterations started after `since`, extrapolated two iterations past the
+    newest (the update is an iteration's last phase: its end is the update's)."""
+    from unbroken.metrics.log import read_jsonl
+
+    metrics = run_dir / "metrics.jsonl"
+    while not stop.is_set():
+        rows = [m for m in read_jsonl(metrics) if m["t_start"] >= since] if metrics.exists() else []
+        if len(rows) >= 3:
+            ends = sorted(m["t_end"] for m in rows)[-3:]
+            return ends[-1] + (ends[-1] - ends[0]) - before_end_s  # two periods on
+        stop.wait(0.01)
+    return None
+
+
 def _killer(
-    run_dir: Path, recs: list[KillRecord], rng: random.Random, stop: threading.Event
+    run_dir: Path,
+    recs: list[KillRecord],
+    rng: random.Random,
+    stop: threading.Event,
+    aimed: bool = False,
 ) -> None:
     """Kill once per record: the first after its delay from the first completed iteration,
     each later one after its delay from the previous kill's recovery (an iteration started
-    after it), so every kill lands in training, not in a recovery."""
+    after it), so every kill lands in training, not in a recovery. `aimed`: each kill lands
+    its delay before the predicted end of an iteration instead (`_aim`)."""
     if not _first_iteration_done(run_dir, stop):
         return
+    since = 0.0
     for rec in recs:
-        if stop.wait(rec.delay_s):
+        if aimed:
+            at = _aim(run_dir, since, rec.delay_s, stop)
+            if at is None or stop.wait(max(0.0, at - time.time())):
+                return
+        elif stop.wait(rec.delay_s):
             return
         pids = active_trainers()
         if not pids:
@@ -179,18 +220,21 @@ def _killer(
         except ProcessLookupError:
             return
         rec.killed_pid, rec.t_kill = pid, time.time()
+        since = rec.t_kill
         if not _resumed_after(run_dir, rec.t_kill, stop):
             return
 
 
-def _trial(cfg: JobConfig, run_dir: Path, recs: list[KillRecord], rng: random.Random) -> None:
+def _trial(
+    cfg: JobConfig, run_dir: Path, recs: list[KillRecord], rng: random.Random, aimed: bool
+) -> None:
     """One job with the killer beside it; fills `recs` from the job's summary and logs."""
     from unbroken.api import run_job
     from unbroken.metrics.log import read_jsonl
 
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a reused dir's old progress
     stop = threading.Event()
-    killer = threading.Thread(target=_killer, args=(run_dir, recs, rng, stop), daemon=True)
+    killer = threading.Thread(target=_killer, args=(run_dir, recs, rng, stop, aimed), daemon=True)
     killer.start()
     try:
         s = run_job(cfg, run_dir, quiet=True)
@@ -215,8 +259,14 @@ def _trial(cfg: JobConfig, run_dir: Path, recs: list[KillRecord], rng: random.Ra
             for e in after
             if e.get("kind") in ("failure_detected", "recovery_start", "recovery_done")
         ]
-        repairs = [e.get("fixup") for e in after if e.get("kind") == "inplace_repair"]
-        rec.fixup = repairs[0] if repairs else None
+        failed = [e.get("rank") for e in after if e.get("kind") == "failure_detected"]
+        repairs = [  # the killed rank's repair (each rank repairs its own state)
+            e
+            for e in after
+            if e.get("kind") == "inplace_repair" and (not failed or e.get("rank") == failed[0])
+        ]
+        rec.fixup = repairs[0].get("fixup") if repairs else None
+        rec.marker = (repairs[0].get("marker") or {}) if repairs else {}
         mine = [r for r in s.get("recoveries", []) if kill_t <= r.get("detected_t", 0) < until]
         if mine:
             r = mine[0]
@@ -238,8 +288,29 @@ _RECORD_FIELDS = (
     "events",
     "phase",
     "fixup",
+    "marker",
+    "where",
     "breakdown",
 )
+
+
+def where_killed(marker: dict[str, Any]) -> str:
+    """Where a kill left the update, by the marker the repair found: "transaction" (inside
+    the chunk transactions: a chunk updating, its parity ready, or committed with more to
+    go), "before_update" (gradients protected or the sync recorded, no chunk started),
+    "outside" (the update complete: forward, backward or the boundary), or "unknown" (no
+    in-place repair recorded)."""
+    stage = marker.get("stage")
+    if stage is None:
+        return "unknown"
+    if stage in ("CHUNK_UPDATING", "PARITY_READY"):
+        return "transaction"
+    if stage == "SYNCED":
+        first = marker.get("group", 0) == 0 and marker.get("chunk", 0) == 0
+        return "before_update" if first else "transaction"
+    if stage == "GRADS_PROTECTED":
+        return "before_update"
+    return "outside"
 
 
 def _figures(records: list[KillRecord]) -> dict[str, Any]:
@@ -253,6 +324,11 @@ def _figures(records: list[KillRecord]) -> dict[str, Any]:
         "all_exact": all(r.exact for r in records),
         "undetected": sum(not r.detected for r in killed),
         "median_recovery_s": statistics.median(recov) if recov else None,
+        "where": {
+            w: {"trials": len(rs), "exact": sum(r.exact for r in rs)}
+            for w in ("transaction", "before_update", "outside", "unknown")
+            if (rs := [r for r in killed if r.where == w])
+        },
         "records": [{k: getattr(r, k) for k in _RECORD_FIELDS} for r in records],
     }
 
@@ -264,10 +340,13 @@ def run_campaign(
     trials: int,
     seed: int,
     kills_per_run: int = 1,
+    aim_s: float | None = None,
     say=lambda text: None,
 ) -> dict[str, Any]:
     """Run the fault-free reference, then `trials` kills at random times, `kills_per_run` in
-    each run (the default, one, makes every trial its own run).
+    each run (the default, one, makes every trial its own run). `aim_s`: aim every kill at
+    the update instead — uniformly within `aim_s` seconds before the predicted end of an
+    iteration (`_aim`); the records say where each landed (`where_killed`).
 
     A run with several kills recovers from each before the next (see `_killer`), and its final
     state must still equal the reference's: each of its kills counts as exact only when the
@@ -290,16 +369,23 @@ def run_campaign(
     rng = random.Random(seed)
     records: list[KillRecord] = []
     for run in range(-(-trials // per)):
+        upper = aim_s if aim_s is not None else span / per
         recs = [
-            KillRecord(len(records) + j, rng.uniform(0.0, span / per))
+            KillRecord(len(records) + j, rng.uniform(0.0, upper))
             for j in range(min(per, trials - len(records)))
         ]
-        _trial(cfg, root / f"trial{run:03d}", recs, random.Random(rng.random()))
+        aimed = aim_s is not None
+        _trial(cfg, root / f"trial{run:03d}", recs, random.Random(rng.random()), aimed)
         for rec in recs:
             rec.exact = rec.final_hash == reference_hash
+            when = (
+                f"{rec.delay_s * 1e3:.1f} ms before an end"
+                if aimed
+                else f"after {rec.delay_s:.2f} s"
+            )
             say(
-                f"trial {rec.trial + 1}/{trials} (run {run + 1}): kill after "
-                f"{rec.delay_s:.2f} s (pid {rec.killed_pid}) -> {rec.state}, "
+                f"trial {rec.trial + 1}/{trials} (run {run + 1}): kill {when} "
+                f"(pid {rec.killed_pid}, {rec.where}) -> {rec.state}, "
                 f"{'exact' if rec.exact else 'DIVERGED'}"
                 + (f", recovered in {rec.recovery_s:.2f} s" if rec.recovery_s else "")
             )
@@ -308,6 +394,7 @@ def run_campaign(
     figures.update(
         reference_state_hash=reference_hash,
         kills_per_run=per,
+        aim_s=aim_s,
         seconds=time.time() - t0,
     )
     return figures

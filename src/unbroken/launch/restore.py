@@ -177,6 +177,7 @@ def restore_state(
         finish_ms=finish_ms,
         lost_pages=report.lost_pages,
         fixup=fixup,
+        marker=report.marker,
         action=action,
         total_ms=(time.perf_counter() - t0) * 1e3 + retained.localize_ms + retained.remap_ms,
     )

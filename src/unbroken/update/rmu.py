@@ -103,6 +103,9 @@ class RepairReport:
     fixup: str = "none"
     reconstruct_ms: float = 0.0
     groups_repaired: int = 0
+    marker: dict[str, object] = field(default_factory=dict)
+    """The marker `repair` found: stage (name), iteration, group, chunk (where the crash left
+    the update; the kill campaign classifies its kills by it)."""
 
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -405,6 +408,12 @@ class ResumableUpdater:
                 "the progress marker has no completed write: its trainer died before "
                 "initializing the retained state"
             )
+        report.marker = {
+            "stage": st.stage.name,
+            "iteration": st.iteration,
+            "group": st.group,
+            "chunk": st.chunk,
+        }
         n, p = len(self.chunks), self._index(st)
         if st.stage is Stage.CHUNK_UPDATING:  # the chunk's data back to its committed bytes
             if lost.get("undo"):
