@@ -207,6 +207,16 @@ def _geometry_sweep(
 _KILLS = ("kill:rank=0,iter=4,phase=update", "kill:rank=0,iter=6,phase=backward")
 
 
+def _repairs(run_dir: Path) -> list[dict[str, Any]]:
+    """The job's `inplace_repair` events (fix-up, marker found, ms by step)."""
+    from unbroken.metrics.log import read_jsonl
+
+    events = run_dir / "events.jsonl"
+    if not events.exists():
+        return []
+    return [e for e in read_jsonl(events) if e.get("kind") == "inplace_repair"]
+
+
 def _jobs(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Real jobs (`unbroken.api.run_job`, one rank on this GPU): the same two kills recovered
     in place through an L3 shadow and by checkpoint-restart; recovery totals per failure."""
@@ -234,9 +244,14 @@ def _jobs(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "bit_exact": summary.get("final_state_hash") == ref_hash,
             "recovery_s": [r.get("total_s") for r in recs],
             "recoveries": recs,
+            "repairs": _repairs(out / name),
             "wall_s": time.time() - t0,
         }
-        _say(f"job {name}: {res[name]['state']}, recoveries {res[name]['recovery_s']}")
+        _say(  # logged per job: a call's time limit may cut the next one and the JSON
+            f"job {name}: {res[name]['state']}, bit-exact {res[name]['bit_exact']}, "
+            f"recoveries {res[name]['recovery_s']}, "
+            f"repairs {[(e.get('fixup'), e.get('total_ms')) for e in _repairs(out / name)]}"
+        )
         # A 1b checkpoint is 11.4 GB and each job keeps two (its reference run too): the next
         # job's saves ran out of the H200 machine's 64 GiB disk before these were deleted.
         for ckpt in sorted((out / name).rglob("checkpoints")):
