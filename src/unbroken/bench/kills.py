@@ -333,6 +333,17 @@ def _figures(records: list[KillRecord]) -> dict[str, Any]:
     }
 
 
+def _line(rec: KillRecord, trials: int, run: int, aimed: bool) -> str:
+    """One trial's progress line."""
+    when = f"{rec.delay_s * 1e3:.1f} ms before an end" if aimed else f"after {rec.delay_s:.2f} s"
+    return (
+        f"trial {rec.trial + 1}/{trials} (run {run + 1}): kill {when} "
+        f"(pid {rec.killed_pid}, {rec.where}) -> {rec.state}, "
+        f"{'exact' if rec.exact else 'DIVERGED'}"
+        + (f", recovered in {rec.recovery_s:.2f} s" if rec.recovery_s else "")
+    )
+
+
 def run_campaign(
     cfg: JobConfig,
     root: Path,
@@ -378,17 +389,7 @@ def run_campaign(
         _trial(cfg, root / f"trial{run:03d}", recs, random.Random(rng.random()), aimed)
         for rec in recs:
             rec.exact = rec.final_hash == reference_hash
-            when = (
-                f"{rec.delay_s * 1e3:.1f} ms before an end"
-                if aimed
-                else f"after {rec.delay_s:.2f} s"
-            )
-            say(
-                f"trial {rec.trial + 1}/{trials} (run {run + 1}): kill {when} "
-                f"(pid {rec.killed_pid}, {rec.where}) -> {rec.state}, "
-                f"{'exact' if rec.exact else 'DIVERGED'}"
-                + (f", recovered in {rec.recovery_s:.2f} s" if rec.recovery_s else "")
-            )
+            say(_line(rec, trials, run, aimed))
         records.extend(recs)
     figures = _figures(records)
     figures.update(
