@@ -16,16 +16,22 @@ import sys
 import pytest
 
 
+def _campaign(tmp_path, *args: str, nice: bool = False) -> dict:
+    """`unbroken bench faults --external --json ARGS` in a subprocess: its JSON, once it
+    exited 0."""
+    cmd = ["nice", "-n", "5"] if nice else []
+    cmd += [sys.executable, "-m", "unbroken", "bench", "faults", "--external", "--json"]
+    cmd += [*args, "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=580)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
 @pytest.mark.slow  # ~1 min: the campaign is a benchmark; kills at hooks are CI-tier tests
 @pytest.mark.timeout(600)
 def test_random_time_kills_from_outside_the_job_recover_bit_exact(tmp_path):
-    cmd = ["nice", "-n", "5", sys.executable, "-m", "unbroken", "bench", "faults", "--external"]
-    cmd += ["--json"]
-    cmd += ["--trials", "3", "--kills-per-run", "3", "--iterations", "30", "--seed", "5"]
-    cmd += ["--out", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=580)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    out = json.loads(r.stdout)
+    args = ["--trials", "3", "--kills-per-run", "3", "--iterations", "30", "--seed", "5"]
+    out = _campaign(tmp_path, *args, nice=True)
     assert out["all_exact"] and out["undetected"] == 0
     # One run, three kills: the second lands on trainers that are promoted shadows, found only
     # at the job's niceness. (The last kill may miss if the run ends first.)
@@ -41,12 +47,8 @@ def test_random_time_kills_from_outside_the_job_recover_bit_exact(tmp_path):
 @pytest.mark.slow  # ~25 s: the aimed campaign, as issue 16's GPU campaign runs it
 @pytest.mark.timeout(600)
 def test_kills_aimed_at_the_update_recover_bit_exact_and_say_where_they_landed(tmp_path):
-    cmd = [sys.executable, "-m", "unbroken", "bench", "faults", "--external", "--json"]
-    cmd += ["--trials", "4", "--kills-per-run", "2", "--iterations", "14", "--aim-ms", "30"]
-    cmd += ["--out", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=580)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    out = json.loads(r.stdout)
+    args = ["--trials", "4", "--kills-per-run", "2", "--iterations", "14", "--aim-ms", "30"]
+    out = _campaign(tmp_path, *args)
     assert out["all_exact"] and out["aim_s"] == 0.03
     killed = [rec for rec in out["records"] if rec["killed_pid"] is not None]
     assert killed and sum(w["trials"] for w in out["where"].values()) == len(killed)

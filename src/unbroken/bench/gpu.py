@@ -250,7 +250,7 @@ def _jobs(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         _say(  # logged per job: a call's time limit may cut the next one and the JSON
             f"job {name}: {res[name]['state']}, bit-exact {res[name]['bit_exact']}, "
             f"recoveries {res[name]['recovery_s']}, "
-            f"repairs {[(e.get('fixup'), e.get('total_ms')) for e in _repairs(out / name)]}"
+            f"repairs {[(e.get('fixup'), e.get('total_ms')) for e in res[name]['repairs']]}"
         )
         # A 1b checkpoint is 11.4 GB and each job keeps two (its reference run too): the next
         # job's saves ran out of the H200 machine's 64 GiB disk before these were deleted.

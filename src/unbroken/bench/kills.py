@@ -379,13 +379,13 @@ def run_campaign(
     per = max(1, kills_per_run)
     rng = random.Random(seed)
     records: list[KillRecord] = []
+    aimed = aim_s is not None
+    upper = aim_s if aimed else span / per
     for run in range(-(-trials // per)):
-        upper = aim_s if aim_s is not None else span / per
         recs = [
             KillRecord(len(records) + j, rng.uniform(0.0, upper))
             for j in range(min(per, trials - len(records)))
         ]
-        aimed = aim_s is not None
         _trial(cfg, root / f"trial{run:03d}", recs, random.Random(rng.random()), aimed)
         for rec in recs:
             rec.exact = rec.final_hash == reference_hash
