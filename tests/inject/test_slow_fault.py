@@ -88,19 +88,21 @@ PERIOD = sum(d for *_, d in STEPS)
 COMM = 3 * BUCKET
 
 
-def _drive(spec: str, iterations: int = 8):
+def _drive(spec: str, iterations: int = 8, *, store: JobStore | None = None, start: int = 0):
+    """Run one trainer's injector over iterations start..iterations-1 on fake time; `store`:
+    the job's (an earlier trainer's fired faults)."""
     clock, events = Clock(), []
     inj = Injector(
         [parse_fault(spec)],
         rank=1,
-        store=JobStore(dist.HashStore()),
+        store=store or JobStore(dist.HashStore()),
         emit=lambda kind, **f: events.append((kind, f)),
         job_t0=0.0,
         sleep=clock.sleep,
         clock=clock,
     )
-    per_iter = []
-    for it in range(iterations):
+    per_iter = [[] for _ in range(start)]
+    for it in range(start, iterations):
         before = len(clock.stalls)
         for phase, step, n, d in STEPS:
             inj(phase, it, step, n)
@@ -129,6 +131,28 @@ def test_a_slow_fault_with_until_stops_stalling_at_that_iteration(what):
     assert not any(per_iter[7:])  # (iteration 6's first hook may stall for 5's last step)
     ended = dict(events)["slow_ended"]
     assert [k for k, _ in events][-1] == "slow_ended" and ended["iter"] == 6
+
+
+def test_a_slow_fault_with_until_stalls_a_trainer_started_on_the_device_before_it_ends():
+    # The planned stop of a re-plan that moves layers starts a new trainer on the slow device
+    # at iteration 5: the device is still slow (until 8), so the new trainer stalls too.
+    store = JobStore(dist.HashStore())
+    spec = "slow:rank=1,iter=3,factor=2,until=8"
+    first, _ = _drive(spec, iterations=5, store=store)
+    assert all(first[4:5])
+    second, events = _drive(spec, iterations=11, store=store, start=5)
+    assert [k for k, _ in events] == ["slow_resumed", "slow_active", "slow_ended"]
+    assert dict(events)["slow_resumed"]["iter"] == 5
+    assert all(second[6:8]) and not any(second[9:])
+    for stalls in second[6:8]:
+        assert sum(s for s, _ in stalls) == pytest.approx(PERIOD - COMM)  # (F - 1) x compute
+    # Ended before this trainer started, or without `until` (the process's life): no stall.
+    _, events = _drive(spec, iterations=11, store=store, start=8)
+    assert events == []
+    store = JobStore(dist.HashStore())
+    _drive("slow:rank=1,iter=3,factor=2", iterations=5, store=store)
+    later, events = _drive("slow:rank=1,iter=3,factor=2", iterations=9, store=store, start=5)
+    assert events == [] and not any(later)
 
 
 def test_comm_slow_stalls_only_after_each_bucket_by_its_healthy_time():

@@ -98,7 +98,8 @@ class FaultSpec:
     """`slow`: compute or comm."""
     until: int | None = None
     """`slow`: the device runs at full speed again from this iteration on (None: for the rest
-    of the trainer process's life) — a device that recovers, for re-admission."""
+    of the trainer process's life) — a device that recovers, for re-admission. Until then every
+    trainer on the device stalls, also one started after the fault fired (`slow_resumed`)."""
     pages: int = 0
     """`pageloss`: data pages of one protection group to destroy."""
     parity: int = 0

@@ -41,8 +41,11 @@ the start of every phase step and stalls for the step that just ended:
   pipeline neighbours has no communication, and it never does). Activation is logged as
   `slow_active` with the factor and the stall.
 - `until=J`: from the first step of iteration J on the device is healthy again (both kinds:
-  no more stalls), logged as `slow_ended`. Without it a slow fault lasts as long as the
-  trainer process.
+  no more stalls), logged as `slow_ended`. Until then the slowness is the device's, not the
+  process's: a trainer started on the device after the fault fired (a restart, or the planned
+  stop of a re-plan that moves layers) stalls again from its first iteration, logged as
+  `slow_resumed` (`_resume_slow`). Without `until` a slow fault lasts as long as the trainer
+  process.
 """
 
 from __future__ import annotations
@@ -116,6 +119,8 @@ class Injector:
         self.slow_factor = 1.0
         self._slow: list[FaultSpec] = []
         """Slow faults that fired and still stall (`_end_slow` ends those with an `until`)."""
+        self._resumed = False
+        """Whether this trainer looked for slow faults that fired in an earlier one."""
         self.page_loss = None
         """`pageloss` target: fault -> {region: pages destroyed} (set by in-place trainers)."""
         self.checkpoint_root: Path | None = None
@@ -232,6 +237,7 @@ class Injector:
         if phase is Phase.FORWARD and step == 0:
             self._release_spike()  # a memory spike lasts one iteration
             self._end_slow(iteration)
+            self._resume_slow(iteration)
             self.iteration_start = time.time()
             if self._iter_mark is not None and self._iter_mark[0] == iteration - 1:
                 self._periods.append(now - self._iter_mark[1])
@@ -256,6 +262,40 @@ class Injector:
             else:
                 self.slow_factor = 1.0
             self.emit("slow_ended", rank=self.rank, iter=iteration, spec=fault.text())
+
+    def _resume_slow(self, iteration: int) -> None:
+        """At this trainer's first iteration: a slow fault with `until` that fired in an
+        earlier trainer on this device and has not ended stalls here too ([Note: slow-fault])."""
+        if self._resumed:
+            return
+        self._resumed = True
+        for fault in self.faults:
+            if (
+                fault.kind is FaultKind.SLOW
+                and fault.until is not None
+                and iteration < fault.until
+                and self._fired(fault)
+            ):
+                self.emit("slow_resumed", rank=self.rank, iter=iteration, spec=fault.text())
+                self._start_slow(fault, iteration)
+
+    def _start_slow(self, fault: FaultSpec, iteration: int) -> None:
+        """Stall from now on for `fault` (a comm fault once its healthy link time is known)."""
+        self._slow.append(fault)
+        if fault.what is SlowTarget.COMM:
+            self._comm_fault = fault
+            self._activate_comm(iteration)
+            return
+        factor = slow_factor_for(fault.level) if fault.level is not None else fault.factor
+        self.slow_factor = factor
+        self.emit(
+            "slow_active",
+            rank=self.rank,
+            iter=iteration,
+            what=SlowTarget.COMPUTE.value,
+            factor=factor,
+            spec=fault.text(),
+        )
 
     def _release_spike(self) -> None:
         spike, self._spike = self._spike, None
@@ -442,22 +482,8 @@ class Injector:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.kind is FaultKind.EXCEPTION:
             raise InjectedFault(f"injected exception at {fault.text()}")
-        elif fault.kind is FaultKind.SLOW and fault.what is SlowTarget.COMM:
-            self._comm_fault = fault
-            self._slow.append(fault)
-            self._activate_comm(iteration)
         elif fault.kind is FaultKind.SLOW:
-            self._slow.append(fault)
-            factor = slow_factor_for(fault.level) if fault.level is not None else fault.factor
-            self.slow_factor = factor
-            self.emit(
-                "slow_active",
-                rank=self.rank,
-                iter=iteration,
-                what=SlowTarget.COMPUTE.value,
-                factor=factor,
-                spec=fault.text(),
-            )
+            self._start_slow(fault, iteration)
 
 
 def flip_byte(tensor, fault: FaultSpec) -> int:
