@@ -230,3 +230,48 @@ def test_a_detector_restarted_on_a_live_plan_keeps_watching_the_slow_rank():
     # Without the carried report nothing is watched: the warm-up learned the slow rank.
     fresh = FailSlowDetector(DetectorConfig(), plan=moved)
     assert _watch(fresh, obs) == ([], [])
+
+
+def test_a_one_replica_pipeline_rank_is_found_back_at_its_own_healthy_pace():
+    # PP2, one replica: rank 0 has no other holder of its stage to be compared with, so it is
+    # held to its own compute per layer before the slowdown (`LayerPace`).
+    plan = make_plan(1, 2, 1, 4, 4, "1f1b")
+    obs, _ = plan_series(plan, 44, seed=3, slow_rank=0, slow_iter=14, slow_until=28, factor=3)
+    det = FailSlowDetector(DetectorConfig(), plan=plan)
+    reports, back = _watch(det, obs)
+    assert [r for r, _ in reports] == [0] and det.healthy == {}  # forgotten once back
+    ((rank, first, last),) = back
+    assert rank == 0 and first >= 28 and last - first == DetectorConfig().recover_window - 1
+    # A rank that stays slow is never found back.
+    obs, _ = plan_series(plan, 44, seed=3, slow_rank=0, slow_iter=14, factor=3)
+    det = FailSlowDetector(DetectorConfig(), plan=plan)
+    reports, back = _watch(det, obs)
+    assert [r for r, _ in reports] == [0] and back == [] and 0 in det.healthy
+
+
+def test_a_one_replica_pipeline_rank_whose_layers_moved_is_found_back_per_layer():
+    # The re-plan moved a layer off slow rank 0 ([0, 2) [2, 4) -> [0, 1) [1, 4)); a fresh
+    # detector on the new plan carries the report and rank 0's healthy pace per layer: its
+    # warm-up only saw rank 0 slow, and from the first iteration past the skipped ones rank 0
+    # is measured per layer against the pace before the slowdown, so it is found back once at
+    # full speed (the last stage also holds the head: its pace per layer is not rank 0's).
+    launch = make_plan(1, 2, 1, 4, 4, "1f1b")
+    first = FailSlowDetector(DetectorConfig(), plan=launch)
+    obs, _ = plan_series(launch, 20, seed=4, slow_rank=0, slow_iter=14, factor=3)
+    assert [r for r, _ in _watch(first, obs)[0]] == [0] and 0 in first.healthy
+    moved = make_plan(1, 2, 1, 4, 4, "1f1b", layer_split=[1, 3])
+    obs, _ = plan_series(moved, 44, seed=5, slow_rank=0, slow_iter=0, slow_until=24, factor=3)
+    carried = FailSlowDetector(DetectorConfig(), plan=moved)
+    carried.carry_reports(first)
+    reports, back = _watch(carried, obs)
+    assert reports == []  # the carried report is known
+    ((rank, first_back, last),) = back
+    assert rank == 0 and first_back == 24 and last == 31
+    # Still slow on the moved plan: not found back (3x per layer, not 1x).
+    obs, _ = plan_series(moved, 44, seed=5, slow_rank=0, slow_iter=0, factor=3)
+    carried = FailSlowDetector(DetectorConfig(), plan=moved)
+    carried.carry_reports(first)
+    assert _watch(carried, obs) == ([], [])
+    healthy = first.healthy[0]
+    ratio = healthy.ratio(moved, [(o.doc_lengths, o.stages) for o in obs[20:28]], 0)
+    assert ratio == pytest.approx(3.0, rel=0.05)

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 
 from unbroken.detect.bocpd import Bocpd, BocpdConfig, BocpdState, ChangePoint
 from unbroken.detect.events import DetectionEvent, DetectionKind, DetectionSink
-from unbroken.detect.pipeline import PlanFit, fit_plan
+from unbroken.detect.pipeline import LayerPace, PlanFit, fit_plan
 from unbroken.detect.timing import RankTiming, StageTiming
 from unbroken.detect.workload import WorkloadPredictor, sum_sq
 from unbroken.parallel import ParallelPlan
@@ -105,7 +105,8 @@ class DetectorConfig:
     """A rank reported compute-slow is whole again when its observed/predicted compute ratio
     is at most this much over its peers' (its own healthy pace with no peers) over the last
     `recover_window` iterations, all after the report (a plan's rank: against the holders of
-    its stages in the other replicas)."""
+    its stages in the other replicas; a one-replica pipeline's: against its own healthy
+    compute per layer before the slowdown, `LayerPace`)."""
     recover_window: int = 8
     noise_floor: float = 0.02
     """Smallest relative standard deviation assumed for a run of the series (prior)."""
@@ -288,13 +289,19 @@ class FailSlowDetector:
         """The last observations after the warm-up, whatever BOCPD kept (`_check_recovered`)."""
         self.recovered: list[SpeedRecovered] = []
         """Recoveries found and not yet taken (`take_recovered`)."""
+        self.healthy: dict[int, LayerPace] = {}
+        """A one-replica pipeline's ranks reported compute-slow -> their healthy compute per
+        layer before the slowdown (`_note_healthy`): what their return to speed is measured
+        against, whatever layers a re-plan left them."""
 
     def carry_reports(self, other: FailSlowDetector) -> None:
         """Take over `other`'s open compute reports: a job that switched plans live around a
         slow rank keeps its rank numbering, and this detector (warmed up on the new plan, whose
         fit holds the slowness) must still know which rank to watch for a return to speed
-        (and must not report it again as new)."""
+        (and must not report it again as new). A one-replica pipeline's rank also keeps its
+        healthy pace (`healthy`): this detector's fit, on the new plan, has only seen it slow."""
         self.reported.update(other.reported)
+        self.healthy.update(other.healthy)
 
     # -- warm-up ---------------------------------------------------------------------------
 
@@ -378,7 +385,9 @@ class FailSlowDetector:
         t0 = time.perf_counter()
         try:
             decision = self._observe(obs)
-            if self.bocpd is not None:
+            # A rank with a healthy pace of its own is watched from the first iteration past
+            # the skipped ones: that reference needs no fit of this detector's plan.
+            if self.bocpd is not None or (self.healthy and self._seen > self.cfg.skip_iters):
                 self._recent.append(obs)
                 self._check_recovered()
             return decision
@@ -394,9 +403,8 @@ class FailSlowDetector:
         """Each rank reported compute-slow whose last `recover_window` iterations, all after
         its report, ran within `recover_ratio` of its peers' pace: recorded in `recovered`
         and its report forgotten (a new slowdown of it is reported again). A plan's rank is
-        compared with the holders of its stages in the other replicas (`PlanFit.pace`)."""
-        if self.predictor is None or (self.plan is not None and self._plan_fit is None):
-            return
+        compared with the holders of its stages in the other replicas (`PlanFit.pace`), a
+        one-replica pipeline's with its own healthy pace per layer (`LayerPace`)."""
         window = list(self._recent)
         if len(window) < self.cfg.recover_window:
             return
@@ -405,16 +413,42 @@ class FailSlowDetector:
             report, rank = self.reported[key], key[0]
             if window[0].iteration <= report.detected_at:
                 continue
-            if self._plan_fit is not None:
-                stages = [(o.doc_lengths, o.stages or {}) for o in window]
-                factor = self._plan_fit.pace(stages, rank)
-            else:
-                factor = self._pace_against_peers(window, rank)
+            factor = self._recovery_pace(window, rank)
             if factor is not None and factor <= self.cfg.recover_ratio:
                 del self.reported[key]
+                self.healthy.pop(rank, None)
                 self.recovered.append(
                     SpeedRecovered(report, factor, window[0].iteration, window[-1].iteration)
                 )
+
+    def _recovery_pace(self, window: Sequence[Observation], rank: int) -> float | None:
+        """`rank`'s pace over `window` against what it is held to (`_check_recovered`), or
+        None when that is not known yet (no fit, no healthy pace)."""
+        if self.plan is not None and self.plan.dp == 1:
+            healthy = self.healthy.get(rank)
+            stages = [(o.doc_lengths, o.stages or {}) for o in window]
+            return None if healthy is None else healthy.ratio(self.plan, stages, rank)
+        if self._plan_fit is not None:
+            stages = [(o.doc_lengths, o.stages or {}) for o in window]
+            return self._plan_fit.pace(stages, rank)
+        if self.plan is None and self.predictor is not None:
+            return self._pace_against_peers(window, rank)
+        return None
+
+    def _note_healthy(self, rank: int, before: int) -> None:
+        """A one-replica pipeline's rank reported compute-slow from iteration `before` on:
+        keep its compute per layer over the last `history` iterations before it that the
+        series kept (`LayerPace`), priced by this fit's workload model."""
+        assert self.plan is not None and self.predictor is not None
+        healthy = [p.obs for p in self._points if p.obs.iteration < before][-self.cfg.history :]
+        pace = LayerPace.measure(
+            self.plan,
+            self.predictor.mb,
+            [(o.doc_lengths, o.stages or {}) for o in healthy],
+            rank,
+        )
+        if pace is not None:
+            self.healthy[rank] = pace
 
     def _pace_against_peers(self, window: Sequence[Observation], rank: int) -> float | None:
         """`rank`'s pace against its peers' over `window`: the observed over predicted time of
@@ -515,6 +549,8 @@ class FailSlowDetector:
             what=what,
         )
         self.reported[(rank, what)] = report
+        if self.plan is not None and self.plan.dp == 1 and what == "compute" and rank is not None:
+            self._note_healthy(rank, iteration)
         return report
 
     def _emit(self, report: FailSlowReport, ratio: float = 0.0, reason: str | None = None) -> None:

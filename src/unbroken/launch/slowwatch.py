@@ -4,9 +4,10 @@ workload-aware detector (`unbroken.detect.FailSlowDetector`), once per iteration
 and turns its decisions into events. Redone iterations (after a recovery) are not fed again,
 and the first `GRACE_ITERS` iterations of a new trainer generation are not fed at all: right
 after a recovery the new shadows start up and caches are cold — a transient of the recovery,
-not of a device. A rank reported compute-slow that runs at its peers' pace again is a
-`speed_recovered` event, handed to `on_recovered` (the coordinator re-plans toward the
-original placement, issue 18).
+not of a device. A rank reported compute-slow that runs at its peers' pace again (a
+one-replica pipeline's rank, which has no peers: at its own compute per layer before the
+slowdown, whatever layers a re-plan left it) is a `speed_recovered` event, handed to
+`on_recovered` (the coordinator re-plans toward the original placement, issue 18).
 
 With a hybrid-parallel plan each rank's record is its worker's `StageTiming` plus the
 micro-batches it computed (global ids and segment lengths); the watch puts the replicas'
@@ -220,13 +221,19 @@ class SlowWatch:
             first_iter=rec.first,
             detected_at=rec.last,
         )
+        pace = "its healthy pace per layer" if self._peerless else "its peers' pace"
         self.say(
-            f"rank {r.rank} runs at full speed again: {rec.factor:.2f}x its peers' pace over "
+            f"rank {r.rank} runs at full speed again: {rec.factor:.2f}x {pace} over "
             f"iterations {rec.first}..{rec.last} (it ran {r.factor:.2f}x slower from "
             f"iteration {r.iteration})"
         )
         if self.on_recovered is not None and r.rank is not None:
             self.on_recovered(r.rank, rec.factor, rec.last)
+
+    @property
+    def _peerless(self) -> bool:
+        """A one-replica pipeline: a rank is held to its own healthy pace (`LayerPace`)."""
+        return self.plan is not None and self.plan.dp == 1
 
     @property
     def overhead_s(self) -> float:
