@@ -132,6 +132,50 @@ def test_a_slow_stage_of_a_one_replica_pipeline_gives_layers_away_at_a_planned_s
     assert adapt.replans == 1
 
 
+def test_a_one_replica_pipeline_takes_its_layers_back_at_a_planned_stop_at_full_speed(tmp_path):
+    # PP2, 4 layers: rank 0 4x slow gives a layer away; at full speed again it takes it back
+    # the same way (decided now, adopted at the planned stop, the state moved: RESHARD).
+    adapt, said = _moving(tmp_path, pp=2, layers=4)
+    launch = adapt.plan
+    assert adapt.on_fail_slow(_slow(0), iter_s=0.2) is True
+    assert adapt.on_recovered(0, 1.0) is False  # the move waits for its stop first
+    assert "waiting for its stop" in _events(tmp_path, "replan_skipped")[-1]["reason"]
+    adapt.next_world()
+    moved = adapt.plan
+    assert [g.layers for g in moved.replicas[0].stages] == [(0, 1), (1, 4)]
+    adapt.reshard = None  # read by the coordinator
+    assert adapt.on_recovered(1, 1.0) is False  # rank 1 was never marked slow
+    assert adapt.on_recovered(0, 1.03, iter_s=0.25) is True
+    assert adapt.restarts and adapt.plan == moved and "moves layers" in said[-1]
+    assert len(_events(tmp_path, "replan")) == 1  # adopted at the stop
+    world = adapt.next_world()
+    assert world is not None and world.devices == (0, 1) and world.epoch == 2
+    assert adapt.reshard == moved and not adapt.relayout and not adapt.restarts
+    assert [g.layers for g in adapt.plan.replicas[0].stages] == [(0, 2), (2, 4)]
+    assert adapt.plan.microbatches == launch.microbatches == (4,)
+    back = _events(tmp_path, "replan")[-1]
+    assert back["trigger"] == {"kind": "speed_recovered", "rank": 0, "factor": 1.03, "device": 0}
+    assert back["restore"] == "reshard" and back["epoch"] == 2
+    assert [s["layers"] for s in back["before"]] == [[0, 1], [1, 4]]
+    assert [s["layers"] for s in back["after"]] == [[0, 2], [2, 4]]
+    assert back["predicted_after"] < back["predicted_before"]
+    assert adapt.replans == 2
+    assert adapt.on_recovered(0, 1.0) is False  # healthy already
+    assert adapt.next_world() is None
+
+
+def test_a_one_replica_pipeline_keeps_moved_layers_past_max_replans(tmp_path):
+    events = JsonlLog(tmp_path / "events.jsonl", run="t")
+    plan = make_plan(1, 2, 1, 4, 4)
+    adapt = PipelineAdaptation(
+        plan, events, lambda _: None, adapt=AdaptConfig(max_replans=1), moves_layers=True
+    )
+    assert adapt.on_fail_slow(_slow(0)) is True
+    adapt.next_world()
+    assert adapt.on_recovered(0, 1.0) is False and not adapt.restarts
+    assert "max_replans = 1 reached" in _events(tmp_path, "replan_skipped")[-1]["reason"]
+
+
 def test_a_dp_x_pp_job_keeps_its_layers_when_the_repartition_splits_replicas_unevenly(tmp_path):
     # Replica 0's first stage at 1/6 speed: the scheduler's repartition gives that replica alone
     # layers [0, 1) [1, 4), which the ordered reduction cannot run beside replica 1's [0, 2)

@@ -175,17 +175,21 @@ class PipelineAdaptation:
             return self._skip(
                 trigger, f"predicted gain {gain:.1%} < adapt.min_gain {self.adapt.min_gain:.0%}"
             )
-        plan = result.plan()
         if moves:
-            self.replans += 1
-            self._moving = (result, plan, trigger, iter_s)
-            self.say(
-                f"re-plan ({trigger['kind']}, rank {trigger['rank']} {trigger['factor']:.2f}x): "
-                "moves layers; stopping at the next boundary to move the state"
-            )
+            self._decide_move(result, trigger, iter_s)
             return True
-        self._adopt_live(result, plan, trigger, iter_s)
+        self._adopt_live(result, result.plan(), trigger, iter_s)
         return True
+
+    def _decide_move(self, result: PlanResult, trigger: dict, iter_s: float | None) -> None:
+        """A re-plan that moves layers: counted now, adopted at the planned stop (`restarts`,
+        then `_move_layers` at the next generation's start)."""
+        self.replans += 1
+        self._moving = (result, result.plan(), trigger, iter_s)
+        self.say(
+            f"re-plan ({trigger['kind']}, rank {trigger['rank']} {trigger['factor']:.2f}x): "
+            "moves layers; stopping at the next boundary to move the state"
+        )
 
     def _best_plan(self) -> tuple[PlanResult, bool]:
         """The scheduler's plan for the current state and whether it moves layers: the best
@@ -264,18 +268,24 @@ class PipelineAdaptation:
         holders in the other replicas again (`PlanFit.pace`): it is healthy in the cluster
         state and the scheduler's live plan for that state (micro-batches back to its replica:
         the launch counts when every device is healthy) is published like a fail-slow re-plan.
-        Counted against `adapt.max_replans` (a moderate slowdown can look recovered on a
-        machine whose ranks share cores; the job must not switch back and forth for ever).
-        Returns whether it re-planned."""
+        A one-replica pipeline's rank (`factor`: its compute per layer over its healthy one,
+        `LayerPace`) gets its layers back the way they left (`_layers_back`). Counted against
+        `adapt.max_replans` (a moderate slowdown can look recovered on a machine whose ranks
+        share cores; the job must not switch back and forth for ever). Returns whether it
+        re-planned."""
         trigger: dict[str, Any] = {"kind": "speed_recovered", "rank": rank, "factor": factor}
         if not 0 <= rank < len(self.devices):
             return self._skip(trigger, "the report names no rank of the running world")
         trigger["device"] = self.devices[rank]
         if self.state.device(rank).status is not DeviceStatus.SLOW:
             return self._skip(trigger, f"rank {rank} is not marked slow")
+        if self._moving is not None:
+            return self._skip(trigger, "a re-plan that moves layers is waiting for its stop")
         if self.replans >= self.adapt.max_replans:
             return self._skip(trigger, f"adapt.max_replans = {self.adapt.max_replans} reached")
         self.state = self.state.with_healthy(rank)
+        if self.plan.dp == 1:
+            return self._layers_back(trigger, iter_s)
         result = plan_for_state(self.state, _LIVE)
         plan = result.plan()
         if result.kept_current or plan.microbatches == self.plan.microbatches:
@@ -283,6 +293,19 @@ class PipelineAdaptation:
         if not _keeps_stages(self.plan, self.devices, plan, self.devices):
             return self._skip(trigger, "the scheduler's plan moves layers: not built live")
         self._adopt_live(result, plan, trigger, iter_s)
+        return True
+
+    def _layers_back(self, trigger: dict, iter_s: float | None) -> bool:
+        """A one-replica pipeline's device at full speed again (marked healthy): the
+        scheduler's plan with layer repartition for that state (`_best_plan`, `_MOVE`: the
+        launch split when every device is healthy) is adopted like a fail-slow move — at a
+        planned stop, the next generation moving the state between the ranks' retained
+        buffers (`RestoreMode.RESHARD`), no checkpoint — when it moves layers and is
+        predicted `adapt.min_gain` faster than the running plan."""
+        result, moves = self._best_plan()
+        if not moves:
+            return self._skip(trigger, "the plan for the healthy device keeps the running layers")
+        self._decide_move(result, trigger, iter_s)
         return True
 
     def spec_fields(self) -> dict[str, Any]:

@@ -530,11 +530,16 @@ class CoordinatorCore:
             self._stopped_without_lost()
 
     def on_speed_recovered(self, rank: int, factor: float, iteration: int) -> None:
-        """The fail-slow watch saw a rank reported slow run at its peers' pace again: with
-        re-planning on, its device is offered back to the plan (`Adaptation.on_recovered`)."""
+        """The fail-slow watch saw a rank reported slow run at its peers' pace (a one-replica
+        pipeline's: its own healthy pace per layer) again: with re-planning on, its device is
+        offered back to the plan (`Adaptation.on_recovered`); layers it gave away come back at
+        a planned stop, as they left."""
         if self.adapt is not None and self.fsm.state is RecoveryState.RUNNING:
             acted = self.adapt.on_recovered(rank, factor, self._healthy_iter_s(iteration))
-            if acted and self.adapt.plan is not None:  # back toward the launch plan, live
+            if acted and self.adapt.restarts:  # layers move back: at a planned stop
+                self._grow_pending = True
+                self._grow()
+            elif acted and self.adapt.plan is not None:  # back toward the launch plan, live
                 self.monitor.slow_watch.reset(len(self.devices), self.adapt.plan, same_ranks=True)
 
     def _stopped_without_lost(self) -> None:
@@ -675,10 +680,13 @@ class CoordinatorCore:
         world = self.adapt.next_world(self._healthy_iter_s())
         if world is None:
             return False
+        # Layers moved on the same devices keep every rank's number: the watch keeps the
+        # slow rank's report (and healthy pace) to find it back at full speed.
+        same_ranks = world.devices == self.devices
         self.devices = world.devices
         self.layout = NodeLayout.for_devices(world.devices, self.node_of_device)
         self.fsm.resize(len(world.devices))
-        self.monitor.slow_watch.reset(len(world.devices), self.adapt.plan)
+        self.monitor.slow_watch.reset(len(world.devices), self.adapt.plan, same_ranks=same_ranks)
         return True
 
     def _restore_for(self, action: Start, changed: bool) -> tuple[Start, dict | None]:
@@ -686,11 +694,14 @@ class CoordinatorCore:
         and the plan its devices' state holds when it moves that state itself (RESHARD). A
         failure of a RESHARD generation before a completed iteration (`_reshard_progressed`:
         then every rank had moved its state) may leave the ranks' regions in two layouts:
-        the next one restarts from the checkpoint."""
+        the next one restarts from the checkpoint. A RESHARD generation that rank 0 logged an
+        iteration of had moved it too: one stopped for a second move (layers given back to a
+        device at full speed again) is the next one's plan before."""
         unfinished = (
             self._reshard_gen is not None
             and action.generation == self._reshard_gen + 1
             and not self._reshard_progressed
+            and not any(m.get("generation") == self._reshard_gen for m in self.monitor.rows)
             and action.restore is RestoreMode.IN_PLACE
         )
         before = self.adapt.reshard if changed and self.adapt is not None else None
