@@ -146,9 +146,12 @@ def test_a_slow_fault_with_until_stalls_a_trainer_started_on_the_device_before_i
     assert all(second[6:8]) and not any(second[9:])
     for stalls in second[6:8]:
         assert sum(s for s, _ in stalls) == pytest.approx(PERIOD - COMM)  # (F - 1) x compute
-    # Ended before this trainer started, or without `until` (the process's life): no stall.
+    # Ended before this trainer started, or ended at all (a restart that redoes iterations
+    # before `until`), or without `until` (the process's life): no stall.
     _, events = _drive(spec, iterations=11, store=store, start=8)
     assert events == []
+    again, events = _drive(spec, iterations=8, store=store, start=4)
+    assert events == [] and not any(again)
     store = JobStore(dist.HashStore())
     _drive("slow:rank=1,iter=3,factor=2", iterations=5, store=store)
     later, events = _drive("slow:rank=1,iter=3,factor=2", iterations=9, store=store, start=5)

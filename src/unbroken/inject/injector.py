@@ -44,8 +44,9 @@ the start of every phase step and stalls for the step that just ended:
   no more stalls), logged as `slow_ended`. Until then the slowness is the device's, not the
   process's: a trainer started on the device after the fault fired (a restart, or the planned
   stop of a re-plan that moves layers) stalls again from its first iteration, logged as
-  `slow_resumed` (`_resume_slow`). Without `until` a slow fault lasts as long as the trainer
-  process.
+  `slow_resumed` (`_resume_slow`); once ended it is over for the job (the end is marked in the
+  job store: a restart that redoes iterations before J runs at full speed). Without `until` a
+  slow fault lasts as long as the trainer process.
 """
 
 from __future__ import annotations
@@ -255,6 +256,7 @@ class Injector:
         """A slow fault with `until` stops stalling at that iteration."""
         ended = [f for f in self._slow if f.until is not None and iteration >= f.until]
         for fault in ended:
+            self.store.mark_fault_fired(_ended(fault), time.time())
             self._slow.remove(fault)
             if fault.what is SlowTarget.COMM:
                 self._comm_fault = None
@@ -275,6 +277,7 @@ class Injector:
                 and fault.until is not None
                 and iteration < fault.until
                 and self._fired(fault)
+                and not self.store.fault_fired(_ended(fault))
             ):
                 self.emit("slow_resumed", rank=self.rank, iter=iteration, spec=fault.text())
                 self._start_slow(fault, iteration)
@@ -484,6 +487,11 @@ class Injector:
             raise InjectedFault(f"injected exception at {fault.text()}")
         elif fault.kind is FaultKind.SLOW:
             self._start_slow(fault, iteration)
+
+
+def _ended(fault: FaultSpec) -> str:
+    """The job store key that marks a slow fault with `until` ended (beside its fired key)."""
+    return f"{fault.key}_ended"
 
 
 def flip_byte(tensor, fault: FaultSpec) -> int:
