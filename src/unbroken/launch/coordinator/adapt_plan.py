@@ -30,10 +30,13 @@ replicas. A pipeline job at TP 1 (`parallel.pp` > 1) is re-planned here:
   the new layout between them (`unbroken.launch.relayout`), no checkpoint.
 
 The plan of a lost device travels in the generation spec (`GenerationSpec.plan`), its ranks
-numbered 0..n-1 in the survivors' device order. A slow device at full speed again (`on_recovered`: the
-fail-slow watch compares it with its stages' holders in the other replicas) gets its
-micro-batches back, live, the same way; a one-replica pipeline has no such holders, so its
-moved layers stay where they are.
+numbered 0..n-1 in the survivors' device order. A slow device at full speed again
+(`on_recovered`) is healthy in the cluster state again: in a DP x PP job (the fail-slow watch
+compared it with its stages' holders in the other replicas) it gets its micro-batches back,
+live, the same way they left; in a one-replica pipeline (the watch held it to its own compute
+per layer before the slowdown, `unbroken.detect.pipeline.LayerPace`) the scheduler's plan with
+layer repartition gives its layers back the way they left (`_layers_back`: a planned stop,
+`RestoreMode.RESHARD`, no checkpoint). Both count against `adapt.max_replans`.
 
 Decisions, the event log and the job store's plan key: no processes, no sockets of its own.
 """
