@@ -18,7 +18,8 @@ from unbroken.erasure import BackendUnavailableError, Codec, get_codec
 @dataclass(frozen=True)
 class BackendCase:
     name: str
-    make: Callable[[int, int], Codec]
+    make: Callable[..., Codec]
+    """(k, m, generator="cauchy") -> a codec of this backend."""
     device: str
 
     def buffer(self, data: np.ndarray):
@@ -35,22 +36,22 @@ class BackendCase:
         return buf.cpu().numpy().copy()
 
 
-def _native(isa: str) -> Callable[[int, int], Codec]:
-    def make(k: int, m: int) -> Codec:
+def _native(isa: str) -> Callable[..., Codec]:
+    def make(k: int, m: int, generator: str = "cauchy") -> Codec:
         from unbroken.erasure.native_backend import NativeCodec, NativeUnavailableError
 
         try:
-            return NativeCodec(k, m, isa=isa)
+            return NativeCodec(k, m, isa=isa, generator=generator)
         except NativeUnavailableError as exc:
             pytest.skip(str(exc))
 
     return make
 
 
-def _named(backend: str, device: str = "cpu") -> Callable[[int, int], Codec]:
-    def make(k: int, m: int) -> Codec:
+def _named(backend: str, device: str = "cpu") -> Callable[..., Codec]:
+    def make(k: int, m: int, generator: str = "cauchy") -> Codec:
         try:
-            return get_codec(k, m, device=device, backend=backend)
+            return get_codec(k, m, device=device, backend=backend, generator=generator)
         except BackendUnavailableError as exc:
             pytest.skip(str(exc))
 

@@ -36,6 +36,33 @@ def test_every_square_cauchy_submatrix_is_invertible(k, m, draw):
     np.testing.assert_array_equal(gf256.matmul(sub, inv), np.eye(e, dtype=np.uint8))
 
 
+def test_every_square_vandermonde_submatrix_is_invertible_for_the_largest_k():
+    """The Vandermonde first tier is MDS (every square submatrix of its m <= 3 rows invertible)
+    at k = 253, the most GF(2^8) allows with m = 3: all 1 x 1, 2 x 2 and 3 x 3 minors, by
+    their determinants. Four rows are refused: they are not MDS."""
+    k = 253
+    v = gf256.vandermonde_matrix(k, 3)
+    assert v.all()
+    mt = gf256.mul_table()
+    upper = np.triu_indices(k, 1)
+    for r, s in ((0, 1), (0, 2), (1, 2)):
+        det = mt[v[r][:, None], v[s][None, :]] ^ mt[v[s][:, None], v[r][None, :]]
+        assert det[upper].all(), (r, s)
+    for a in range(k):
+        for b in range(a + 1, k - 1):
+            c = np.arange(b + 1, k)
+            x, y, z = v[:, a], v[:, b], v[:, c]
+            det = (
+                mt[x[0], mt[y[1], z[2]] ^ mt[y[2], z[1]]]
+                ^ mt[y[0], mt[x[1], z[2]] ^ mt[x[2], z[1]]]
+                ^ mt[z[0], mt[x[1], y[2]] ^ mt[x[2], y[1]]]
+            )
+            assert det.all(), (a, b)
+    np.testing.assert_array_equal(v[:, :4], [[1, 1, 1, 1], [1, 2, 4, 8], [1, 4, 16, 64]])
+    with pytest.raises(ValueError, match="MDS"):
+        gf256.vandermonde_matrix(8, 4)
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.sets(st.integers(0, 255), min_size=1, max_size=16))
 def test_default_geometry_plans_any_16_losses(lost):

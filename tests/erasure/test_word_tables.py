@@ -62,3 +62,44 @@ def test_word_and_plane_forms_compute_the_fields_parity(rows, cols, rows_p2):
         out = _xtime(out) ^ planes[b]
     assert np.array_equal(out[:rows].view(np.uint8), want)
     assert not out[rows:].any()
+
+
+def _xtime_xor(x: np.ndarray, w) -> np.ndarray:
+    """`gf_xtime_xor`: the bytes shifted left in their lanes, 0x1D where a top bit was set."""
+    return ((x << 1) & np.int32(-16843010)) ^ (_byte_mask(x, 7) & np.int32(0x1D1D1D1D)) ^ w
+
+
+@pytest.mark.parametrize("stripe,rows", [(64, 3), (5, 2), (3, 1), (1, 3)])
+def test_horners_rule_computes_the_vandermonde_tiers_parity(stripe, rows):
+    """The fused Horner transaction's arithmetic (`unbroken.update._triton_horner`): per
+    segment, h_r = 2^r·h_r ^ w over the stripe rows from the last to the first, then the
+    segments' factors (2^r)^(s·d) by their word tables (`transaction._segment_factors`,
+    `gf_word_scale`) — the Vandermonde code's parity of the 3·d data columns."""
+    from unbroken.update.transaction import _segment_factors
+
+    rng = np.random.default_rng(stripe * 10 + rows)
+    data = rng.integers(0, 256, size=(3 * stripe, 4 * 32), dtype=np.uint8)
+    words = data.view(np.int32).reshape(3, stripe, -1)  # segment, row, word
+    want = _reference(gf256.vandermonde_matrix(3 * stripe, rows), data)
+
+    h = np.zeros((3, 3, words.shape[2]), dtype=np.int32)  # segment, row r, word
+    for j in range(stripe - 1, -1, -1):
+        for s in range(3):
+            w = words[s, j]
+            h[s, 0] ^= w
+            h[s, 1] = _xtime_xor(h[s, 1], w)
+            h[s, 2] = _xtime_xor(_xtime_xor(h[s, 2], 0), w)
+    factors = _segment_factors(stripe)  # (r=1, s=1), (1, 2), (2, 1), (2, 2)
+
+    def scale(x, table):
+        out = np.zeros_like(x)
+        for b in range(8):
+            out ^= _byte_mask(x, b) & table[b]
+        return out
+
+    delta = [h[0, 0] ^ h[1, 0] ^ h[2, 0]]
+    for r in (1, 2):
+        f = factors[2 * (r - 1) : 2 * r]
+        delta.append(h[0, r] ^ scale(h[1, r], f[0]) ^ scale(h[2, r], f[1]))
+    got = np.stack(delta[:rows]).view(np.uint8)
+    assert np.array_equal(got, want)

@@ -60,3 +60,22 @@ def test_a_gpu_job_with_default_protection_gets_the_gpu_page(monkeypatch):
     # it is built without a device (the coordinator's side).
     g = state_geometry(cfg, 76_000_000)
     assert (g.page_bytes, g.chunk_bytes, g.stripe_pages) == (2 * MIB, 2 * MIB, 64)
+
+
+def test_the_first_tier_is_three_vandermonde_pages_on_a_gpu_and_four_cauchy_ones_on_the_cpu():
+    """protection.code = auto: the Vandermonde code (Horner's rule in the fused GPU update)
+    where it is MDS and the job trains on a GPU; an H1 or code the user set is kept."""
+    p = ProtectionConfig()
+    assert (p.parity_pages, p.code) == (None, "auto")
+    gpu, cpu = p.resolved(cuda=True), p.resolved(cuda=False)
+    assert (gpu.parity_pages, gpu.code) == (3, "vandermonde")
+    assert (cpu.parity_pages, cpu.code) == (4, "cauchy")
+    assert gpu.resolved(cuda=False) == gpu
+    assert ProtectionConfig(parity_pages=2).resolved(cuda=True).code == "vandermonde"
+    assert ProtectionConfig(parity_pages=4).resolved(cuda=True).code == "cauchy"
+    cauchy = ProtectionConfig(code="cauchy").resolved(cuda=True)
+    assert (cauchy.parity_pages, cauchy.code) == (4, "cauchy")
+    forced = ProtectionConfig(code="vandermonde").resolved(cuda=False)
+    assert (forced.parity_pages, forced.code) == (3, "vandermonde")
+    with pytest.raises(ValueError, match="MDS"):
+        ProtectionConfig(code="vandermonde", parity_pages=4)

@@ -45,32 +45,42 @@ def _parity_consistent(upd) -> bool:
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize(
-    "h1,h2,planes,block,memory",
+    "h1,h2,planes,block,memory,code",
     [
-        (3, 1, 1, 256, "host"),
-        (3, 1, 0, 512, "host"),
-        (4, 1, 1, 128, "host"),
-        (4, 1, 2, 256, "device"),
-        (3, 1, 2, 128, "host"),
-        (1, 1, 1, 256, "host"),
-        (5, 2, 1, 256, "device"),
-        (16, 1, 0, 256, "host"),
-        (4, 1, 0, 512, "device"),
+        (3, 1, 0, 256, "host", "vandermonde"),
+        (3, 1, 0, 512, "device", "vandermonde"),
+        (2, 1, 0, 128, "host", "vandermonde"),
+        (1, 1, 0, 256, "device", "vandermonde"),
+        (3, 2, 0, 1024, "host", "vandermonde"),
+        (3, 1, 1, 256, "host", "cauchy"),
+        (3, 1, 0, 512, "host", "cauchy"),
+        (4, 1, 1, 128, "host", "cauchy"),
+        (4, 1, 2, 256, "device", "cauchy"),
+        (3, 1, 2, 128, "host", "cauchy"),
+        (1, 1, 1, 256, "host", "cauchy"),
+        (5, 2, 1, 256, "device", "cauchy"),
+        (16, 1, 0, 256, "host", "cauchy"),
+        (4, 1, 0, 512, "device", "cauchy"),
     ],
 )
 def test_the_fused_transaction_computes_the_plain_bits_and_the_encoders_parity(
-    h1, h2, planes, block, memory
+    h1, h2, planes, block, memory, code
 ):
-    """Both parity placements: in host memory the graph writes back on its second stream."""
+    """Both parity placements (in host memory the graph writes back on its second stream) and
+    both first-tier codes (the Vandermonde one by Horner's rule, `_triton_horner`)."""
     from unbroken.update.graph import GraphUpdater
 
-    prot = dataclasses.replace(PROT, parity_pages=h1, second_tier_pages=h2, parity_memory=memory)
+    prot = dataclasses.replace(
+        PROT, parity_pages=h1, second_tier_pages=h2, parity_memory=memory, code=code
+    )
     plain, _ = _build(None)
     pu = PlainUpdater(plain.state, plain.geometry, plain.step)
     b, regions = _build(prot)
     tuning = {"planes": planes, "block": block, "warps": 4}
     gu = GraphUpdater(b.state, b.geometry, b.step, regions, prot, fused_tuning=tuning)
     assert gu.fused is not None and gu.fused.planes == (planes if h1 <= 4 else 0)
+    assert gu.fused.horner == (code == "vandermonde")
+    assert all(g.first_tier_codec.generator == code for g in gu.groups)
     assert gu.model_parity.is_cuda == (memory == "device")
     assert (gu._host is None) == (memory == "device")
     gu.initialize(-1)
@@ -92,7 +102,8 @@ def _coefficients(upd, iteration: int) -> torch.Tensor:
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("torn", ["step", "writeback"])
-def test_a_kill_inside_the_fused_kernel_or_its_write_back_is_repaired_to_the_same_bits(torn):
+@pytest.mark.parametrize("code", ["cauchy", "vandermonde"])
+def test_a_kill_inside_the_fused_kernel_or_its_write_back_is_repaired_to_the_same_bits(torn, code):
     """Transaction `target` of iteration 1 is driven by hand with the fused kernel and then
     torn as a kill would tear it: half of the chunk's rows stepped and scratch half stale
     (marker CHUNK_UPDATING), or half of the parity written back (marker PARITY_READY). Either
@@ -102,15 +113,16 @@ def test_a_kill_inside_the_fused_kernel_or_its_write_back_is_repaired_to_the_sam
     from unbroken.update.factory import resumable_updater
     from unbroken.update.layout import SEGMENTS
 
-    ref, ref_regions = _build(PROT)
-    ru = resumable_updater(ref.state, ref.geometry, ref.step, ref_regions, PROT, kind="host")
+    prot = dataclasses.replace(PROT, code=code)
+    ref, ref_regions = _build(prot)
+    ru = resumable_updater(ref.state, ref.geometry, ref.step, ref_regions, prot, kind="host")
     ru.initialize(-1)
     for it in range(3):
         _iterate(ref, ru, it)
 
-    b, regions = _build(PROT)
-    su = resumable_updater(b.state, b.geometry, b.step, regions, PROT)
-    assert su.fused is not None
+    b, regions = _build(prot)
+    su = resumable_updater(b.state, b.geometry, b.step, regions, prot)
+    assert su.fused is not None and su.fused.horner == (code == "vandermonde")
     su.initialize(-1)
     _iterate(b, su, 0)
     gen = torch.Generator().manual_seed(101)
@@ -148,7 +160,7 @@ def test_a_kill_inside_the_fused_kernel_or_its_write_back_is_repaired_to_the_sam
     x = su.chunks[target - 1].byte_lo  # its write-back had not landed
     su.model_parity[su.chunks[target - 1].group][:, x : x + c].copy_(previous)
 
-    again = resumable_updater(b.state, b.geometry, b.step, regions, PROT)
+    again = resumable_updater(b.state, b.geometry, b.step, regions, prot)
     report = again.repair({})
     want = "restored" if torn == "step" else "rolled"
     assert report.fixup.startswith(want), report

@@ -67,7 +67,7 @@ def draw_fault(rng: random.Random, cfg: JobConfig) -> tuple[str, str]:
     rank = rng.randrange(cfg.parallel.world_size)
     it = rng.randrange(1, cfg.train.iterations - 1)
     phase = rng.choice(PHASES)
-    h1 = cfg.protection.parity_pages
+    h1 = cfg.protection.resolved(cuda=False).parity_pages
     u = rng.random()
     where = f"rank={rank},iter={it},phase={phase}"
     if u < 0.10:

@@ -75,7 +75,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rmu-geometries",
         default="",
         help="also time the resumable update at these geometries: comma-separated "
-        "STRIPE:CHUNK_BYTES:H1 (2 MiB pages, H2 = 1)",
+        "STRIPE:CHUNK_BYTES:H1[:CODE] (2 MiB pages, H2 = 1; CODE cauchy or vandermonde, "
+        "default: the device's choice for H1, protection.code = auto)",
+    )
+    p.add_argument(
+        "--protection-code",
+        default="auto",
+        choices=("auto", "cauchy", "vandermonde"),
+        help="protection.code: the first tier's generator (auto: three Vandermonde pages on a "
+        "GPU, computed by Horner's rule in the fused update; cauchy: four Cauchy pages)",
     )
     p.add_argument(
         "--parity-memory",
@@ -154,7 +162,7 @@ def _say(text: str) -> None:
     print(f"[gpu] {text}", file=sys.stderr, flush=True)
 
 
-def _with_protection(cfg, stripe: int, chunk: int, h1: int):
+def _with_protection(cfg, stripe: int, chunk: int, h1: int, code: str = "auto"):
     from unbroken.config import ProtectionConfig
 
     prot = ProtectionConfig(
@@ -162,9 +170,10 @@ def _with_protection(cfg, stripe: int, chunk: int, h1: int):
         stripe_pages=stripe,
         chunk_bytes=chunk,
         parity_pages=h1,
+        code=code,
         second_tier_pages=1,
         parity_memory=cfg.protection.parity_memory,
-    )
+    ).resolved(cuda=True)
     return dataclasses.replace(cfg, protection=prot)
 
 
@@ -176,8 +185,9 @@ def _geometry_sweep(
 
     out = []
     for item in (x for x in spec.split(",") if x):
-        stripe, chunk, h1 = (int(v) for v in item.split(":"))
-        gcfg = _with_protection(cfg, stripe, chunk, h1)
+        stripe, chunk, h1, *code = item.split(":")
+        stripe, chunk, h1 = int(stripe), int(chunk), int(h1)
+        gcfg = _with_protection(cfg, stripe, chunk, h1, *code)
         tr, upd, _, regions, geometry = _build(
             gcfg, device, protected=True, init_from=init, compiled=compiled, kind=kind
         )
@@ -188,6 +198,7 @@ def _geometry_sweep(
             "stripe_pages": stripe,
             "chunk_bytes": chunk,
             "parity_pages": h1,
+            "code": gcfg.protection.code,
             "chunks": len(geometry.chunks()),
             "rmu_update_ms": 1e3 * statistics.median(upd.update_s[1:]),
             "rmu_first_update_ms": 1e3 * upd.update_s[0],
@@ -298,7 +309,10 @@ def _job(args: argparse.Namespace, microbatches: int):
     cuda = args.device == "cuda"
     return JobConfig(
         model=ModelConfig(preset=args.preset),
-        protection=ProtectionConfig(parity_memory=getattr(args, "parity_memory", "host")),
+        protection=ProtectionConfig(
+            parity_memory=getattr(args, "parity_memory", "host"),
+            code=getattr(args, "protection_code", "auto"),
+        ),
         parallel=ParallelConfig(world_size=1),  # one rank on this GPU
         data=DataConfig(
             tokens_per_microbatch=args.tokens,

@@ -166,7 +166,7 @@ def plan_soak(minutes: float, seed: int, iter_s: float, nodes: int = 1, gpus: in
         minutes * 60,
         iter_s,
         demo.parallel.world_size,
-        demo.protection.parity_pages,
+        demo.protection.resolved(gpus > 0).parity_pages,
         nodes=nodes,
     )
     restarts = sum(f.failstop for f in faults) + 10

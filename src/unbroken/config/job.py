@@ -338,8 +338,17 @@ class ProtectionConfig:
     """Pages of each state segment per protection group; a group has D = 3 x stripe_pages
     data pages (parameters, exp_avg, exp_avg_sq). Unset: 64 when the job trains on a GPU, 8
     on the CPU (see `resolved`)."""
-    parity_pages: int = 4
-    """First-tier parity pages H1 per group: tolerates H1 lost pages per group."""
+    parity_pages: int | None = None
+    """First-tier parity pages H1 per group: tolerates H1 lost pages per group. Unset: 3 when
+    the job trains on a GPU (the Vandermonde code, see `code`), 4 on the CPU."""
+    code: Literal["auto", "cauchy", "vandermonde"] = "auto"
+    """The first tier's generator matrix (`unbroken.erasure.gf256`): ``cauchy`` (any H1; ISA-L's
+    ``gf_gen_cauchy1_matrix``) or ``vandermonde`` (H1 <= 3 only, where it is MDS; ISA-L's
+    ``gf_gen_rs_matrix``: the P, Q, R syndromes), whose parity delta the GPU's fused update
+    computes by Horner's rule with multiplications by 2 — about half the instructions of the
+    Cauchy code's table arithmetic, which bounds that kernel (bench/results/gpu-h200.md, stop
+    40). auto: vandermonde on a GPU when H1 <= 3, else cauchy. The CPU codecs run either at
+    the same speed."""
     second_tier_pages: int = 1
     """Second-tier parity pages H2 over each group's first tier."""
     chunk_bytes: int | None = None
@@ -365,10 +374,25 @@ class ProtectionConfig:
                 "protection.chunk_bytes must be a multiple of 64 that divides page_bytes"
             )
         stripe = 1 if self.stripe_pages is None else self.stripe_pages
-        if stripe < 1 or self.parity_pages < 1 or self.second_tier_pages < 1:
+        h1 = 1 if self.parity_pages is None else self.parity_pages
+        if stripe < 1 or h1 < 1 or self.second_tier_pages < 1:
             raise ValueError("protection: stripe_pages, parity_pages, second_tier_pages >= 1")
-        if 3 * stripe + self.parity_pages > 256:
+        if 3 * stripe + h1 > 256:
             raise ValueError("protection: 3 * stripe_pages + parity_pages must be <= 256")
+        if self.code == "vandermonde" and h1 > 3:
+            raise ValueError(
+                "protection.code = 'vandermonde' is MDS for parity_pages <= 3 only; use "
+                "'cauchy' for more"
+            )
+
+    def _code(self, cuda: bool) -> tuple[str, int]:
+        """The first tier's generator and H1: unset H1 is 3 for the Vandermonde code (the GPU's
+        default, auto) and 4 for the Cauchy code (the CPU's)."""
+        vandermonde = self.code == "vandermonde" or (self.code == "auto" and cuda)
+        h1 = self.parity_pages or (3 if vandermonde else 4)
+        if self.code == "auto":
+            return ("vandermonde" if cuda and h1 <= 3 else "cauchy"), h1
+        return self.code, h1
 
     def resolved(self, cuda: bool) -> ProtectionConfig:
         """This config with unset sizes filled for the device (`PROTECTION_DEFAULTS`); a chunk
@@ -377,20 +401,28 @@ class ProtectionConfig:
         Raises:
             ValueError: a chunk size the user set does not divide the default page size.
         """
-        set_ = (self.page_bytes, self.chunk_bytes, self.stripe_pages)
-        if None not in set_:
+        set_ = (self.page_bytes, self.chunk_bytes, self.stripe_pages, self.parity_pages)
+        if None not in set_ and self.code != "auto":
             return self
         page, chunk, stripe = PROTECTION_DEFAULTS["cuda" if cuda else "cpu"]
+        code, h1 = self._code(cuda)
         if self.stripe_pages is not None:
             stripe = self.stripe_pages
-        if 3 * stripe + self.parity_pages > 256:  # a default stripe with a large H1 the user set
-            stripe = (256 - self.parity_pages) // 3
+        if 3 * stripe + h1 > 256:  # a default stripe with a large H1 the user set
+            stripe = (256 - h1) // 3
         if self.page_bytes is not None:
             page = self.page_bytes
             chunk = chunk if chunk <= page and page % chunk == 0 else page
         if self.chunk_bytes is not None:
             chunk = self.chunk_bytes
-        return dataclasses.replace(self, page_bytes=page, chunk_bytes=chunk, stripe_pages=stripe)
+        return dataclasses.replace(
+            self,
+            page_bytes=page,
+            chunk_bytes=chunk,
+            stripe_pages=stripe,
+            parity_pages=h1,
+            code=code,
+        )
 
 
 @dataclass(kw_only=True, slots=True)

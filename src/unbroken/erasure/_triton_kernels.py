@@ -42,7 +42,9 @@ __all__ = [
     "gf_matmul_xor",
     "gf_planes_add",
     "gf_planes_sum",
+    "gf_word_scale",
     "gf_xtime",
+    "gf_xtime_xor",
 ]
 
 
@@ -190,6 +192,24 @@ def gf_planes_add(a0, a1, a2, a3, a4, a5, a6, a7, w, mask_ptr, c, rows, ROWS_P2:
 def gf_xtime(x):
     """2·x in GF(2^8) (polynomial 0x11D) for each of the four bytes of int32 x."""
     return ((x << 1) & -16843010) ^ (((x >> 7) & 0x01010101) * 0x1D)  # -16843010: 0xFEFEFEFE
+
+
+@triton.jit
+def gf_xtime_xor(x, w):
+    """2·x ^ w for each of the four bytes of int32 x: the bytes shifted left within their lanes,
+    and 0x1D where a byte's top bit was set (`gf_byte_mask`'s `prmt`). One step of Horner's
+    rule for the Vandermonde code's row 1 (`unbroken.update._triton_horner`)."""
+    return ((x << 1) & -16843010) ^ (gf_byte_mask(x, 7) & 0x1D1D1D1D) ^ w  # 0xFEFEFEFE
+
+
+@triton.jit
+def gf_word_scale(x, table_ptr):
+    """c·x for each of the four bytes of int32 x (any shape), c given by its `word_table`
+    column: ``table[s] = (c·2^s) × 0x01010101``, read with stride 1."""
+    out = gf_byte_mask(x, 0) & tl.load(table_ptr)
+    for s in tl.static_range(1, 8):
+        out = out ^ (gf_byte_mask(x, s) & tl.load(table_ptr + s))
+    return out
 
 
 @triton.jit

@@ -20,24 +20,27 @@ class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run here; the message says why."""
 
 
-def _build(backend: str, data_pages: int, parity_pages: int, device: str, name: str) -> Codec:
+def _build(
+    backend: str, data_pages: int, parity_pages: int, device: str, name: str, generator: str
+) -> Codec:
+    kw = {"name": name, "generator": generator}
     try:
         if backend == "native":
             from unbroken.erasure.native_backend import NativeCodec
 
-            return NativeCodec(data_pages, parity_pages, name=name)
+            return NativeCodec(data_pages, parity_pages, **kw)
         if backend == "isal":
             from unbroken.erasure.isal_backend import IsalCodec
 
-            return IsalCodec(data_pages, parity_pages, name=name)
+            return IsalCodec(data_pages, parity_pages, **kw)
         if backend == "numpy":
             from unbroken.erasure.numpy_backend import NumpyCodec
 
-            return NumpyCodec(data_pages, parity_pages, name=name)
+            return NumpyCodec(data_pages, parity_pages, **kw)
         if backend == "triton":
             from unbroken.erasure.cuda_backend import TritonCodec
 
-            return TritonCodec(data_pages, parity_pages, name=name, device=device)
+            return TritonCodec(data_pages, parity_pages, device=device, **kw)
     except (ImportError, OSError, RuntimeError) as exc:
         raise BackendUnavailableError(f"erasure backend {backend!r} unavailable: {exc}") from exc
     raise ValueError(
@@ -59,6 +62,7 @@ def get_codec(
     device: str = "cpu",
     backend: str = "auto",
     name: str = "code",
+    generator: str = "cauchy",
 ) -> Codec:
     """Return the fastest available codec for a (k, m) code on ``device``.
 
@@ -68,6 +72,7 @@ def get_codec(
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         backend: ``"auto"`` or a backend name (``native``, ``isal``, ``numpy``, ``triton``).
         name: how error messages name the code (a protection group's name).
+        generator: the generator matrix (`gf256.GENERATORS`).
 
     Raises:
         BackendUnavailableError: the named backend (or every backend for the device) cannot
@@ -75,12 +80,12 @@ def get_codec(
     """
     device = _normalise(device)
     if backend != "auto":
-        return _build(backend, data_pages, parity_pages, device, name)
+        return _build(backend, data_pages, parity_pages, device, name, generator)
     candidates = CPU_BACKENDS if device == "cpu" else CUDA_BACKENDS
     reasons = []
     for candidate in candidates:
         try:
-            return _build(candidate, data_pages, parity_pages, device, name)
+            return _build(candidate, data_pages, parity_pages, device, name, generator)
         except BackendUnavailableError as exc:
             reasons.append(str(exc))
     raise BackendUnavailableError(f"no erasure backend for {device}: " + "; ".join(reasons))
@@ -92,7 +97,7 @@ def available_backends(device: str = "cpu") -> dict[str, str]:
     status = {}
     for candidate in CPU_BACKENDS if device == "cpu" else CUDA_BACKENDS:
         try:
-            _build(candidate, 2, 1, device, "probe")
+            _build(candidate, 2, 1, device, "probe", "cauchy")
             status[candidate] = "ok"
         except BackendUnavailableError as exc:
             status[candidate] = str(exc)

@@ -43,16 +43,21 @@ class Codec(abc.ABC):
         data_pages: k.
         parity_pages: m (k + m ≤ 256).
         name: how error messages name this code or group.
+        generator: the generator matrix's name (`gf256.GENERATORS`): ``cauchy`` (any m) or
+            ``vandermonde`` (m ≤ 3; the GPU's fused update computes it by Horner's rule).
     """
 
     backend: ClassVar[str] = "abstract"
     """Short name of the backend (``native``, ``isal``, ``numpy``, ``triton``)."""
 
-    def __init__(self, data_pages: int, parity_pages: int, *, name: str = "code") -> None:
+    def __init__(
+        self, data_pages: int, parity_pages: int, *, name: str = "code", generator: str = "cauchy"
+    ) -> None:
         self.data_pages = data_pages
         self.parity_pages = parity_pages
         self.name = name
-        self.matrix = gf256.cauchy_matrix(data_pages, parity_pages)
+        self.generator = generator
+        self.matrix = gf256.generator_matrix(data_pages, parity_pages, generator)
 
     @property
     @abc.abstractmethod
@@ -157,7 +162,11 @@ class Codec(abc.ABC):
         if not lost_set:
             return
         plan = plan_reconstruction(
-            self.data_pages, self.parity_pages, lost_set, group=group or self.name
+            self.data_pages,
+            self.parity_pages,
+            lost_set,
+            group=group or self.name,
+            generator=self.generator,
         )
         if is_table:
             table = self._table(pages, total, "pages")

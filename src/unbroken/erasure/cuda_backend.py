@@ -85,11 +85,12 @@ class TritonCodec(Codec):
         parity_pages: int,
         *,
         name: str = "code",
+        generator: str = "cauchy",
         device: str = "cuda",
         kernel: str = "auto",
         tuning: dict[str, int] | None = None,
     ) -> None:
-        super().__init__(data_pages, parity_pages, name=name)
+        super().__init__(data_pages, parity_pages, name=name, generator=generator)
         import torch
 
         if not torch.cuda.is_available():

@@ -36,9 +36,15 @@ class ReconstructionPlan:
 
 
 def plan_reconstruction(
-    data_pages: int, parity_pages: int, lost: Iterable[int], *, group: str = "code"
+    data_pages: int,
+    parity_pages: int,
+    lost: Iterable[int],
+    *,
+    group: str = "code",
+    generator: str = "cauchy",
 ) -> ReconstructionPlan:
-    """Plan the reconstruction of ``lost`` pages of a (k, m) Cauchy code.
+    """Plan the reconstruction of ``lost`` pages of a (k, m) code with the named generator
+    (`gf256.generator_matrix`).
 
     Pages are numbered 0..k-1 (data) and k..k+m-1 (parity).
 
@@ -66,12 +72,12 @@ def plan_reconstruction(
             lost=lost_pages,
             detail=f"{len(lost_pages)} lost pages exceed the tolerance of {parity_pages}",
         )
-    return _plan(data_pages, parity_pages, lost_pages)
+    return _plan(data_pages, parity_pages, lost_pages, generator)
 
 
 @functools.lru_cache(maxsize=512)
-def _plan(k: int, m: int, lost: tuple[int, ...]) -> ReconstructionPlan:
-    generator = gf256.cauchy_matrix(k, m)
+def _plan(k: int, m: int, lost: tuple[int, ...], kind: str) -> ReconstructionPlan:
+    generator = gf256.generator_matrix(k, m, kind)
     lost_set = set(lost)
     lost_data = [j for j in lost if j < k]
     lost_parity = [p - k for p in lost if p >= k]

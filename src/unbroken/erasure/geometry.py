@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from unbroken.erasure.errors import GeometryError
+from unbroken.erasure.gf256 import GENERATORS
 
 __all__ = ["ErasureGeometry"]
 
@@ -36,6 +37,10 @@ class ErasureGeometry:
     """First-tier parity pages per group (H1): the number of lost pages the group tolerates."""
     second_tier_pages: int = 1
     """Second-tier parity pages (H2) over the H1 first-tier pages; 0 disables the second tier."""
+    generator: str = "cauchy"
+    """The first tier's generator matrix (`gf256.GENERATORS`): ``cauchy``, or ``vandermonde``
+    for H1 ≤ 3 (MDS only there; the GPU's fused update computes it by Horner's rule). The
+    second tier is always Cauchy."""
 
     def __post_init__(self) -> None:
         for name in ("page_bytes", "data_pages", "parity_pages", "second_tier_pages"):
@@ -57,6 +62,15 @@ class ErasureGeometry:
             raise GeometryError(
                 "erasure geometry: GF(2^8) allows data_pages + parity_pages ≤ 256, got "
                 f"{self.data_pages} + {self.parity_pages} = {self.data_pages + self.parity_pages}"
+            )
+        if self.generator not in GENERATORS:
+            raise GeometryError(
+                f"erasure geometry: generator must be one of {GENERATORS}, got {self.generator!r}"
+            )
+        if self.generator == "vandermonde" and self.parity_pages > 3:
+            raise GeometryError(
+                "erasure geometry: the Vandermonde first tier is MDS for at most 3 parity pages, "
+                f"got {self.parity_pages} (use generator 'cauchy')"
             )
         if self.second_tier_pages < 0:
             raise GeometryError(

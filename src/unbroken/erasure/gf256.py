@@ -1,4 +1,4 @@
-"""Arithmetic in GF(2^8) and the Cauchy generator matrix of the code.
+"""Arithmetic in GF(2^8) and the generator matrices of the code (Cauchy and Vandermonde).
 
 This module owns the *definition* of the code: the field (polynomial x^8+x^4+x^3+x^2+1, 0x11D,
 generator 2 — the field of Intel ISA-L) and the generator matrix. Every backend (numpy, native
@@ -12,6 +12,17 @@ Cauchy matrix over distinct points {k..k+m-1} and {0..k-1}, so every square subm
 invertible and the code is MDS for any k + m ≤ 256. (A Vandermonde generator is not: ISA-L's
 ``gf_gen_rs_matrix`` fails to decode some patterns at k=240, m=16.)
 
+The Vandermonde generator (`vandermonde_matrix`, for m ≤ 3 only) is ISA-L's
+``gf_gen_rs_matrix``: row r gives data page j the coefficient ``x_j^r`` with ``x_j = 2^j``,
+rows (1, 2^j, 4^j) — the P, Q and R syndromes of RAID-6 and RAID-Z3. For m ≤ 3 it is MDS for
+any k ≤ 255: a square submatrix is a Vandermonde matrix in distinct x (all three rows), or a
+2 × 2 minor ``x_a^r x_b^s + x_b^r x_a^s = (x_a x_b)^r (x_a + x_b)^(s-r)`` (s − r ∈ {1, 2}, and
+squaring is injective in characteristic 2), or a single nonzero entry. With four rows it is
+not (``x^3`` minors vanish where ``x_a / x_b`` is a cube root of unity). Its point is speed:
+``XOR_j (2^r)^j·w_j`` is Horner's rule with multiplications by 2 only, which the GPU's fused
+chunk transaction computes in a few instructions per word instead of a table per coefficient
+(`unbroken.update._triton_horner`).
+
 Matrices here are small (at most 256 × 256); they are handled with numpy and table lookups.
 Bulk page arithmetic lives in the backends.
 """
@@ -23,18 +34,24 @@ import functools
 import numpy as np
 
 __all__ = [
+    "GENERATORS",
     "POLYNOMIAL",
     "SingularMatrixError",
     "affine_qword",
     "cauchy_matrix",
     "exp_table",
+    "generator_matrix",
     "inverse",
     "invert_matrix",
     "log_table",
     "matmul",
     "mul",
     "mul_table",
+    "vandermonde_matrix",
 ]
+
+GENERATORS = ("cauchy", "vandermonde")
+"""The codes' generator matrices by name (`generator_matrix`)."""
 
 POLYNOMIAL = 0x11D
 
@@ -164,6 +181,40 @@ def cauchy_matrix(data_pages: int, parity_pages: int) -> np.ndarray:
         ValueError: if k < 1, m < 0 or k + m > 256.
     """
     return _cauchy(data_pages, parity_pages)
+
+
+@functools.cache
+def _vandermonde(data_pages: int, parity_pages: int) -> np.ndarray:
+    if data_pages < 1 or not 0 <= parity_pages <= 3 or data_pages + parity_pages > 256:
+        raise ValueError(
+            f"the Vandermonde code needs 1 ≤ k, m ≤ 3 (MDS) and k + m ≤ 256, got k={data_pages}, "
+            f"m={parity_pages}"
+        )
+    rows = np.arange(parity_pages, dtype=np.int64)[:, None]
+    cols = np.arange(data_pages, dtype=np.int64)[None, :]
+    return _frozen(exp_table()[(rows * cols) % 255].astype(np.uint8))
+
+
+def vandermonde_matrix(data_pages: int, parity_pages: int) -> np.ndarray:
+    """Return the m × k parity part of ISA-L's ``gf_gen_rs_matrix``: ``2^(r·j)`` (read-only).
+
+    Raises:
+        ValueError: if k < 1, m > 3 (the code would not be MDS) or k + m > 256.
+    """
+    return _vandermonde(data_pages, parity_pages)
+
+
+def generator_matrix(data_pages: int, parity_pages: int, generator: str = "cauchy") -> np.ndarray:
+    """The parity part of the systematic code's generator named `generator` (`GENERATORS`).
+
+    Raises:
+        ValueError: an unknown generator, or a shape it does not cover.
+    """
+    if generator == "cauchy":
+        return _cauchy(data_pages, parity_pages)
+    if generator == "vandermonde":
+        return _vandermonde(data_pages, parity_pages)
+    raise ValueError(f"unknown generator {generator!r}; choose from {GENERATORS}")
 
 
 @functools.cache

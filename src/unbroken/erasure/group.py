@@ -89,6 +89,7 @@ class ProtectionGroup:
             device=self.device,
             backend=backend,
             name=name,
+            generator=geometry.generator,
         )
         self.second_tier_codec: Codec | None = None
         if geometry.second_tier_pages:

@@ -114,10 +114,11 @@ class IsalCodec(Codec):
         parity_pages: int,
         *,
         name: str = "code",
+        generator: str = "cauchy",
         slice_bytes: int = SLICE,
         update_method: str = "encode",
     ) -> None:
-        super().__init__(data_pages, parity_pages, name=name)
+        super().__init__(data_pages, parity_pages, name=name, generator=generator)
         if slice_bytes < 1:
             raise ValueError(f"slice_bytes must be positive, got {slice_bytes}")
         if update_method not in UPDATE_METHODS:

@@ -151,9 +151,15 @@ class NativeCodec(Codec):
     backend = "native"
 
     def __init__(
-        self, data_pages: int, parity_pages: int, *, name: str = "code", isa: str | None = None
+        self,
+        data_pages: int,
+        parity_pages: int,
+        *,
+        name: str = "code",
+        generator: str = "cauchy",
+        isa: str | None = None,
     ) -> None:
-        super().__init__(data_pages, parity_pages, name=name)
+        super().__init__(data_pages, parity_pages, name=name, generator=generator)
         self._lib = load_library()
         best = self._lib.ub_best_isa()
         if isa is None:

@@ -130,7 +130,7 @@ def _warm_transaction(protection, geometry: StateGeometry, device: torch.device)
     else:
         parity = torch.zeros(shape, dtype=torch.uint8, device=device)
     scratch = torch.zeros((1, h1 + h2, geometry.chunk_bytes), dtype=torch.uint8, device=device)
-    tx = FusedTransaction(geometry, segments, parity, scratch, h1, h2)
+    tx = FusedTransaction(geometry, segments, parity, scratch, h1, h2, generator=protection.code)
     coeffs = torch.zeros(8, dtype=torch.float32, device=device)
     tx.launch(geometry.chunks()[0], coeffs, first_index=0, decay_end=n)
 

@@ -19,7 +19,7 @@ import triton.language as tl
 from unbroken.erasure._triton_kernels import gf_column_words, gf_planes_add, gf_planes_sum
 from unbroken.update._triton_adamw import adamw_math
 
-__all__ = ["chunk_transaction_kernel"]
+__all__ = ["chunk_transaction_kernel", "stage_tiers"]
 
 
 @triton.jit
@@ -116,6 +116,22 @@ def chunk_transaction_kernel(
         delta = gf_planes_sum(a0, a1, a2, a3, a4, a5, a6, a7)
     else:
         delta = a0
+    stage_tiers(
+        delta, col, inside, par_ptr, par_stride, scr_ptr, scr_stride, t2_ptr,
+        H1, R1, H2, R2, BLOCK,
+    )  # fmt: skip
+
+
+@triton.jit
+def stage_tiers(
+    delta, col, inside, par_ptr, par_stride, scr_ptr, scr_stride, t2_ptr,
+    H1: tl.constexpr, R1: tl.constexpr, H2: tl.constexpr, R2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Scratch = committed parity ^ delta for the first tier's rows (delta: [R1, BLOCK] words of
+    columns `col`) and committed ^ Encode2(delta) for the second tier's (the second tier codes
+    the first, so its delta is the code of the first tier's delta)."""
+    rows1 = tl.arange(0, R1)
     cols = col[None, :]
     both = (rows1 < H1)[:, None] & inside[None, :]
     old = tl.load(par_ptr + rows1[:, None] * par_stride + cols, mask=both, other=0)

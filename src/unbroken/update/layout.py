@@ -65,11 +65,13 @@ class RetainedLayout:
         geometry: pages, stripes and chunks of the flat state.
         parity_pages: H1, first-tier parity pages per group.
         second_tier_pages: H2, second-tier parity pages (over the first tier) per group.
+        generator: the first tier's generator matrix (`ErasureGeometry.generator`).
     """
 
     geometry: StateGeometry
     parity_pages: int
     second_tier_pages: int
+    generator: str = "cauchy"
 
     def __post_init__(self) -> None:
         if self.parity_pages < 1 or self.second_tier_pages < 0:
@@ -80,7 +82,11 @@ class RetainedLayout:
 
     @classmethod
     def of(cls, geometry: StateGeometry, prot: ProtectionConfig) -> RetainedLayout:
-        return cls(geometry, prot.parity_pages, prot.second_tier_pages)
+        """`prot`'s layout; a config not `resolved` for its device yet (jobs carry resolved
+        ones, `unbroken.api`) takes the CPU's first tier (four Cauchy pages unless set)."""
+        if prot.parity_pages is None or prot.code == "auto":
+            prot = prot.resolved(cuda=False)
+        return cls(geometry, prot.parity_pages, prot.second_tier_pages, prot.code)
 
     # -- sizes ----------------------------------------------------------------------------
     @property
@@ -112,6 +118,7 @@ class RetainedLayout:
             data_pages=self.data_pages(kind),
             parity_pages=self.parity_pages,
             second_tier_pages=self.second_tier_pages,
+            generator=self.generator,
         )
 
     def regions(self) -> list[RegionSpec]:

@@ -42,7 +42,7 @@ def stream_capable(state, regions: dict[str, torch.Tensor], prot, backend: str =
     model pages and undo buffer on a CUDA device (whose only codec backend is Triton's), at
     most 16 pages per parity tier. Decided from the inputs, before any updater is built."""
     cuda = state.params.is_cuda and regions["model"].is_cuda and regions["undo"].is_cuda
-    tiers = prot.parity_pages <= 16 and prot.second_tier_pages <= 16
+    tiers = (prot.parity_pages or 4) <= 16 and prot.second_tier_pages <= 16  # unset: the CPU's 4
     return cuda and tiers and backend in ("auto", "triton")
 
 

@@ -71,6 +71,14 @@ def _addressable(t: torch.Tensor):
     return t if t.is_cuda else DevicePointer(t.data_ptr(), t.dtype)
 
 
+def _segment_factors(d: int) -> np.ndarray:
+    """The Horner kernel's segment factors ``(2^r)^(s·d)`` for r, s in 1..2, as `word_table`
+    columns: int32 [4, 8] in the order (r=1, s=1), (r=1, s=2), (r=2, s=1), (r=2, s=2)."""
+    exponents = np.array([r * s * d % 255 for r in (1, 2) for s in (1, 2)])
+    factors = gf256.exp_table()[exponents][None, :]  # one row, four columns
+    return np.ascontiguousarray(word_table(factors, 1).reshape(4, 8))
+
+
 def fused_capable(h1: int, h2: int) -> bool:
     """Whether the fused kernel covers tiers of h1 and h2 pages (one program holds a
     power-of-two block of rows of each)."""
@@ -88,7 +96,10 @@ class FusedTransaction:
         scratch: the staging slots, uint8 [slots, H1 + H2, chunk_bytes].
         h1, h2: the tiers' page counts.
         codecs: (first tier, second tier or None) codec of each group, to check that they
-            encode with the field's Cauchy matrices, as this kernel's tables do.
+            encode with the matrices this kernel computes.
+        generator: the first tier's generator (`gf256.GENERATORS`): ``cauchy`` takes the table
+            kernel, ``vandermonde`` (H1 <= 3) Horner's rule (`_triton_horner`). The second
+            tier is Cauchy.
         tuning: overrides of `DEFAULT_FUSED_TUNING` (the bench sweeps them).
 
     Raises:
@@ -106,15 +117,17 @@ class FusedTransaction:
         *,
         codecs=(),
         tuning: dict[str, int] | None = None,
+        generator: str = "cauchy",
     ) -> None:
         if not fused_capable(h1, h2):
             raise ValueError(f"the fused transaction covers tiers of <= 16 pages, not {h1}/{h2}")
+        self.horner = generator == "vandermonde"
         d = geometry.stripe_pages
         t = {**DEFAULT_FUSED_TUNING, **(tuning or {})}
         self.r1, self.r2 = _pow2(h1), _pow2(max(h2, 1))
         self.planes = t["planes"] if self.r1 <= 4 else 0
         self.block, self.warps = t["block"], t["warps"]
-        m1 = gf256.cauchy_matrix(3 * d, h1)
+        m1 = gf256.generator_matrix(3 * d, h1, generator)
         m2 = gf256.cauchy_matrix(h1, h2) if h2 else np.zeros((1, h1), dtype=np.uint8)
         for first, second in codecs:
             if not np.array_equal(first.matrix, m1) or (
@@ -122,7 +135,12 @@ class FusedTransaction:
             ):
                 raise ValueError(f"{first.name}: codec matrices differ from the fused tables")
         dev = segments[0].device
-        t1 = plane_table(m1, self.r1) if self.planes else word_table(m1, self.r1)
+        if self.horner:
+            t1 = _segment_factors(d)
+        elif self.planes:
+            t1 = plane_table(m1, self.r1)
+        else:
+            t1 = word_table(m1, self.r1)
         self._t1 = torch.from_numpy(np.ascontiguousarray(t1)).to(dev)
         self._t2 = torch.from_numpy(np.ascontiguousarray(word_table(m2, self.r2))).to(dev)
         self.h1, self.h2, self.d = h1, h2, d
@@ -145,6 +163,7 @@ class FusedTransaction:
             updater.h2,
             codecs=[(g.first_tier_codec, g.second_tier_codec) for g in updater.groups],
             tuning=tuning,
+            generator=updater.layout.generator,
         )
 
     def launch(
@@ -162,6 +181,7 @@ class FusedTransaction:
         `fused_adamw_dev_`). `committed`: the chunk's committed parity range, uint8 [H1 + H2,
         chunk_bytes], where it was staged (`unbroken.update.host_parity`); default: read in
         place in the parity."""
+        from unbroken.update._triton_horner import chunk_transaction_horner_kernel
         from unbroken.update._triton_transaction import chunk_transaction_kernel
 
         g = self.geometry
@@ -174,6 +194,14 @@ class FusedTransaction:
         scr = self._scratch[slot]
         cols = hi - lo
         grid = (-(-cols // self.block),)
+        if self.horner:
+            chunk_transaction_horner_kernel[grid](
+                p, gr, m, v, cols, p.stride(0), first_index, decay_end, coeffs,
+                _addressable(par), par.stride(0), scr, scr.stride(0), self._t1, self._t2, self.d,
+                H1=self.h1, R1=self.r1, H2=self.h2, R2=self.r2,
+                BLOCK=self.block, num_warps=self.warps,
+            )  # fmt: skip
+            return
         chunk_transaction_kernel[grid](
             p, gr, m, v, cols, p.stride(0), first_index, decay_end, coeffs,
             _addressable(par), par.stride(0), scr, scr.stride(0), self._t1, self._t2, self.d,
