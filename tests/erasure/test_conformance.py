@@ -172,9 +172,7 @@ def test_rejects_mismatched_arguments(backend):
 
 @SETTINGS
 @given(codes(max_k=80, max_m=3), st.data())
-def test_the_vandermonde_code_encodes_its_definition_and_rebuilds_any_m_losses(
-    backend, code, draw
-):
+def test_the_vandermonde_code_encodes_its_definition_and_rebuilds_any_m_losses(backend, code, draw):
     """The GPU default's first tier (`gf256.vandermonde_matrix`, m <= 3) on every backend: the
     parity of ISA-L's gf_gen_rs_matrix, every loss within tolerance rebuilt exactly (the
     decoder inverts its submatrices: MDS), a clear refusal beyond it."""
@@ -199,4 +197,3 @@ def test_the_vandermonde_code_encodes_its_definition_and_rebuilds_any_m_losses(
         np.testing.assert_array_equal(backend.read(everything[i]), truth[i], err_msg=f"page {i}")
     with pytest.raises(UnrecoverableError):
         codec.reconstruct(everything, set(range(min(m + 1, k + m))))
-
