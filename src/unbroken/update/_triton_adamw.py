@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["adamw_kernel", "adamw_kernel_dev", "adamw_math"]
+__all__ = ["adamw_kernel", "adamw_kernel_dev", "adamw_math", "adamw_scalars"]
 
 
 @triton.jit
@@ -34,6 +34,16 @@ def adamw_math(
     denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bias2) + eps
     p = tl.fma(step_size, tl.div_rn(m, denom), p)
     return p, m, v
+
+
+@triton.jit
+def adamw_scalars(c_ptr):
+    """The eight AdamW scalars of an fp32 [8] device block (`AdamWCoefficients.values`'s
+    order: decay_factor, w1, beta2, w2, sqrt_bias2, eps, step_size, grad_scale)."""
+    return (
+        tl.load(c_ptr + 0), tl.load(c_ptr + 1), tl.load(c_ptr + 2), tl.load(c_ptr + 3),
+        tl.load(c_ptr + 4), tl.load(c_ptr + 5), tl.load(c_ptr + 6), tl.load(c_ptr + 7),
+    )  # fmt: skip
 
 
 @triton.jit
@@ -107,9 +117,8 @@ def adamw_kernel_dev(
     p_ptr, g_ptr, m_ptr, v_ptr, n_cols, row_stride, first_index, decay_end, c_ptr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
+    decay_factor, w1, beta2, w2, sqrt_bias2, eps, step_size, grad_scale = adamw_scalars(c_ptr)
     adamw_body(
         p_ptr, g_ptr, m_ptr, v_ptr, n_cols, row_stride, first_index, decay_end,
-        tl.load(c_ptr + 0), tl.load(c_ptr + 1), tl.load(c_ptr + 2), tl.load(c_ptr + 3),
-        tl.load(c_ptr + 4), tl.load(c_ptr + 5), tl.load(c_ptr + 6), tl.load(c_ptr + 7),
-        BLOCK,
+        decay_factor, w1, beta2, w2, sqrt_bias2, eps, step_size, grad_scale, BLOCK,
     )  # fmt: skip

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from unbroken.erasure._triton_kernels import gf_word_scale, gf_xtime_xor
-from unbroken.update._triton_adamw import adamw_math
-from unbroken.update._triton_transaction import stage_tiers
+from unbroken.update._triton_adamw import adamw_scalars
+from unbroken.update._triton_transaction import stage_tiers, step_row
 
 __all__ = ["chunk_transaction_horner_kernel"]
 
@@ -58,33 +58,16 @@ def chunk_transaction_horner_kernel(
     see the module docstring) in place of the first tier's coefficient table; H1 ≤ 3."""
     col = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = col < n_cols
-    decay_factor = tl.load(c_ptr + 0)
-    w1 = tl.load(c_ptr + 1)
-    beta2 = tl.load(c_ptr + 2)
-    w2 = tl.load(c_ptr + 3)
-    sqrt_bias2 = tl.load(c_ptr + 4)
-    eps = tl.load(c_ptr + 5)
-    step_size = tl.load(c_ptr + 6)
-    grad_scale = tl.load(c_ptr + 7)
+    decay_factor, w1, beta2, w2, sqrt_bias2, eps, step_size, grad_scale = adamw_scalars(c_ptr)
     z = tl.zeros([BLOCK], dtype=tl.int32)
     p0, p1, p2, m0, m1, m2, v0, v1, v2 = z, z, z, z, z, z, z, z, z
     for i in range(stripe):
         j = stripe - 1 - i
         off = j.to(tl.int64) * row_stride + col
-        po = tl.load(p_ptr + off, mask=inside, other=0.0)
-        g = tl.load(g_ptr + off, mask=inside, other=0.0)
-        mo = tl.load(m_ptr + off, mask=inside, other=0.0)
-        vo = tl.load(v_ptr + off, mask=inside, other=0.0)
-        p, m, v = adamw_math(
-            po, g, mo, vo, first_index + off < decay_end,
+        dp, dm, dv = step_row(
+            p_ptr, g_ptr, m_ptr, v_ptr, off, inside, first_index + off < decay_end,
             decay_factor, w1, beta2, w2, sqrt_bias2, eps, step_size, grad_scale,
         )  # fmt: skip
-        tl.store(p_ptr + off, p, mask=inside)
-        tl.store(m_ptr + off, m, mask=inside)
-        tl.store(v_ptr + off, v, mask=inside)
-        dp = po.to(tl.int32, bitcast=True) ^ p.to(tl.int32, bitcast=True)
-        dm = mo.to(tl.int32, bitcast=True) ^ m.to(tl.int32, bitcast=True)
-        dv = vo.to(tl.int32, bitcast=True) ^ v.to(tl.int32, bitcast=True)
         p0, p1, p2 = _horner(p0, p1, p2, dp, H1)
         m0, m1, m2 = _horner(m0, m1, m2, dm, H1)
         v0, v1, v2 = _horner(v0, v1, v2, dv, H1)

@@ -17,9 +17,33 @@ import triton
 import triton.language as tl
 
 from unbroken.erasure._triton_kernels import gf_column_words, gf_planes_add, gf_planes_sum
-from unbroken.update._triton_adamw import adamw_math
+from unbroken.update._triton_adamw import adamw_math, adamw_scalars
 
-__all__ = ["chunk_transaction_kernel", "stage_tiers"]
+__all__ = ["chunk_transaction_kernel", "stage_tiers", "step_row"]
+
+
+@triton.jit
+def step_row(
+    p_ptr, g_ptr, m_ptr, v_ptr, off, inside, decays,
+    decay_factor, w1, beta2, w2, sqrt_bias2, eps, step_size, grad_scale,
+):  # fmt: skip
+    """One stripe row of the chunk stepped in place (`adamw_math`); returns its three deltas
+    old ^ new (parameters, exp_avg, exp_avg_sq) as int32 words of packed bytes."""
+    p0 = tl.load(p_ptr + off, mask=inside, other=0.0)
+    g = tl.load(g_ptr + off, mask=inside, other=0.0)
+    m0 = tl.load(m_ptr + off, mask=inside, other=0.0)
+    v0 = tl.load(v_ptr + off, mask=inside, other=0.0)
+    p, m, v = adamw_math(
+        p0, g, m0, v0, decays,
+        decay_factor, w1, beta2, w2, sqrt_bias2, eps, step_size, grad_scale,
+    )  # fmt: skip
+    tl.store(p_ptr + off, p, mask=inside)
+    tl.store(m_ptr + off, m, mask=inside)
+    tl.store(v_ptr + off, v, mask=inside)
+    dp = p0.to(tl.int32, bitcast=True) ^ p.to(tl.int32, bitcast=True)
+    dm = m0.to(tl.int32, bitcast=True) ^ m.to(tl.int32, bitcast=True)
+    dv = v0.to(tl.int32, bitcast=True) ^ v.to(tl.int32, bitcast=True)
+    return dp, dm, dv
 
 
 @triton.jit
@@ -53,14 +77,7 @@ def chunk_transaction_kernel(
     (`plane_table` with PLANES, else `word_table`), t2: the second tier's `word_table`."""
     col = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = col < n_cols
-    decay_factor = tl.load(c_ptr + 0)
-    w1 = tl.load(c_ptr + 1)
-    beta2 = tl.load(c_ptr + 2)
-    w2 = tl.load(c_ptr + 3)
-    sqrt_bias2 = tl.load(c_ptr + 4)
-    eps = tl.load(c_ptr + 5)
-    step_size = tl.load(c_ptr + 6)
-    grad_scale = tl.load(c_ptr + 7)
+    decay_factor, w1, beta2, w2, sqrt_bias2, eps, step_size, grad_scale = adamw_scalars(c_ptr)
     rows1 = tl.arange(0, R1)
     if PLANES == 2:
         a0 = tl.zeros([8 * R1, BLOCK], dtype=tl.int32)
@@ -75,20 +92,10 @@ def chunk_transaction_kernel(
     a7 = a0
     for j in range(stripe):
         off = j.to(tl.int64) * row_stride + col
-        p0 = tl.load(p_ptr + off, mask=inside, other=0.0)
-        g = tl.load(g_ptr + off, mask=inside, other=0.0)
-        m0 = tl.load(m_ptr + off, mask=inside, other=0.0)
-        v0 = tl.load(v_ptr + off, mask=inside, other=0.0)
-        p, m, v = adamw_math(
-            p0, g, m0, v0, first_index + off < decay_end,
+        dp, dm, dv = step_row(
+            p_ptr, g_ptr, m_ptr, v_ptr, off, inside, first_index + off < decay_end,
             decay_factor, w1, beta2, w2, sqrt_bias2, eps, step_size, grad_scale,
         )  # fmt: skip
-        tl.store(p_ptr + off, p, mask=inside)
-        tl.store(m_ptr + off, m, mask=inside)
-        tl.store(v_ptr + off, v, mask=inside)
-        dp = p0.to(tl.int32, bitcast=True) ^ p.to(tl.int32, bitcast=True)
-        dm = m0.to(tl.int32, bitcast=True) ^ m.to(tl.int32, bitcast=True)
-        dv = v0.to(tl.int32, bitcast=True) ^ v.to(tl.int32, bitcast=True)
         # Data column of segment s, row j: s·stripe + j (the group's data-page order).
         a0, a1, a2, a3, a4, a5, a6, a7 = _fold(
             a0, a1, a2, a3, a4, a5, a6, a7, dp, t1_ptr, j, rows1, R1, PLANES
