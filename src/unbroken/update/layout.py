@@ -82,11 +82,17 @@ class RetainedLayout:
 
     @classmethod
     def of(cls, geometry: StateGeometry, prot: ProtectionConfig) -> RetainedLayout:
-        """`prot`'s layout; a config not `resolved` for its device yet (jobs carry resolved
-        ones, `unbroken.api`) takes the CPU's first tier (four Cauchy pages unless set)."""
-        if prot.parity_pages is None or prot.code == "auto":
-            prot = prot.resolved(cuda=False)
+        """`prot`'s layout (its tiers as `tiers_of` reads them)."""
+        prot = cls.tiers_of(prot)
         return cls(geometry, prot.parity_pages, prot.second_tier_pages, prot.code)
+
+    @staticmethod
+    def tiers_of(prot: ProtectionConfig) -> ProtectionConfig:
+        """`prot` with its first tier set: a config not `resolved` for its device yet (jobs
+        carry resolved ones, `unbroken.api`) takes the CPU's (four Cauchy pages unless set)."""
+        if prot.parity_pages is None or prot.code == "auto":
+            return prot.resolved(cuda=False)
+        return prot
 
     # -- sizes ----------------------------------------------------------------------------
     @property

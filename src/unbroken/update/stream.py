@@ -30,7 +30,7 @@ import torch
 
 from unbroken.train.phases import Phase
 from unbroken.update.device_marker import DeviceMarker
-from unbroken.update.layout import SEGMENTS
+from unbroken.update.layout import SEGMENTS, RetainedLayout
 from unbroken.update.marker import MarkerState, Stage
 from unbroken.update.rmu import RepairReport, ResumableUpdater, copy_rows
 
@@ -42,7 +42,8 @@ def stream_capable(state, regions: dict[str, torch.Tensor], prot, backend: str =
     model pages and undo buffer on a CUDA device (whose only codec backend is Triton's), at
     most 16 pages per parity tier. Decided from the inputs, before any updater is built."""
     cuda = state.params.is_cuda and regions["model"].is_cuda and regions["undo"].is_cuda
-    tiers = (prot.parity_pages or 4) <= 16 and prot.second_tier_pages <= 16  # unset: the CPU's 4
+    h1 = RetainedLayout.tiers_of(prot).parity_pages  # as the updater's layout reads it
+    tiers = h1 <= 16 and prot.second_tier_pages <= 16
     return cuda and tiers and backend in ("auto", "triton")
 
 
