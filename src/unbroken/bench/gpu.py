@@ -57,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=6, help="timed iterations per variant")
     p.add_argument("--compile", action="store_true", help="also time compile_blocks")
     p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="also time compile_blocks(cuda_graphs=True): each block's forward and backward "
+        "replayed as CUDA graphs (after --compile's figure when both are given)",
+    )
+    p.add_argument(
         "--kernels", default="varlen,flex", help="attention kernels to time (default varlen,flex)"
     )
     p.add_argument(
@@ -155,6 +161,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --update-only: device time per kernel of one update per variant, to this file",
     )
+    p.add_argument(
+        "--profile-step",
+        default=None,
+        help="after the step figures, profile 2 iterations of the best step: device busy and "
+        "idle time, gaps and device ms by kernel family (JSON 'step_profile'), the kernel "
+        "table to this file (unbroken.bench.gpu_profile)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -177,9 +190,7 @@ def _with_protection(cfg, stripe: int, chunk: int, h1: int, code: str = "auto"):
     return dataclasses.replace(cfg, protection=prot)
 
 
-def _geometry_sweep(
-    cfg, device, init, spec: str, kernel: str, compiled: bool, kind: str
-) -> list[dict]:
+def _geometry_sweep(cfg, device, init, spec: str, kernel: str, mode: str, kind: str) -> list[dict]:
     """The resumable update alone at other protection geometries (same state, same data)."""
     import torch
 
@@ -189,7 +200,7 @@ def _geometry_sweep(
         stripe, chunk, h1 = int(stripe), int(chunk), int(h1)
         gcfg = _with_protection(cfg, stripe, chunk, h1, *code)
         tr, upd, _, regions, geometry = _build(
-            gcfg, device, protected=True, init_from=init, compiled=compiled, kind=kind
+            gcfg, device, protected=True, init_from=init, mode=mode, kind=kind
         )
         tr.model.attention_kernel = kernel
         for it in range(4):
@@ -365,7 +376,7 @@ class _TimedUpdater:
 
 
 def _build(
-    cfg, device, *, protected: bool, init_from=None, compiled: bool = False, kind: str = "auto"
+    cfg, device, *, protected: bool, init_from=None, mode: str = "eager", kind: str = "auto"
 ):
     """A Trainer on `device` with the plain or the resumable updater (local device regions)."""
     import torch
@@ -399,8 +410,8 @@ def _build(
         inner.initialize(-1)
     else:
         inner = PlainUpdater(built.state, built.geometry, built.step)
-    if compiled:
-        compile_blocks(built.model)
+    if mode != "eager":  # "compiled", or "graphs" (compiled blocks replayed as CUDA graphs)
+        compile_blocks(built.model, cuda_graphs=mode == "graphs")
     upd = _TimedUpdater(inner)
     trainer = Trainer(
         model=built.model,
@@ -627,6 +638,16 @@ def _setup(args: argparse.Namespace) -> _Bench:
     return _Bench(args, cfg, device, plain, plain_upd, built, init, result)
 
 
+def _modes(args: argparse.Namespace) -> list[str]:
+    """The step's modes, in the order timed (compiling cannot be undone in place)."""
+    modes = ["eager"]
+    if args.compile:
+        modes.append("compiled")
+    if args.cuda_graphs:
+        modes.append("graphs")
+    return modes
+
+
 def _steps(b: _Bench) -> None:
     """The step per attention kernel, eager and (with --compile) compiled; keeps the best."""
     args, plain = b.args, b.plain
@@ -636,16 +657,16 @@ def _steps(b: _Bench) -> None:
         b.result["attention"] = _attention_figures(plain, kernels)
         _say(f"attention: {b.result['attention']}")
     steps: dict[str, dict] = {}
-    for mode in ["eager", "compiled"] if args.compile else ["eager"]:
-        if mode == "compiled":
+    for mode in _modes(args):
+        if mode != "eager":
             from unbroken.model import compile_blocks
 
-            compile_blocks(plain.model)
+            compile_blocks(plain.model, cuda_graphs=mode == "graphs")
         for kernel in kernels:
             plain.model.attention_kernel = kernel if kernel != "dense" else "varlen"
             # The same compiled configuration measured 0.57-0.72 s per iteration in different
             # phases of one run (bench/results/gpu-h200.md); warm compiled variants longer.
-            warm = 4 if mode == "compiled" else 2
+            warm = 4 if mode != "eager" else 2
             t1 = time.time()
             _time_step(plain, warm, b.first)
             warm_s = time.time() - t1
@@ -666,9 +687,9 @@ def _steps(b: _Bench) -> None:
         iteration_s=best["iteration_s"],
         plain_update_ms=1e3 * statistics.median(b.plain_upd.update_s[2:]),
     )
-    if "compiled" not in b.best and args.compile:
-        # compile_blocks cannot be undone in place: later figures run compiled anyway.
-        b.result["note"] = "later figures ran with compiled blocks"
+    if b.best.split("_")[0] != _modes(args)[-1]:
+        # compile_blocks cannot be undone in place: later figures run as the last mode anyway.
+        b.result["note"] = f"later figures ran in mode {_modes(args)[-1]}"
     kernel = b.best.split("_", 1)[1]
     plain.model.attention_kernel = kernel if kernel != "dense" else "varlen"
     _say(f"best step {b.best}; plain update {b.result['plain_update_ms']:.2f} ms")
@@ -704,9 +725,9 @@ def _protection(b: _Bench) -> None:
 
     args, r, cuda = b.args, b.result, b.device.type == "cuda"
     _say("building the resumable updater's trainer")
-    compiled = "compiled" in b.best
+    mode = b.best.split("_")[0]
     rmu, rmu_upd, _, regions, geometry = _build(
-        b.cfg, b.device, protected=True, init_from=b.init, compiled=compiled, kind=args.rmu_kind
+        b.cfg, b.device, protected=True, init_from=b.init, mode=mode, kind=args.rmu_kind
     )
     r["rmu_kind"] = type(rmu_upd.inner).__name__
     rmu.model.attention_kernel = b.plain.model.attention_kernel
@@ -732,7 +753,7 @@ def _protection(b: _Bench) -> None:
     if args.rmu_geometries:
         kernel = b.plain.model.attention_kernel
         r["rmu_geometries"] = _geometry_sweep(
-            b.cfg, b.device, b.init, args.rmu_geometries, kernel, compiled, args.rmu_kind
+            b.cfg, b.device, b.init, args.rmu_geometries, kernel, mode, args.rmu_kind
         )
 
 
@@ -769,6 +790,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     b = _setup(args)
     _steps(b)
+    if args.profile_step and b.device.type == "cuda":
+        from unbroken.bench.gpu_profile import profile_step
+
+        b.result["step_profile"] = profile_step(b.plain, 2, b.first, args.profile_step)
+        b.first += 2
+        _say(f"step profile: {b.result['step_profile']}")
     if not args.no_rmu:
         _protection(b)
     result = b.result
