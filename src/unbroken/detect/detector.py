@@ -63,8 +63,7 @@ from dataclasses import dataclass, field
 
 from unbroken.detect.bocpd import Bocpd, BocpdConfig, BocpdState, ChangePoint
 from unbroken.detect.events import DetectionEvent, DetectionKind, DetectionSink
-from unbroken.detect.layer_pace import LayerPace
-from unbroken.detect.pipeline import PlanFit, fit_plan
+from unbroken.detect.pipeline import LayerPace, PlanFit, fit_plan
 from unbroken.detect.timing import RankTiming, StageTiming
 from unbroken.detect.workload import WorkloadPredictor, sum_sq
 from unbroken.parallel import ParallelPlan
@@ -428,10 +427,7 @@ class FailSlowDetector:
         if self.plan is not None and self.plan.dp == 1:
             healthy = self.healthy.get(rank)
             stages = [(o.doc_lengths, o.stages or {}) for o in window]
-            if healthy is None:
-                return None
-            others = {k[0] for k in self.reported if k[0] is not None and k[0] != rank}
-            return healthy.ratio(self.plan, stages, rank, exclude=others)
+            return None if healthy is None else healthy.ratio(self.plan, stages, rank)
         if self._plan_fit is not None:
             stages = [(o.doc_lengths, o.stages or {}) for o in window]
             return self._plan_fit.pace(stages, rank)

@@ -33,7 +33,10 @@ one, and its physical stage is named with it.
 Recovery: a rank reported slow is at full speed again when it runs at the pace of the
 ranks that hold its stages in the other replicas (`PlanFit.pace`). A one-replica pipeline has
 no such ranks, and a re-plan may have moved layers off the slow rank, so it is measured
-against its own healthy pace instead (`unbroken.detect.layer_pace.LayerPace`).
+against itself per layer instead (`LayerPace`): its compute seconds per layer and per second
+of the micro-batch's predicted T_MB, on healthy iterations before the slowdown and now — the
+scheduler's model of a stage (its cost is its layer count), priced per micro-batch by the
+fitted workload model.
 
 Never reads clocks, never talks to ranks; only models.
 """
@@ -50,7 +53,7 @@ from unbroken.detect.timing import StageTiming
 from unbroken.detect.workload import DocLengths, MicroBatchModel, WorkloadPredictor
 from unbroken.parallel import ActionKind, Costs, DeadlockError, ParallelPlan, Timeline, simulate
 
-__all__ = ["PlanFit", "PlanSchedule", "by_microbatch", "fit_plan"]
+__all__ = ["LayerPace", "PlanFit", "PlanSchedule", "by_microbatch", "fit_plan"]
 
 Workload = Sequence[Sequence[DocLengths]]
 """`[replica][i] -> segment lengths` of replica's i-th micro-batch."""
@@ -199,6 +202,70 @@ class PlanFit:
             if peers:
                 ratios.append(mine / statistics.median(peers))
         return statistics.median(ratios) if ratios else None
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPace:
+    """A rank's healthy compute per layer, measured before it slowed down: what it is held to
+    when no other replica holds its stages (a one-replica pipeline), under any layout of the
+    layers (module notes, Recovery).
+
+    Each compute action is `layers` x T_MB(m) units of work (its virtual stage's layer count,
+    the micro-batch's predicted time through the whole model): a layer's share of T_MB is
+    taken to be the same on every stage, as the scheduler prices stages by their layers. A
+    stage that also holds the embedding or the head then looks a little slower per layer the
+    fewer layers it holds: a bias toward "still slow", never toward a false recovery."""
+
+    mb: MicroBatchModel
+    """The workload model of the healthy fit (T_MB)."""
+    seconds: float
+    """Compute seconds per unit of work on the healthy iterations."""
+
+    @classmethod
+    def measure(
+        cls,
+        plan: ParallelPlan,
+        mb: MicroBatchModel,
+        window: Sequence[tuple[Workload, Mapping[int, StageTiming]]],
+        rank: int,
+    ) -> LayerPace | None:
+        """`rank`'s pace over the healthy `window` of `plan`; None if it computed nothing."""
+        seconds = _per_layer(plan, mb, window, rank)
+        return None if seconds is None else cls(mb=mb, seconds=seconds)
+
+    def ratio(
+        self,
+        plan: ParallelPlan,
+        window: Sequence[tuple[Workload, Mapping[int, StageTiming]]],
+        rank: int,
+    ) -> float | None:
+        """`rank`'s compute per unit of work over `window` of `plan` (the running plan, which
+        may hold other layers than the one measured) over its healthy one: 1.0 is healthy.
+        None if it computed nothing."""
+        seconds = _per_layer(plan, self.mb, window, rank)
+        return None if seconds is None or self.seconds <= 0 else seconds / self.seconds
+
+
+def _per_layer(
+    plan: ParallelPlan,
+    mb: MicroBatchModel,
+    window: Sequence[tuple[Workload, Mapping[int, StageTiming]]],
+    rank: int,
+) -> float | None:
+    """`rank`'s compute seconds over `window` per unit of work (`LayerPace`)."""
+    observed = units = 0.0
+    for lengths, stages in window:
+        timing = stages.get(rank)
+        if timing is None:
+            continue
+        docs = by_microbatch(plan, lengths)
+        for _, k, m, seconds in timing.compute:
+            if m not in docs:
+                continue
+            lo, hi = plan.replicas[plan.executor(m, k)].stages[k].layers
+            observed += seconds
+            units += (hi - lo) * mb.predict(docs[m])
+    return observed / units if units > 0 else None
 
 
 def _action_seconds(stages: Mapping[int, StageTiming]) -> dict[tuple[int, int, str], float]:
