@@ -6,8 +6,8 @@ In one process on one CUDA device, with the trainer's own code (`Trainer`, `Plai
 
 - step: iterations of the reference model (`--preset`, `--microbatches` x `--tokens`), eager
   and, with `--compile`, with `compile_blocks`, and with `--cuda-graphs` with the compiled
-  blocks replayed as CUDA graphs (the best mode is kept, and the later figures run in the last
-  mode timed); MFU = model FLOPs / (iteration time x peak); `--profile-step FILE` adds where
+  blocks replayed as CUDA graphs (the best is reported; compiling cannot be undone, so the
+  later figures run in the last mode timed, the protected trainer's too); MFU = model FLOPs / (iteration time x peak); `--profile-step FILE` adds where
   the best step's time goes (`unbroken.bench.gpu_profile`: device busy and idle, gaps, host
   operations, device time by kernel family);
 - update: the plain (fused) update and the resumable update of the same state, timed alone
@@ -729,7 +729,7 @@ def _protection(b: _Bench) -> None:
 
     args, r, cuda = b.args, b.result, b.device.type == "cuda"
     _say("building the resumable updater's trainer")
-    mode = b.best.split("_")[0]
+    mode = _modes(args)[-1]  # the plain trainer's blocks are in the last mode timed
     rmu, rmu_upd, _, regions, geometry = _build(
         b.cfg, b.device, protected=True, init_from=b.init, mode=mode, kind=args.rmu_kind
     )
