@@ -8,6 +8,10 @@ graph updater's first protected update on the job's state. Every kernel Triton c
 a directory in the cache named by its hash, holding `<kernel name>.json`; none may appear after
 the warm-up (on the H200 at stop 37 the warm-up compiled adamw_kernel, adamw_kernel_dev,
 chunk_transaction_kernel, gf_matmul_xor, marker_write and marker_write_dev, the update none).
+Once per first-tier code: the Cauchy tier's table kernel and the Vandermonde tier's Horner
+kernel (stop 41: the test had passed the updater a config not resolved for the GPU, so its
+update took the CPU's Cauchy default while the warm-up, resolving for the GPU, warmed the
+Horner kernel — a job hands both the same resolved config).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ SCRIPT = textwrap.dedent(
 
     import torch
 
+    import dataclasses
+
     from tests.gpu._updater_rig import CFG, LR, PROT, SCALE, noop
     from unbroken.engine.replica import build_training
     from unbroken.shadow.warm import warm_cuda
@@ -41,6 +47,10 @@ SCRIPT = textwrap.dedent(
     def kernels():
         return {p.stem for p in cache.glob("*/*.json") if not p.stem.startswith("__")}
 
+    # A job's config as `unbroken.api` hands it to every process: resolved for the device,
+    # with the first tier's code of the test's parameter.
+    PROT = dataclasses.replace(PROT, code=sys.argv[1]).resolved(cuda=True)
+    CFG = dataclasses.replace(CFG, protection=PROT)
     device = torch.device("cuda")
     warm_cuda(CFG, device)
     warmed = kernels()
@@ -63,7 +73,11 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.gpu
 @cuda
-def test_the_shadow_warm_up_compiles_every_kernel_the_first_update_runs(tmp_path):
+@pytest.mark.parametrize(
+    ("code", "kernel"),
+    [("cauchy", "chunk_transaction_kernel"), ("vandermonde", "chunk_transaction_horner_kernel")],
+)
+def test_the_shadow_warm_up_compiles_every_kernel_the_first_update_runs(tmp_path, code, kernel):
     root = Path(__file__).resolve().parents[2]
     env = {
         **os.environ,
@@ -71,10 +85,10 @@ def test_the_shadow_warm_up_compiles_every_kernel_the_first_update_runs(tmp_path
         "PYTHONPATH": os.pathsep.join([str(root), str(root / "src")]),
     }
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", SCRIPT, code], env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-4000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"compiled by the warm-up: {got['warmed']}; by the first update: {got['later']}")
-    assert "chunk_transaction_kernel" in got["warmed"]
+    assert kernel in got["warmed"]
     assert got["later"] == []
