@@ -7,9 +7,10 @@ In one process on one CUDA device, with the trainer's own code (`Trainer`, `Plai
 - step: iterations of the reference model (`--preset`, `--microbatches` x `--tokens`), eager
   and, with `--compile`, with `compile_blocks`, and with `--cuda-graphs` with the compiled
   blocks replayed as CUDA graphs (the best is reported; compiling cannot be undone, so the
-  later figures run in the last mode timed, the protected trainer's too); MFU = model FLOPs / (iteration time x peak); `--profile-step FILE` adds where
-  the best step's time goes (`unbroken.bench.gpu_profile`: device busy and idle, gaps, host
-  operations, device time by kernel family);
+  later figures run in the last mode timed, the protected trainer's too); MFU = model FLOPs /
+  (iteration time x peak); `--profile-step FILE` adds where the best step's time goes
+  (`unbroken.bench.gpu_profile`: device busy and idle, gaps, host operations, device time by
+  kernel family);
 - update: the plain (fused) update and the resumable update of the same state, timed alone
   (device synchronized around each), and the iteration overhead of protection at the step's
   shape and at a Leto-shaped one (micro-batches added until compute is >= 100x the plain
