@@ -55,6 +55,9 @@ LAYERS: tuple[str | tuple[str, ...], ...] = (
     # a process boundary (launch, shadow's reclamation client, inject's fired faults,
     # checkpoint's shared decisions) speaks them; they import nothing of unbroken.
     ("messages", "jobstore", "devices"),
+    # Builds the package's C sources on first use (erasure's CPU kernel, update's lending
+    # allocator); imports nothing of unbroken.
+    "native",
     "errors",  # UserError, imported everywhere
 )
 

@@ -183,10 +183,11 @@ def test_gpu_parity_is_byte_identical_to_cpu(kernel, length):
 
 
 def test_without_a_compiler_the_native_backend_says_why(monkeypatch):
+    from unbroken import native
     from unbroken.erasure import native_backend
 
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(native_backend.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
     with pytest.raises(native_backend.NativeUnavailableError, match="no C compiler"):
         native_backend._compiler()
 

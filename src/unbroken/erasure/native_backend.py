@@ -13,12 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +21,7 @@ import numpy as np
 from unbroken.erasure import gf256
 from unbroken.erasure._buffers import PageTable
 from unbroken.erasure.codec import Codec
+from unbroken.native import FLAGS, NativeUnavailableError, build_shared, compiler
 
 __all__ = ["ISAS", "NativeCodec", "NativeUnavailableError", "best_isa", "load_library"]
 
@@ -33,29 +29,8 @@ ISAS = {"scalar": 0, "avx2": 1, "gfni512": 2}
 """Kernel variants, in increasing speed; `best_isa` says which this CPU runs."""
 
 _SOURCE = Path(__file__).with_name("_gf_kernels.c")
-_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fno-strict-aliasing")
 
-
-class NativeUnavailableError(RuntimeError):
-    """The native kernel cannot be built or loaded here (e.g. no C compiler)."""
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("UNBROKEN_CACHE_DIR")
-    if root:
-        return Path(root) / "erasure"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg or Path.home() / ".cache") / "unbroken" / "erasure"
-
-
-def _compiler() -> str:
-    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if candidate and shutil.which(candidate):
-            return candidate
-    raise NativeUnavailableError(
-        "unbroken.erasure: no C compiler found (set $CC or install gcc) to build the native "
-        "GF(2^8) kernel; using a slower backend"
-    )
+_compiler = functools.partial(compiler, "unbroken.erasure")
 
 
 @functools.cache
@@ -65,23 +40,8 @@ def load_library() -> ctypes.CDLL:
     Raises:
         NativeUnavailableError: if it cannot be compiled or loaded.
     """
-    source = _SOURCE.read_bytes()
-    flags = (*_FLAGS, *os.environ.get("UNBROKEN_ERASURE_CFLAGS", "").split())
-    key = b"\0".join([source, " ".join(flags).encode(), platform.machine().encode()])
-    name = f"gf_kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
-    for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"unbroken-{os.getuid()}"):
-        target = directory / name
-        if target.exists():
-            break
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue  # an unwritable cache: try the next place
-        if os.access(directory, os.W_OK):
-            _build(_compiler(), flags, target)
-            break
-    else:
-        raise NativeUnavailableError("unbroken.erasure: no writable directory for the kernel cache")
+    flags = (*FLAGS, *os.environ.get("UNBROKEN_ERASURE_CFLAGS", "").split())
+    target = build_shared(_SOURCE, "erasure", flags, who="unbroken.erasure")
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
@@ -104,29 +64,6 @@ def load_library() -> ctypes.CDLL:
         ctypes.c_int,
     ]
     return lib
-
-
-def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
-    """Compile the kernel into ``target`` through a private temporary file and an atomic rename,
-    so concurrent first uses in several processes never load a half-written library."""
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run(
-            [compiler, *flags, "-o", tmp, str(_SOURCE)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise NativeUnavailableError(
-                f"unbroken.erasure: building {_SOURCE.name} with {compiler} failed:\n"
-                f"{result.stderr.strip()}"
-            )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def best_isa() -> str:
