@@ -272,11 +272,12 @@ def _jobs(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "recovery_s": [r.get("total_s") for r in recs],
             "recoveries": recs,
             "repairs": _repairs(out / name),
+            "lent_peak": _lent_peak(out / name),
             "wall_s": time.time() - t0,
         }
         _say(  # logged per job: a call's time limit may cut the next one and the JSON
             f"job {name}: {res[name]['state']}, bit-exact {res[name]['bit_exact']}, "
-            f"recoveries {res[name]['recovery_s']}, "
+            f"recoveries {res[name]['recovery_s']}, lent peak {res[name]['lent_peak']}, "
             f"repairs {[(e.get('fixup'), e.get('total_ms')) for e in res[name]['repairs']]}"
         )
         # A 1b checkpoint is 11.4 GB and each job keeps two (its reference run too): the next
@@ -284,6 +285,14 @@ def _jobs(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         for ckpt in sorted((out / name).rglob("checkpoints")):
             shutil.rmtree(ckpt, ignore_errors=True)
     return res
+
+
+def _lent_peak(run_dir: Path) -> list[int]:
+    """`lent_peak` of the job's metrics rows (bytes of the lent buffers its activations held)."""
+    from unbroken.metrics.log import read_jsonl
+
+    rows = [] if not (run_dir / "metrics.jsonl").exists() else read_jsonl(run_dir / "metrics.jsonl")
+    return sorted({r["lent_peak"] for r in rows if "lent_peak" in r})
 
 
 def _kills(args: argparse.Namespace) -> dict[str, Any]:
@@ -356,6 +365,7 @@ class _TimedUpdater:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        self.lending = getattr(inner, "lending", None)
         self.update_s: list[float] = []
         self.protect_s: list[float] = []
 
@@ -380,10 +390,31 @@ class _TimedUpdater:
         self.inner.boundary(iteration)
 
 
+def _plain(init_from):
+    """The plain trainer's state allocator: fresh parameters unless given."""
+
+    def allocate(layout, geometry, dev):
+        from unbroken.train.state import TrainState
+
+        st = TrainState.allocate(layout, dev, geometry.padded_numel)
+        return st, init_from is None
+
+    return allocate
+
+
 def _build(
-    cfg, device, *, protected: bool, init_from=None, mode: str = "eager", kind: str = "auto"
+    cfg,
+    device,
+    *,
+    protected: bool,
+    init_from=None,
+    mode: str = "eager",
+    kind: str = "auto",
+    lend: bool = False,
 ):
-    """A Trainer on `device` with the plain or the resumable updater (local device regions)."""
+    """A Trainer on `device` with the plain or the resumable updater (local device regions);
+    `lend`: its compute phase borrows the updater's buffers (`unbroken.update.lending`: one
+    lending trainer per process, never with the ``graphs`` mode's private pools)."""
     import torch
 
     from unbroken.engine.replica import build_training, state_geometry
@@ -395,17 +426,15 @@ def _build(
 
     regions: dict[str, torch.Tensor] = {}
 
-    prot = cfg.protection.resolved(device.type == "cuda")
+    if lend and mode == "graphs":
+        raise ValueError("bench gpu: the graphs mode's CUDA graphs cannot lend activations")
+    prot = dataclasses.replace(
+        cfg.protection.resolved(device.type == "cuda"), lend_activations=lend
+    )
     allocate = local_allocator(prot, regions, fresh=init_from is None)
 
-    def plain_allocate(layout, geometry, dev):
-        from unbroken.train.state import TrainState
-
-        st = TrainState.allocate(layout, dev, geometry.padded_numel)
-        return st, init_from is None
-
     built = build_training(
-        cfg, n_shards=1, device=device, allocate=allocate if protected else plain_allocate
+        cfg, n_shards=1, device=device, allocate=allocate if protected else _plain(init_from)
     )
     if init_from is not None:  # the same initial parameters (padding differs by geometry)
         n = built.state.layout.numel
@@ -540,7 +569,7 @@ def _phase_overhead(r: dict[str, Any], plain_iteration_s: float) -> float:
 
 def _hbm(regions: dict, geometry, staging: int = 0) -> dict[str, Any]:
     """Protection's HBM over the retained state: every device region but the state's, and the
-    updater's own staging buffers (`staging` bytes)."""
+    updater's own staging buffers (`staging` bytes), none lent (`_lent_hbm` corrects it)."""
     retained = sum(regions[k].numel() for k in ("model", "grads"))
     extra = {k: t.numel() for k, t in regions.items() if k not in ("model", "grads") and t.is_cuda}
     if staging:
@@ -550,6 +579,16 @@ def _hbm(regions: dict, geometry, staging: int = 0) -> dict[str, Any]:
         "protection_bytes": extra,
         "hbm_overhead_pct": 100 * sum(extra.values()) / retained,
     }
+
+
+def _lent_hbm(r: dict[str, Any], lending: dict[str, Any]) -> None:
+    """Protection's HBM with the lent buffers holding activations between updates: what is
+    never lent (the staging buffers) plus what the activations left unused of the lent regions
+    at their peak. The figure without lending stays as `hbm_reserved_pct`."""
+    total = sum(r["protection_bytes"].values())
+    own = total - lending["lent_bytes"] + (lending["lent_bytes"] - lending["lent_peak"])
+    r["hbm_reserved_pct"] = r["hbm_overhead_pct"]
+    r["hbm_overhead_pct"] = 100 * own / r["retained_bytes"]
 
 
 def _checkpoints(trainer, root: Path, first: int) -> dict[str, Any]:
@@ -762,6 +801,48 @@ def _protection(b: _Bench) -> None:
         )
 
 
+def _lending(b: _Bench) -> None:
+    """The compute phase in the updater's lent buffers (`unbroken.update.lending`), eager blocks
+    as jobs run them: how much of the lent regions the activations fill at their peak (which
+    sets `hbm_overhead_pct`), the iteration with and without lending, and whether both leave the
+    same bits after the same iterations from the same state."""
+    import torch
+
+    args, r = b.args, b.result
+    n = max(3, args.iterations // 2)
+    out: dict[str, Any] = {"iterations": n}
+    reference = None
+    for lend in (False, True):
+        tr, upd, _, regions, _ = _build(
+            b.cfg, b.device, protected=True, init_from=b.init, mode="eager", lend=lend
+        )
+        tr.model.attention_kernel = b.plain.model.attention_kernel
+        res = _time_step(tr, n, b.first)
+        name = "lent" if lend else "unlent"
+        out[f"iteration_s_{name}"] = statistics.median(x.seconds for x in res[1:])
+        out[f"peak_reserved_{name}"] = torch.cuda.max_memory_reserved(b.device)
+        model = regions["model"]
+        if reference is None:
+            reference = model.clone()
+        else:
+            out["bit_exact"] = bool(torch.equal(reference, model))
+            out.update(dataclasses.asdict(upd.lending.stats()))
+            out["phases"] = upd.lending.phases
+            upd.lending.retire()  # the regions go with the trainer
+        del tr, upd, regions, model
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(b.device)
+    b.first += n
+    r["lending"] = out
+    _lent_hbm(r, out)
+    _say(
+        f"lending: {out['lent_peak'] / 2**20:.0f} of {out['lent_bytes'] / 2**20:.0f} MiB lent "
+        f"filled, iteration {out['iteration_s_lent']:.3f} s lent vs "
+        f"{out['iteration_s_unlent']:.3f} unlent, bit-exact {out['bit_exact']}; HBM "
+        f"+{r['hbm_overhead_pct']:.2f} % (reserved {r['hbm_reserved_pct']:.2f} %)"
+    )
+
+
 _HEADLINE = (
     "mfu",
     "plain_update_ms",
@@ -803,6 +884,8 @@ def run(args: argparse.Namespace) -> int:
         _say(f"step profile: {b.result['step_profile']}")
     if not args.no_rmu:
         _protection(b)
+        if b.device.type == "cuda":
+            _lending(b)
     result = b.result
     if not args.no_ckpt:
         root = Path(args.ckpt_dir or tempfile.mkdtemp(prefix="unbroken-ckpt-"))

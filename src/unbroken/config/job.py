@@ -359,6 +359,11 @@ class ProtectionConfig:
     memory owned by the state manager (Leto §4: persistent parity takes no HBM; the updater
     stages each chunk's new parity range in HBM and writes it back over PCIe beside the next
     chunk's work), or HBM beside the state. The CPU keeps everything in host memory."""
+    lend_activations: bool = True
+    """On a GPU, the protection buffers that matter only from the gradients' protection to the
+    end of the update (gradient parity, undo, scratch) hold the compute phase's activations in
+    between (Leto §5.2: a memory pool lent back and forth; `unbroken.update.lending`), so they
+    cost no HBM of their own beyond what the activations leave unused. The CPU ignores it."""
 
     def __post_init__(self) -> None:
         if self.page_bytes is not None and (self.page_bytes <= 0 or self.page_bytes % 4096):

@@ -104,8 +104,18 @@ class TrainingLoop:
                 "ckpt_s": ckpt_s,
                 "doc_lengths": [list(x) for x in result.doc_lengths],
                 **({"devices": self.devices} if self.devices is not None else {}),
+                **self._lent(),
             }
         )
+
+    def _lent(self) -> dict[str, Any]:
+        """Rank 0's lending pool (`unbroken.update.lending`): bytes lent, and the most of them
+        the compute phase has held (a GPU job with `protection.lend_activations`)."""
+        lending = getattr(self.executor.updater, "lending", None)
+        if lending is None:
+            return {}
+        st = lending.stats()
+        return {"lent_bytes": st.lent_bytes, "lent_peak": st.lent_peak}
 
 
 def with_reclamation(executor: Executor, client, heartbeat, events, rank: int, device):

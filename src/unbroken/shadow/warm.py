@@ -172,6 +172,10 @@ def warm_cuda(cfg: JobConfig, device: torch.device) -> float:
         if fused_available():  # Triton: the stream updater runs (unbroken.update.stream)
             _warm_marker(device)
             _warm_transaction(p, geometry, device)
+            if p.lend_activations:  # the lending pool's allocator: built and loaded
+                from unbroken.update.lending import library
+
+                library()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # keep the loaded code and handles, not the scratch pages
     return time.perf_counter() - t0

@@ -144,6 +144,9 @@ class Trainer:
         self.reduce_bucket = reduce_bucket
         self.ordered: OrderedGradients | None = None
         self._tokens = 0
+        self.lending = getattr(updater, "lending", None)
+        """The updater's pool over its lent buffers (`unbroken.update.lending`): forward and
+        backward allocate there; None: in torch's default pool."""
         if placement is not None:
             self.set_placement(placement)
 
@@ -164,6 +167,11 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    def _lent(self):
+        if self.lending is None:
+            return contextlib.nullcontext()
+        return self.lending.compute()
+
     def compute(self, iteration: int) -> tuple[float, int, tuple[tuple[int, ...], ...]]:
         """Forward/backward over this shard's micro-batches, then the data-parallel gradient
         average (DDP-style, still the compute phase: a crash here redoes the iteration). Each
@@ -181,11 +189,13 @@ class Trainer:
         for m, mb in enumerate(batches):
             self._hook(Phase.FORWARD, iteration, m, len(batches))
             seed_microbatch(self.cfg.seed, iteration, self.shard, m)
-            with self._autocast():
-                loss = self.loss_fn(self.model, mb, self.device) / len(batches)
-            self._hook(Phase.BACKWARD, iteration, m, len(batches))
-            loss.backward()
-            total += loss.detach().double()
+            with self._lent():
+                with self._autocast():
+                    loss = self.loss_fn(self.model, mb, self.device) / len(batches)
+                self._hook(Phase.BACKWARD, iteration, m, len(batches))
+                loss.backward()
+                total += loss.detach().double()
+            del loss  # lent memory: nothing of the micro-batch outlives its compute phase
             tokens += int(getattr(mb, "n_tokens", 0))
         grads = self.state.grads
         if self.group is not None and self.dp > 1:
@@ -212,11 +222,15 @@ class Trainer:
             mb = _microbatch(self.source, iteration, shard, m)
             self._hook(Phase.FORWARD, iteration, j, len(items))
             seed_microbatch(self.cfg.seed, iteration, shard, m)
-            with self._autocast():
-                loss = self.loss_fn(self.model, mb, self.device) / ordered.placement.microbatches
-            self._hook(Phase.BACKWARD, iteration, j, len(items))
-            loss.backward()
-            ordered.keep(j, loss, int(getattr(mb, "n_tokens", 0)))
+            with self._lent():
+                with self._autocast():
+                    loss = (
+                        self.loss_fn(self.model, mb, self.device) / ordered.placement.microbatches
+                    )
+                self._hook(Phase.BACKWARD, iteration, j, len(items))
+                loss.backward()
+            ordered.keep(j, loss, int(getattr(mb, "n_tokens", 0)))  # copies the loss's value
+            del loss  # lent memory: nothing of the micro-batch outlives its compute phase
             lengths.append(tuple(getattr(mb, "doc_lengths", ())))
         ordered.reduce(self._hook, iteration)
         return 0.0, 0, tuple(lengths)

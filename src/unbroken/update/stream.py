@@ -31,10 +31,15 @@ import torch
 from unbroken.train.phases import Phase
 from unbroken.update.device_marker import DeviceMarker
 from unbroken.update.layout import SEGMENTS, RetainedLayout
+from unbroken.update.lending import LendingPool
 from unbroken.update.marker import MarkerState, Stage
 from unbroken.update.rmu import RepairReport, ResumableUpdater, copy_rows
 
 __all__ = ["StreamUpdater", "stream_capable"]
+
+_LENT = ("grad_parity", "undo", "scratch")
+"""Regions read only from the gradients' protection to the end of an update: lent to the
+compute phase in between (`unbroken.update.lending`)."""
 
 
 def stream_capable(state, regions: dict[str, torch.Tensor], prot, backend: str = "auto") -> bool:
@@ -56,8 +61,8 @@ def _device_ptrs(rows: list, device: torch.device) -> torch.Tensor:
 class StreamUpdater(ResumableUpdater):
     """`ResumableUpdater` with stream-ordered markers (see the module docstring)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, state, geometry, step, regions, prot, **kwargs) -> None:
+        super().__init__(state, geometry, step, regions, prot, **kwargs)
         from unbroken.erasure.cuda_backend import TritonCodec  # imports Triton: CUDA only
 
         codecs = [g.first_tier_codec for g in self.groups]
@@ -80,6 +85,12 @@ class StreamUpdater(ResumableUpdater):
             t1_rows.append(group.first_tier.slice(ref.byte_lo, c).ptrs)
         self._new_ptrs = _device_ptrs(new_rows, dev)
         self._t1_ptrs = _device_ptrs(t1_rows, dev)
+        self.lending: LendingPool | None = None
+        """The compute phase's pool over the buffers only an update needs (`unbroken.update.
+        lending`); None when `protection.lend_activations` is off."""
+        if prot.lend_activations:
+            lent = [regions[k] for k in _LENT if regions[k].is_cuda]
+            self.lending = LendingPool(lent, dev)
 
     def _sync(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
@@ -99,6 +110,11 @@ class StreamUpdater(ResumableUpdater):
         self._mark(stage=Stage.IDLE, iteration=done_iter + 1, done_iter=done_iter, group=0, chunk=0)
         self._sync()
         self.marker_group.encode()
+
+    def protect(self, iteration: int) -> None:
+        if self.lending is not None:
+            self.lending.reclaim()  # the gradient parity, undo and scratch are ours again
+        super().protect(iteration)
 
     def update(self, iteration: int, *, lr: float, grad_scale: float, hook) -> None:
         super().update(iteration, lr=lr, grad_scale=grad_scale, hook=hook)
