@@ -24,8 +24,8 @@ allocation of the pool is still alive; a tensor made in the compute phase and ke
 inside a lent region would be overwritten by the update, so that raises `LentMemoryInUse`
 (naming the blocks) instead. The first compute phase of a process runs unlent: it creates the
 process's lasting buffers (cuBLAS workspaces per thread and stream, compiled kernels' state),
-which must not land in the pool; the default pool's cache is emptied after it, so its
-activations are not held twice.
+which must not land in the pool; the default pool's cache is emptied when the second begins,
+so the first phase's activations are not held twice.
 
 Not lent: the CUDA-graph step of the bench's ``graphs`` mode (Inductor's graph trees allocate
 from their own private pool), and the hybrid-parallel engine's stages (their compute phase is
@@ -173,15 +173,15 @@ class LendingPool:
     def compute(self) -> Iterator[None]:
         """Route every allocation on the device to the pool (any thread) while entered."""
         self.phases += 1
-        if self.retired:
+        if self.retired or self.phases == 1:
             yield
             return
         if not self._lending:
-            yield
+            # The first phase's activations are all released now (its loss too): hand the
+            # default pool's cached segments back before the pool takes over.
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self._lending = True
-            return
         torch._C._cuda_beginAllocateToPool(self.index, self.pool.id)
         try:
             yield
