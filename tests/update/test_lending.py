@@ -6,6 +6,7 @@ to libc's malloc/free); the CUDA pool over it is exercised by the GPU tier
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import random
@@ -120,3 +121,73 @@ def test_random_allocations_never_overlap_and_free_back_to_the_ranges(lib):
     assert (st.lent_in_use, st.fallback_in_use) == (0, 0)
     assert _free_entries(lib) == len(ranges)
     assert st.lent_peak > 0 and st.fallback_calls > 0
+
+
+class _Lending:
+    """Stands in for the GPU's pool: records which phases ran inside `compute()`."""
+
+    def __init__(self) -> None:
+        self.phases = 0
+        self.inside = False
+
+    @contextlib.contextmanager
+    def compute(self):
+        self.phases += 1
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+
+class _LendingUpdater:
+    """A plain updater with a lending pool, as the GPU's stream updater has."""
+
+    def __init__(self, inner, lending) -> None:
+        self.inner, self.lending = inner, lending
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_the_trainer_lends_forward_and_backward_and_nothing_else(ordered):
+    """Each micro-batch's forward and backward run inside the pool's compute phase (the GPU
+    routes every allocation there); the gradient reduction, the protection and the update run
+    outside it, where the lent buffers are the updater's."""
+    import torch
+
+    from unbroken.config import DataConfig, JobConfig, ModelConfig, TrainConfig
+    from unbroken.engine.replica import build_training
+    from unbroken.parallel import DataPlacement
+    from unbroken.train import Phase, Trainer
+    from unbroken.update import PlainUpdater
+
+    cfg = JobConfig(
+        model=ModelConfig(preset="tiny"),
+        data=DataConfig(tokens_per_microbatch=64, microbatches=3, max_documents=50),
+        train=TrainConfig(iterations=2, lr=1e-3),
+    )
+    built = build_training(cfg, n_shards=1, device=torch.device("cpu"))
+    lending = _Lending()
+    seen: list[tuple[Phase, bool]] = []
+    tr = Trainer(
+        model=built.model,
+        state=built.state,
+        source=built.source,
+        shard=0,
+        cfg=cfg.train,
+        group=None,
+        device=torch.device("cpu"),
+        hooks=[lambda phase, *_: seen.append((phase, lending.inside))],
+        updater=_LendingUpdater(PlainUpdater(built.state, built.geometry, built.step), lending),
+        placement=DataPlacement.identity(1, 3) if ordered else None,
+    )
+    assert tr.lending is lending
+    for it in range(2):
+        tr.run_iteration(it)
+    assert lending.phases == 2 * 3
+    inside = {p for p, i in seen if i}
+    assert inside == {Phase.BACKWARD}  # the hook between forward and backward, in the phase
+    outside = {p for p, i in seen if not i}
+    assert {Phase.FORWARD, Phase.PROTECT, Phase.UPDATE} <= outside
