@@ -833,6 +833,9 @@ def _lending(b: _Bench) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(b.device)
     b.first += n
+    # The bench's regions are caching-allocator blocks, and the pool's segments inside the lent
+    # ones count in torch's reserved bytes again: the lent trainer's peak without them.
+    out["peak_reserved_lent_net"] = out["peak_reserved_lent"] - out["lent_bytes"]
     r["lending"] = out
     _lent_hbm(r, out)
     _say(
