@@ -124,7 +124,7 @@ def test_random_allocations_never_overlap_and_free_back_to_the_ranges(lib):
 
 
 class _Lending:
-    """Stands in for the GPU's pool: records which phases ran inside `compute()`."""
+    """Stands in for the GPU's pool: records which phases ran routed to it."""
 
     def __init__(self) -> None:
         self.phases = 0
@@ -138,6 +138,14 @@ class _Lending:
             yield
         finally:
             self.inside = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        was, self.inside = self.inside, False
+        try:
+            yield
+        finally:
+            self.inside = was
 
 
 class _LendingUpdater:
@@ -153,8 +161,9 @@ class _LendingUpdater:
 @pytest.mark.parametrize("ordered", [False, True])
 def test_the_trainer_lends_forward_and_backward_and_nothing_else(ordered):
     """Each micro-batch's forward and backward run inside the pool's compute phase (the GPU
-    routes every allocation there); the gradient reduction, the protection and the update run
-    outside it, where the lent buffers are the updater's."""
+    routes every allocation there); no phase hook runs routed (the one between forward and
+    backward is paused: a fault's memory spike outlives the phase), and the gradient reduction,
+    the protection and the update run outside it, where the lent buffers are the updater's."""
     import torch
 
     from unbroken.config import DataConfig, JobConfig, ModelConfig, TrainConfig
@@ -187,7 +196,63 @@ def test_the_trainer_lends_forward_and_backward_and_nothing_else(ordered):
     for it in range(2):
         tr.run_iteration(it)
     assert lending.phases == 2 * 3
-    inside = {p for p, i in seen if i}
-    assert inside == {Phase.BACKWARD}  # the hook between forward and backward, in the phase
-    outside = {p for p, i in seen if not i}
-    assert {Phase.FORWARD, Phase.PROTECT, Phase.UPDATE} <= outside
+    assert not any(routed for _, routed in seen)
+    assert {Phase.FORWARD, Phase.BACKWARD, Phase.PROTECT, Phase.UPDATE} <= {p for p, _ in seen}
+
+
+def test_nothing_of_a_forward_outlives_it_on_the_model():
+    """A tensor a forward leaves on a module (the MoE layers' load-balancing loss did) would sit
+    in lent memory on a GPU when the update begins (`reclaim` refuses it): after forward and
+    backward, no module attribute holds a tensor it did not hold before."""
+    import torch
+
+    from unbroken.config import DataConfig, JobConfig, ModelConfig, TrainConfig
+    from unbroken.engine.replica import build_training
+
+    cfg = JobConfig(
+        model=ModelConfig(preset="tiny", moe_experts=4, moe_top_k=2),
+        data=DataConfig(tokens_per_microbatch=64, microbatches=1, max_documents=50),
+        train=TrainConfig(iterations=1),
+    )
+    built = build_training(cfg, n_shards=1, device=torch.device("cpu"))
+
+    def tensors():
+        return {
+            (name, key): id(value)
+            for name, mod in built.model.named_modules()
+            for key, value in vars(mod).items()
+            if isinstance(value, torch.Tensor)
+        }
+
+    before = tensors()
+    mb = built.source.iteration(0, 0)[0]
+    built.loss_fn(built.model, mb, torch.device("cpu")).backward()
+    assert tensors() == before
+
+
+def test_bad_sizes_are_refused_and_many_small_segments_spill_to_the_fallback(lib):
+    _keep, base = _arena(8 << 20)
+    lending.set_ranges([(base, 4 << 20), (base + (4 << 20), 4 << 20)])
+    assert lib.ub_lend_alloc(0, 0, None) is None
+    assert lib.ub_lend_alloc(-1, 0, None) is None
+    # Every free may add a free-list entry: past 4096 - 64 live lent segments new ones spill to
+    # the fallback, so freeing every other one (the worst case for the list) always fits.
+    ptrs = [_alloc(lib, 512) for _ in range(4200)]
+    lent = [p for p in ptrs if base <= p < base + (8 << 20)]
+    assert len(lent) == 4096 - 64
+    for p in ptrs[::2] + ptrs[1::2]:
+        lib.ub_lend_free(p, 512, 0, None)
+    st = lending.stats()
+    assert (st.lent_in_use, st.fallback_in_use) == (0, 0)
+    assert _free_entries(lib) == 2
+    with pytest.raises(ValueError, match="overlap"):
+        lending.set_ranges([(base, 4 << 20), (base + (2 << 20), 4 << 20)])
+
+
+def test_a_freed_range_start_never_merges_with_the_next_range(lib):
+    _keep, base = _arena(1 << 20)
+    lending.set_ranges([(base, 64 * KIB), (base + 64 * KIB, 64 * KIB)])
+    a = _alloc(lib, 64 * KIB)  # the whole first range (best fit: the first of two equal)
+    assert a == base
+    lib.ub_lend_free(a, 64 * KIB, 0, None)  # touches the second range's free interval
+    assert _free_entries(lib) == 2

@@ -126,6 +126,7 @@ def with_reclamation(executor: Executor, client, heartbeat, events, rank: int, d
     import torch
 
     def iterate(it: int) -> IterationResult:
+        freed_retry = True
         while True:
             try:
                 return executor.run_iteration(it)
@@ -135,9 +136,16 @@ def with_reclamation(executor: Executor, client, heartbeat, events, rank: int, d
                     raise
                 used = total = None
                 if device.type == "cuda":
+                    before = torch.cuda.memory_reserved(device)
                     torch.cuda.empty_cache()
                     free, total = torch.cuda.mem_get_info(device)
                     used = total - free
+                    # Inside a lent compute phase torch cannot free its default pool's cache
+                    # (`unbroken.update.lending`): what the cache held may be enough. Once.
+                    if freed_retry and torch.cuda.memory_reserved(device) < before:
+                        freed_retry = False
+                        events.emit("oom_retry", rank=rank, iter=it, phase=phase, freed=True)
+                        continue
                 t0 = time.time()
                 answer = client.request(
                     f"{type(exc).__name__} in {phase}", used, total, iteration=it

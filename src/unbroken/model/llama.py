@@ -198,7 +198,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(
             SwiGLU(a.dim, a.ffn_dim, device=device) for _ in range(a.moe_experts)
         )
-        self.aux_loss = torch.zeros(())
+        self.aux_loss: torch.Tensor | None = None
+        """The last forward's load-balancing loss, until the model's forward consumes it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.a
@@ -280,6 +281,8 @@ class Transformer(nn.Module):
         loss = loss / (targets != IGNORE_INDEX).sum().clamp(min=1)
         if self.args.moe_experts:
             aux = sum(layer.ffn.aux_loss for layer in self.layers)
+            for layer in self.layers:  # consumed: nothing of a forward outlives its backward
+                layer.ffn.aux_loss = None  # (on a GPU it would sit in lent memory)
             loss = loss + self.args.moe_aux_coef * aux / self.args.n_layers
         return loss
 

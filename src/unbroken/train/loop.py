@@ -172,6 +172,12 @@ class Trainer:
             return contextlib.nullcontext()
         return self.lending.compute()
 
+    def _unlent(self):
+        """Hooks inside the lent phase run outside the pool (`LendingPool.paused`)."""
+        if self.lending is None:
+            return contextlib.nullcontext()
+        return self.lending.paused()
+
     def compute(self, iteration: int) -> tuple[float, int, tuple[tuple[int, ...], ...]]:
         """Forward/backward over this shard's micro-batches, then the data-parallel gradient
         average (DDP-style, still the compute phase: a crash here redoes the iteration). Each
@@ -192,7 +198,8 @@ class Trainer:
             with self._lent():
                 with self._autocast():
                     loss = self.loss_fn(self.model, mb, self.device) / len(batches)
-                self._hook(Phase.BACKWARD, iteration, m, len(batches))
+                with self._unlent():
+                    self._hook(Phase.BACKWARD, iteration, m, len(batches))
                 loss.backward()
                 total += loss.detach().double()
             del loss  # lent memory: nothing of the micro-batch outlives its compute phase
@@ -227,7 +234,8 @@ class Trainer:
                     loss = (
                         self.loss_fn(self.model, mb, self.device) / ordered.placement.microbatches
                     )
-                self._hook(Phase.BACKWARD, iteration, j, len(items))
+                with self._unlent():
+                    self._hook(Phase.BACKWARD, iteration, j, len(items))
                 loss.backward()
             ordered.keep(j, loss, int(getattr(mb, "n_tokens", 0)))  # copies the loss's value
             del loss  # lent memory: nothing of the micro-batch outlives its compute phase

@@ -34,7 +34,7 @@ static ub_span ub_ranges[UB_MAX_RANGES];
 static int ub_n_ranges;
 static ub_span ub_free_list[UB_MAX_FREE]; /* sorted by address, disjoint, not adjacent */
 static int ub_n_free;
-static size_t ub_lent_total, ub_lent_used, ub_lent_peak;
+static size_t ub_lent_total, ub_lent_used, ub_lent_peak, ub_lent_live;
 static size_t ub_fb_used, ub_fb_peak, ub_fb_calls, ub_refused;
 static ub_alloc_fn ub_fb_alloc;
 static ub_free_fn ub_fb_free;
@@ -123,13 +123,14 @@ static int ub_insert(uintptr_t lo, uintptr_t hi) {
 /* -- entry points ------------------------------------------------------------------------- */
 
 /* Replace the lent ranges: refused (returns 0) while any lent byte is in use. `los`/`sizes`
- * are n address/size pairs; each range is trimmed inward to 512-byte alignment. */
+ * are n address/size pairs, disjoint (the Python side checks), each trimmed inward to 512-byte
+ * alignment. */
 int ub_lend_set_ranges(const uintptr_t *los, const size_t *sizes, int n) {
     int ok = 0;
     pthread_mutex_lock(&ub_lock);
     if (ub_lent_used == 0 && n >= 0 && n <= UB_MAX_RANGES) {
         ub_n_ranges = ub_n_free = 0;
-        ub_lent_total = ub_lent_peak = 0;
+        ub_lent_total = ub_lent_peak = ub_lent_live = 0;
         for (int i = 0; i < n; i++) {
             uintptr_t lo = (los[i] + UB_ALIGN - 1) & ~(uintptr_t)(UB_ALIGN - 1);
             uintptr_t hi = (los[i] + sizes[i]) & ~(uintptr_t)(UB_ALIGN - 1);
@@ -148,11 +149,16 @@ int ub_lend_set_ranges(const uintptr_t *los, const size_t *sizes, int n) {
 void *ub_lend_alloc(ssize_t size, int device, void *stream) {
     (void)device;
     (void)stream;
+    if (size <= 0 || (size_t)size > SIZE_MAX - UB_ALIGN)
+        return NULL;
     size_t need = ub_round((size_t)size);
     void *out = NULL;
     pthread_mutex_lock(&ub_lock);
     int best = -1;
-    for (int i = 0; i < ub_n_free; i++) {
+    /* A free adds at most one free-list entry, so with fewer live lent segments than the list
+     * has room for beside the ranges' own entries, every later free fits. */
+    int room = ub_lent_live < (size_t)(UB_MAX_FREE - UB_MAX_RANGES);
+    for (int i = 0; room && i < ub_n_free; i++) {
         size_t have = ub_free_list[i].hi - ub_free_list[i].lo;
         if (have >= need &&
             (best < 0 || have < ub_free_list[best].hi - ub_free_list[best].lo))
@@ -164,6 +170,7 @@ void *ub_lend_alloc(ssize_t size, int device, void *stream) {
         if (ub_free_list[best].lo == ub_free_list[best].hi)
             ub_remove(best);
         ub_lent_used += need;
+        ub_lent_live++;
         if (ub_lent_used > ub_lent_peak)
             ub_lent_peak = ub_lent_used;
     } else {
@@ -188,8 +195,10 @@ void ub_lend_free(void *ptr, ssize_t size, int device, void *stream) {
     uintptr_t p = (uintptr_t)ptr;
     pthread_mutex_lock(&ub_lock);
     if (ub_lent(p)) {
-        if (ub_insert(p, p + n))
+        if (ub_insert(p, p + n)) { /* cannot fail: `room` in ub_lend_alloc */
             ub_lent_used -= n;
+            ub_lent_live--;
+        }
     } else {
         ub_fallback_free(ptr);
         ub_fb_used -= n;

@@ -17,7 +17,8 @@ trainer killed inside an update leaves its undo copy and its scratch slots where
 them; a trainer killed in its compute phase leaves activations there, which `repair` never
 reads: the marker says IDLE then (the undo and scratch only matter inside an update, the
 gradient parity only from GRADS_PROTECTED on, and `repair` reconstructs the gradients only
-then).
+then), or GRADS_PROTECTED of an iteration computed again after a failure, whose gradients are
+zeroed and recomputed whatever `repair` rebuilt.
 
 Safety: `reclaim()` (the updater calls it before it protects the gradients) checks that no
 allocation of the pool is still alive; a tensor made in the compute phase and kept past it
@@ -40,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +114,10 @@ def set_ranges(ranges: Sequence[tuple[int, int]]) -> None:
     Raises:
         LentMemoryInUse: the allocator still holds bytes of the previous ranges.
     """
+    spans = sorted(ranges)
+    for (a, n), (b, _) in itertools.pairwise(spans):
+        if a + n > b:
+            raise ValueError(f"unbroken.update.lending: lent ranges overlap at {b:#x}")
     _, lib = library()
     n = len(ranges)
     los = (ctypes.c_size_t * max(n, 1))(*(a for a, _ in ranges))
@@ -166,6 +172,7 @@ class LendingPool:
         _CURRENT = self
         self._lending = False
         """Whether compute phases lend yet (not in a process's first; see the docstring)."""
+        self._routing = False
         self.phases = 0
         """Compute phases entered (lent or not)."""
 
@@ -182,12 +189,33 @@ class LendingPool:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self._lending = True
-        torch._C._cuda_beginAllocateToPool(self.index, self.pool.id)
+        self._route(True)
         try:
             yield
         finally:
+            self._route(False)
+
+    def _route(self, on: bool) -> None:
+        if on:
+            torch._C._cuda_beginAllocateToPool(self.index, self.pool.id)
+        else:
             torch._C._cuda_endAllocateToPool(self.index, self.pool.id)
             torch._C._cuda_releasePool(self.index, self.pool.id)
+        self._routing = on
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside `compute()`: allocations in between go to torch's default pool again (the
+        phase hooks between forward and backward — a fault injector's memory spike outlives
+        the phase, and torch refuses `empty_cache` while a pool is routed to)."""
+        if not self._routing:
+            yield
+            return
+        self._route(False)
+        try:
+            yield
+        finally:
+            self._route(True)
 
     def retire(self) -> None:
         """Stop lending for good (a later pool of this process lends other regions): the pool's
@@ -226,6 +254,9 @@ class LendingPool:
         """
         if not self._lending:
             return
+        # Blocks freed while another stream still used them count as free to the check below;
+        # once the device is idle no stream uses them.
+        torch.cuda.synchronize(self.device)
         if torch._C._cuda_checkPoolLiveAllocations(self.index, self.pool.id, set()):
             return
         live = self.live_blocks()

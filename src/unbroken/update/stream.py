@@ -26,12 +26,15 @@ identical bits (a GPU test holds it).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from unbroken.native import NativeUnavailableError
 from unbroken.train.phases import Phase
 from unbroken.update.device_marker import DeviceMarker
 from unbroken.update.layout import SEGMENTS, RetainedLayout
-from unbroken.update.lending import LendingPool
+from unbroken.update.lending import LendingPool, LentMemoryInUse
 from unbroken.update.marker import MarkerState, Stage
 from unbroken.update.rmu import RepairReport, ResumableUpdater, copy_rows
 
@@ -90,7 +93,12 @@ class StreamUpdater(ResumableUpdater):
         lending`); None when `protection.lend_activations` is off."""
         if prot.lend_activations:
             lent = [regions[k] for k in _LENT if regions[k].is_cuda]
-            self.lending = LendingPool(lent, dev)
+            try:
+                self.lending = LendingPool(lent, dev)
+            except (NativeUnavailableError, LentMemoryInUse) as exc:
+                warnings.warn(
+                    f"training without lending the protection buffers: {exc}", stacklevel=2
+                )
 
     def _sync(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
