@@ -18,9 +18,10 @@ from unbroken.config import (
 )
 
 
-def local_trainer(cfg: JobConfig, *, n_shards: int = 1, hooks=(), **trainer_kw):
+def local_trainer(cfg: JobConfig, *, n_shards: int = 1, hooks=(), wrap_updater=None, **trainer_kw):
     """A one-process `Trainer` (shard 0, no group, CPU) on fresh local buffers with the plain
-    updater, as most single-process tests build it. Returns (built, trainer)."""
+    updater (passed through `wrap_updater` when given), as most single-process tests build it.
+    Returns (built, trainer)."""
     import torch
 
     from unbroken.engine.replica import build_training
@@ -37,7 +38,9 @@ def local_trainer(cfg: JobConfig, *, n_shards: int = 1, hooks=(), **trainer_kw):
         group=None,
         device=torch.device("cpu"),
         hooks=list(hooks),
-        updater=PlainUpdater(built.state, built.geometry, built.step),
+        updater=(wrap_updater or (lambda u: u))(
+            PlainUpdater(built.state, built.geometry, built.step)
+        ),
         **trainer_kw,
     )
     return built, trainer

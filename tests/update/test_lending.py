@@ -164,32 +164,24 @@ def test_the_trainer_lends_forward_and_backward_and_nothing_else(ordered):
     routes every allocation there); no phase hook runs routed (the one between forward and
     backward is paused: a fault's memory spike outlives the phase), and the gradient reduction,
     the protection and the update run outside it, where the lent buffers are the updater's."""
-    import torch
 
     from unbroken.config import DataConfig, JobConfig, ModelConfig, TrainConfig
-    from unbroken.engine.replica import build_training
     from unbroken.parallel import DataPlacement
-    from unbroken.train import Phase, Trainer
-    from unbroken.update import PlainUpdater
+    from unbroken.train import Phase
+
+    from ..foundation.conftest import local_trainer
 
     cfg = JobConfig(
         model=ModelConfig(preset="tiny"),
         data=DataConfig(tokens_per_microbatch=64, microbatches=3, max_documents=50),
         train=TrainConfig(iterations=2, lr=1e-3),
     )
-    built = build_training(cfg, n_shards=1, device=torch.device("cpu"))
     lending = _Lending()
     seen: list[tuple[Phase, bool]] = []
-    tr = Trainer(
-        model=built.model,
-        state=built.state,
-        source=built.source,
-        shard=0,
-        cfg=cfg.train,
-        group=None,
-        device=torch.device("cpu"),
+    _, tr = local_trainer(
+        cfg,
         hooks=[lambda phase, *_: seen.append((phase, lending.inside))],
-        updater=_LendingUpdater(PlainUpdater(built.state, built.geometry, built.step), lending),
+        wrap_updater=lambda upd: _LendingUpdater(upd, lending),
         placement=DataPlacement.identity(1, 3) if ordered else None,
     )
     assert tr.lending is lending

@@ -585,8 +585,7 @@ def _lent_hbm(r: dict[str, Any], lending: dict[str, Any]) -> None:
     """Protection's HBM with the lent buffers holding activations between updates: what is
     never lent (the staging buffers) plus what the activations left unused of the lent regions
     at their peak. The figure without lending stays as `hbm_reserved_pct`."""
-    total = sum(r["protection_bytes"].values())
-    own = total - lending["lent_bytes"] + (lending["lent_bytes"] - lending["lent_peak"])
+    own = sum(r["protection_bytes"].values()) - lending["lent_peak"]
     r["hbm_reserved_pct"] = r["hbm_overhead_pct"]
     r["hbm_overhead_pct"] = 100 * own / r["retained_bytes"]
 

@@ -112,6 +112,7 @@ def set_ranges(ranges: Sequence[tuple[int, int]]) -> None:
     """Lend `ranges` ((address, bytes) pairs) from now on.
 
     Raises:
+        ValueError: two ranges overlap.
         LentMemoryInUse: the allocator still holds bytes of the previous ranges.
     """
     spans = sorted(ranges)
