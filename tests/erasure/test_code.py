@@ -182,6 +182,56 @@ def test_gpu_parity_is_byte_identical_to_cpu(kernel, length):
     np.testing.assert_array_equal(everything.cpu().numpy(), np.concatenate([new, cpu_new]))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,m", [(64, 3), (192, 3), (29, 2), (3, 1)])
+@pytest.mark.parametrize("length", [4096, 2 << 20])
+def test_the_vandermonde_codes_horner_products_equal_the_table_kernels(k, m, length):
+    """The Vandermonde code's own products take Horner's rule on the GPU (`_triton_horner`):
+    encode, the fused update of all k pages at an offset, the pointer-table update the stream
+    updater launches, byte for byte against the word-table kernel and the CPU's encode; a
+    product by any other matrix (a rebuild) still takes the table kernel and is exact."""
+    torch = _cuda()
+    from unbroken.erasure.cuda_backend import TritonCodec
+
+    rng = np.random.default_rng(k * length + m)
+    host, new = (rng.integers(0, 256, (k, length), dtype=np.uint8) for _ in range(2))
+    cpu = {}
+    for name, rows in (("old", host), ("new", new)):
+        cpu[name] = np.zeros((m, length), np.uint8)
+        get_codec(k, m, generator="vandermonde").encode(
+            PageTable.from_rows(rows), PageTable.from_rows(cpu[name])
+        )
+    out = {}
+    for horner in (1, 0):
+        codec = TritonCodec(k, m, generator="vandermonde", tuning={"horner": horner})
+        assert codec._horner(codec.matrix) == bool(horner)
+        data = torch.from_numpy(host).cuda()
+        fresh = torch.from_numpy(new).cuda()
+        parity = torch.zeros((m, length), dtype=torch.uint8, device="cuda")
+        codec.encode(PageTable.from_rows(data), PageTable.from_rows(parity))
+        np.testing.assert_array_equal(parity.cpu().numpy(), cpu["old"])
+        half = length // 2  # the second half's delta, by page tables, then the first's by pointers
+        codec.update_from_old_new(
+            PageTable.from_rows(parity),
+            PageTable.from_rows(data).slice(half, half),
+            PageTable.from_rows(fresh).slice(half, half),
+            offset=half,
+        )
+
+        def ptrs(t):
+            return torch.tensor([t[i].data_ptr() for i in range(len(t))], device="cuda")
+
+        codec.update_from_old_new_ptrs(ptrs(data), ptrs(fresh), ptrs(parity), length=half)
+        np.testing.assert_array_equal(parity.cpu().numpy(), cpu["new"])
+        everything = torch.cat([fresh, parity])
+        lost = sorted(rng.choice(k + m, min(m, k), replace=False).tolist())
+        everything[lost] = 0
+        codec.reconstruct(PageTable.from_rows(everything), lost)
+        np.testing.assert_array_equal(everything.cpu().numpy(), np.concatenate([new, cpu["new"]]))
+        out[horner] = parity.cpu().numpy()
+    np.testing.assert_array_equal(out[1], out[0])
+
+
 def test_without_a_compiler_the_native_backend_says_why(monkeypatch):
     from unbroken import native
     from unbroken.erasure import native_backend

@@ -74,10 +74,14 @@ def _run_variant(variant, built, regions, prot, init, args, say) -> dict[str, An
     upd = _updater(variant, built, regions, prot)
     build_ms = 1e3 * (time.perf_counter() - t0)
     upd.initialize(-1)
-    times = []
+    times, protect = [], []
     for it in range(args.iterations):
         _grads(s, it)
+        _sync()
+        t0 = time.perf_counter()
         upd.protect(it)
+        _sync()
+        protect.append(time.perf_counter() - t0)
         upd.record_sync(it, loss=0.0, grad_norm=1.0, grad_scale=1.0, lr=_LR)
         _sync()
         t0 = time.perf_counter()
@@ -89,6 +93,7 @@ def _run_variant(variant, built, regions, prot, init, args, say) -> dict[str, An
         "fused": getattr(upd, "fused", None) is not None,
         "update_ms": 1e3 * statistics.median(times[2:]),
         "first_update_ms": 1e3 * times[0],
+        "protect_ms": 1e3 * statistics.median(protect[2:]),
         "build_ms": build_ms,
         "parity_register_ms": 1e3 * upd.parity_register_s,
         "parity_memory": "device" if upd.model_parity.is_cuda else "host",
@@ -98,6 +103,7 @@ def _run_variant(variant, built, regions, prot, init, args, say) -> dict[str, An
     for group in upd.groups:
         group.encode()
     row["parity_exact"] = bool(torch.equal(before, upd.model_parity))
+    row.update(_table_encode(upd, regions["grad_parity"], _sync))
     if args.profile_update:
         it = args.iterations
         _grads(s, it)
@@ -116,6 +122,37 @@ def _run_variant(variant, built, regions, prot, init, args, say) -> dict[str, An
     say(f"variant {variant}: {row['update_ms']:.2f} ms, parity exact {row['parity_exact']}")
     del upd
     return row
+
+
+def _table_encode(upd, grad_parity, sync) -> dict[str, Any]:
+    """The gradients' encode by the word-table kernel instead of Horner's rule, where the
+    codec takes Horner's (the GPU's Vandermonde tier): its time, and whether its parity equals
+    the Horner encode's byte for byte."""
+    import torch
+
+    codecs = [c for g in upd.grad_groups for c in (g.first_tier_codec, g.second_tier_codec)]
+    codecs = [c for c in codecs if c is not None and c.tuning.get("horner")]
+    if not codecs:
+        return {}
+    out: dict[str, Any] = {}
+    for name, flag in (("horner", 1), ("table", 0)):
+        for c in codecs:
+            c.tuning["horner"] = flag
+        secs = []
+        for _ in range(5):
+            sync()
+            t0 = time.perf_counter()
+            for group in upd.grad_groups:
+                group.encode()
+            sync()
+            secs.append(time.perf_counter() - t0)
+        out[f"grad_encode_{name}_ms"] = 1e3 * statistics.median(secs[1:])
+        out[f"grad_parity_{name}"] = grad_parity.clone()
+    horner, table = out.pop("grad_parity_horner"), out.pop("grad_parity_table")
+    out["grad_encode_exact"] = bool(torch.equal(horner, table))
+    for c in codecs:
+        c.tuning["horner"] = 1
+    return out
 
 
 def _protected(cfg, device, prot):

@@ -5,7 +5,10 @@ the CUDA-core kernel) and device pointer tables are built on the host once and c
 codec, so the per-iteration path is one kernel launch on the current CUDA stream. Output is
 byte-identical to the CPU backends (same field, same generator). Kernel choice: ``xor`` (CUDA
 cores, 4-byte aligned work) or ``tc`` (tensor cores, any alignment); ``auto`` takes ``xor`` when
-the buffers allow it. Calls are asynchronous like any CUDA op on the current stream.
+the buffers allow it; and for the Vandermonde code (the GPU's first tier), products by the
+code's own matrix — encode and the fused update of all k pages — take Horner's rule
+(`_triton_horner`), about a quarter of the table kernel's instructions per word. Calls are
+asynchronous like any CUDA op on the current stream.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ DEFAULT_TUNING = {
     "xor_min_block": 128,  # smallest word block for small pages
     "xor_fill": 512,  # shrink blocks / split columns until about this many programs run
     "xor_min_cols": 16,  # but give each split at least this many columns
+    "horner": 1,  # 0: the Vandermonde code's own products by the table kernel too (benches)
+    "horner_block": 512,  # 32-bit words per program of the Horner kernel
+    "horner_warps": 4,
 }
 """Launch parameters, chosen by `python -m unbroken.bench.erasure_tuning` on an H200."""
 _CACHE_LIMIT = 64
@@ -165,12 +171,19 @@ class TritonCodec(Codec):
         if xor_sources is not None:
             low_bits |= int(np.bitwise_or.reduce(xor_sources.ptrs))
         aligned = (low_bits | length | dest_offset) % 4 == 0
+        same_device = self._torch.cuda.current_device() == self._device.index
+        if self.kernel == "auto" and aligned and self._horner(coefficients):
+            with contextlib.nullcontext() if same_device else self._torch.cuda.device(self._device):
+                self._launch_horner(
+                    rows, src, src2, self._pointers(dests), length, dest_offset,
+                    xor_sources is not None, accumulate,
+                )  # fmt: skip
+            return
         kernel = self.kernel
         if kernel == "auto":
             kernel = "xor" if aligned else "tc"
         if kernel == "xor" and not aligned:
             raise ValueError(f"{self.name}: the xor kernel needs 4-byte aligned pages and ranges")
-        same_device = self._torch.cuda.current_device() == self._device.index
         with contextlib.nullcontext() if same_device else self._torch.cuda.device(self._device):
             for r0 in range(0, rows, 16):
                 if rows <= 16:
@@ -207,6 +220,10 @@ class TritonCodec(Codec):
         if self.parity_pages > 16 or (length | offset) % 4:
             raise ValueError(f"{self.name}: pointer updates need m <= 16 and 4-byte ranges")
         coefficients = np.ascontiguousarray(self.matrix, dtype=np.uint8)
+        if self.kernel == "auto" and self._horner(coefficients):
+            rows = coefficients.shape[0]
+            self._launch_horner(rows, old_ptrs, new_ptrs, parity_ptrs, length, offset, True, True)
+            return
         self._launch_xor(
             kernels,
             coefficients,
@@ -227,6 +244,39 @@ class TritonCodec(Codec):
         this codec's cache may drop it."""
         coefficients = np.ascontiguousarray(self.matrix, dtype=np.uint8)
         return self._operand("xor", coefficients, _pow2_at_least(coefficients.shape[0], 1))
+
+    def _horner(self, coefficients: np.ndarray) -> bool:
+        """Whether a product by `coefficients` is this Vandermonde code's own (its rows over all
+        k columns, in order), which Horner's rule computes (`_triton_horner`)."""
+        if self.generator != "vandermonde" or not self.tuning["horner"]:
+            return False
+        return coefficients is self.matrix or (
+            coefficients.shape == self.matrix.shape and np.array_equal(coefficients, self.matrix)
+        )
+
+    def _launch_horner(self, rows, src, src2, dst, length, dest_offset, fused, accumulate) -> None:
+        """One program per word block over all k columns; small pages shrink the block (the
+        columns cannot be split, see `_triton_horner`)."""
+        from unbroken.erasure._triton_horner import gf_matmul_horner
+
+        t = self.tuning
+        words = length // 4
+        block_w = t["horner_block"]
+        while block_w > t["xor_min_block"] and _cdiv(words, block_w) < t["xor_fill"] // 2:
+            block_w //= 2
+        gf_matmul_horner[(_cdiv(words, block_w),)](
+            src,
+            src2,
+            dst,
+            words,
+            dest_offset // 4,
+            self.data_pages,
+            ROWS=rows,
+            BLOCK_W=block_w,
+            FUSED=fused,
+            ACCUMULATE=accumulate,
+            num_warps=t["horner_warps"],
+        )
 
     def _launch(
         self, kernels, kernel, block, src, src2, dst, length, dest_offset, cols, fused, accumulate
