@@ -37,7 +37,7 @@ DEFAULT_TUNING = {
     "xor_fill": 512,  # shrink blocks / split columns until about this many programs run
     "xor_min_cols": 16,  # but give each split at least this many columns
     "horner": 1,  # 0: the Vandermonde code's own products by the table kernel too (benches)
-    "horner_block": 512,  # 32-bit words per program of the Horner kernel
+    "horner_block": 256,  # 32-bit words per program of the Horner kernel
     "horner_warps": 4,
 }
 """Launch parameters, chosen by `python -m unbroken.bench.erasure_tuning` on an H200."""
