@@ -800,6 +800,27 @@ def _protection(b: _Bench) -> None:
         )
 
 
+def _memory_breakdown(device, lending) -> dict[str, int]:
+    """Where a trainer's reserved device memory sits after its iterations: torch's counters
+    (reserved now and at peak, the peak of allocated bytes, of free bytes inside split
+    segments) and, lent, the lending pool's own segments: their bytes and how many of them the
+    raw allocator took from the driver past the lent ranges."""
+    import torch
+
+    stats = torch.cuda.memory_stats(device)
+    out = {
+        "reserved": stats.get("reserved_bytes.all.current", 0),
+        "reserved_peak": stats.get("reserved_bytes.all.peak", 0),
+        "allocated_peak": stats.get("allocated_bytes.all.peak", 0),
+        "inactive_split_peak": stats.get("inactive_split_bytes.all.peak", 0),
+    }
+    if lending is not None:
+        segments = lending.pool.snapshot()
+        out["pool_segments"] = len(segments)
+        out["pool_reserved"] = sum(seg["total_size"] for seg in segments)
+    return out
+
+
 def _lending(b: _Bench) -> None:
     """The compute phase in the updater's lent buffers (`unbroken.update.lending`), eager blocks
     as jobs run them: how much of the lent regions the activations fill at their peak (which
@@ -811,6 +832,9 @@ def _lending(b: _Bench) -> None:
     n = max(3, args.iterations // 2)
     out: dict[str, Any] = {"iterations": n}
     reference = None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(b.device)
+    out["reserved_before"] = torch.cuda.memory_reserved(b.device)
     for lend in (False, True):
         tr, upd, _, regions, _ = _build(
             b.cfg, b.device, protected=True, init_from=b.init, mode="eager", lend=lend
@@ -820,6 +844,7 @@ def _lending(b: _Bench) -> None:
         name = "lent" if lend else "unlent"
         out[f"iteration_s_{name}"] = statistics.median(x.seconds for x in res[1:])
         out[f"peak_reserved_{name}"] = torch.cuda.max_memory_reserved(b.device)
+        out[f"memory_{name}"] = _memory_breakdown(b.device, upd.lending if lend else None)
         model = regions["model"]
         if reference is None:  # in host memory: a device copy would sit in the next peak
             reference = model.cpu()
