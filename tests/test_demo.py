@@ -113,6 +113,14 @@ def test_demo_quick_recovers_in_place_exactly_and_re_plans_around_the_slow_rank(
         if all_ready:
             got = (rec["shadow_level"], rec["shadows_ready"])
             assert got == (3, s["world_size"]), (rec, _shadow_trace(out))
+    # Each in-place generation says how long attaching the retained state and restoring took.
+    ready = [
+        e
+        for e in map(json.loads, (out / "events.jsonl").read_text().splitlines())
+        if e.get("run") == "faulty" and e["kind"] == "trainer_ready" and e["recovery"] == "inplace"
+    ]
+    assert len(ready) == 3, _shadow_trace(out)
+    assert all(0 <= e["map_s"] <= e["attach_s"] and e["restore_s"] >= 0 for e in ready), ready
     # ETTR = T_ref / T_faulty over the same iterations. The two runs drift apart on a busy
     # machine, so the bound is in each run's own healthy iteration: the faulty run (three
     # recoveries, a 3x slow rank for its last 16 iterations) lasts more of its iterations than

@@ -230,6 +230,7 @@ class RankSession:
         from unbroken.recovery import RestoreMode
 
         spec, cfg, rank = self.spec, self.cfg, self.rank
+        self.steps["attach"] = time.time()
         if spec.retains_state:
             from unbroken.launch.retained import RetainedState
             from unbroken.state.client import RetainedClient
@@ -242,6 +243,7 @@ class RankSession:
             # the state (RESHARD) attaches them as they are first (`restore`).
             relayout = spec.restore not in (RestoreMode.IN_PLACE, RestoreMode.RESHARD)
             self.retained = RetainedState(cfg, client, relayout=relayout)
+        self.steps["mapped"] = time.time()
         job_t0 = self.store.job_t0(time.time() if rank == 0 else None)
         faults = [parse_fault(f) for f in cfg.inject]
         # Faults name devices (the ranks at launch): after a device is lost the survivors run
@@ -263,6 +265,7 @@ class RankSession:
 
         dist.barrier(self.group)
         self.rendezvous.forget()
+        self.steps["attached"] = time.time()
         self._enter(SessionStage.ATTACHED)
 
     def _build_executor(self, plan) -> Any:
@@ -345,12 +348,18 @@ class RankSession:
             self._move_state(start)
         self.injector.checkpoint_root = self.checkpoints.root
         if rank == 0:
+            st = self.steps
             self.events.emit(
                 "trainer_ready",
                 generation=spec.generation,
                 restored_iter=start,
                 recovery=spec.restore.value,
                 group_s=self.t_group,
+                # Attaching the retained state (mapping its regions; the executor built on
+                # them, the updater's page tables and lending pool included), then restoring.
+                attach_s=round(st["attached"] - st["attach"], 4),
+                map_s=round(st["mapped"] - st["attach"], 4),
+                restore_s=round(time.time() - st["attached"], 4),
             )
         self._enter(SessionStage.RESTORED)
         return start
