@@ -188,32 +188,3 @@ def test_a_job_with_asynchronous_checkpoints_restarts_from_them_bit_exact(tmp_pa
     assert loaded["iter"] == 4
     infos = list_checkpoints(tmp_path / "checkpoints" / "faulty")
     assert infos and all(verify_checkpoint(i) is None for i in infos), infos
-
-
-def test_saves_run_in_the_background_by_default_only_for_a_gpu_state(tmp_path):
-    """`checkpoint.asynchronous` unset: background saves where the state is on a GPU (where a
-    synchronous save of a 1b state blocked the loop 14-17 s), synchronous on CPU ranks; set,
-    it decides either way."""
-    import types
-
-    from unbroken.checkpoint.policy import CheckpointPolicy
-    from unbroken.config import CheckpointConfig
-
-    def policy(**kwargs) -> CheckpointPolicy:
-        return CheckpointPolicy(
-            CheckpointConfig(**kwargs), tmp_path, 8, board=None, rank=0, group=None, emit=print
-        )
-
-    cpu = _state(1.0)
-    gpu = types.SimpleNamespace(params=types.SimpleNamespace(is_cuda=True))
-    assert CheckpointConfig().asynchronous is None
-    assert not policy().asynchronous(cpu) and policy().asynchronous(gpu)
-    assert policy(asynchronous=True).asynchronous(cpu)
-    assert not policy(asynchronous=False).asynchronous(gpu)
-    # The CPU default saves synchronously: the event says nothing of a background save.
-    events = []
-    p = policy()
-    p.emit = lambda kind, **e: events.append((kind, e))
-    p.save(cpu, 3)
-    assert events == [("checkpoint_saved", {"iter": 3, "seconds": events[0][1]["seconds"]})]
-    assert p.stager is None and p.complete(3)

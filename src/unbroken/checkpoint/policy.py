@@ -121,7 +121,7 @@ class CheckpointPolicy:
             "rng_seed": self.rng_seed,
             "layout": self.layout,
         }
-        if self.asynchronous(state):
+        if self.cfg.asynchronous:
             pending = save_checkpoint_async(
                 self.root, state, iteration, stager=self._stager(state), **common
             )
@@ -132,13 +132,6 @@ class CheckpointPolicy:
         if self.rank == 0:
             self.emit("checkpoint_saved", iter=iteration, seconds=seconds, **event)
         return seconds
-
-    def asynchronous(self, state: TrainState) -> bool:
-        """Whether saves run in the background: `checkpoint.asynchronous`, or unset, whether
-        the state is on a GPU."""
-        if self.cfg.asynchronous is not None:
-            return self.cfg.asynchronous
-        return state.params.is_cuda
 
     def _stager(self, state: TrainState) -> CheckpointStager:
         if self.stager is None:

@@ -298,14 +298,12 @@ class CheckpointConfig:
     """Complete checkpoints kept on disk (older ones are deleted)."""
     dir: str = ""
     """Checkpoint directory (default: OUT/checkpoints)."""
-    asynchronous: bool | None = None
+    asynchronous: bool = False
     """Save in the background (`save_checkpoint_async`): the loop blocks only while the state
-    is copied into host buffers reserved at the generation's first save (pinned for a GPU
-    state: host memory the size of the rank's state), a thread writes, digests and seals the
-    checkpoint, and the next save, a load or the end of the generation waits for it. A crash
-    before the seal leaves an incomplete checkpoint that every reader skips (the previous one
-    is used). Unset: on where the state is on a GPU (a 1b state's synchronous save blocked the
-    loop 14-17 s on an H200, its staging copy 0.2 s), off on CPU ranks."""
+    is copied into host buffers reserved at the generation's start (pinned for a GPU state),
+    a thread writes, digests and seals the checkpoint, and the next save, a load or the end of
+    the generation waits for it. A crash before the seal leaves an incomplete checkpoint that
+    every reader skips (the previous one is used)."""
 
     def __post_init__(self) -> None:
         if self.interval < 0:
