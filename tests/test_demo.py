@@ -121,6 +121,8 @@ def test_demo_quick_recovers_in_place_exactly_and_re_plans_around_the_slow_rank(
     ]
     assert len(ready) == 3, _shadow_trace(out)
     assert all(0 <= e["map_s"] <= e["attach_s"] and e["restore_s"] >= 0 for e in ready), ready
+    parts = ("model_and_state", "updater", "trainer")
+    assert all(sum(e["build_s"][k] for k in parts) <= e["attach_s"] for e in ready), ready
     # ETTR = T_ref / T_faulty over the same iterations. The two runs drift apart on a busy
     # machine, so the bound is in each run's own healthy iteration: the faulty run (three
     # recoveries, a 3x slow rank for its last 16 iterations) lasts more of its iterations than

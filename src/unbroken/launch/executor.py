@@ -10,6 +10,7 @@ state hash, the fail-slow timings — asks the executor instead of the config.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -44,6 +45,8 @@ class Executor(Protocol):
     replica_sets: tuple[tuple[int, ...], ...]
     """Sets of ranks that hold identical state (data-parallel replicas of the same shard): the
     audit checks that each set's hashes agree."""
+    build_s: dict[str, float]
+    """Seconds each part of building this executor took (`trainer_ready` reports them)."""
 
     def hook(self, phase: Any, iteration: int, step: int = 0, n_steps: int = 1) -> None:
         """Call the rank's phase hooks (restore finishes an update through them)."""
@@ -90,6 +93,7 @@ class DataParallelExecutor:
     checkpoint_shard: str = ""
     checkpoint_layout: str = ""
     reshard: Callable[[Any], int] | None = None
+    build_s: dict[str, float] = field(default_factory=dict)
 
     def hook(self, phase: Any, iteration: int, step: int = 0, n_steps: int = 1) -> None:
         self.trainer._hook(phase, iteration, step, n_steps)
@@ -133,6 +137,7 @@ class PlanExecutor:
     checkpoint_layout: str = ""
     reshard: Callable[[Any], int] | None = None
     replica_sets: tuple[tuple[int, ...], ...] = ()
+    build_s: dict[str, float] = field(default_factory=dict)
     shard_tag: str = ""
     """Appended to parameter names in the state hash: the TP position of this rank's shards
     ("" at TP 1)."""
@@ -245,6 +250,7 @@ def _data_parallel_executor(cfg, rank, group, device, retained, hooks, autocast,
     # Last among the hooks: a `slow` stall lands in the interval it times. On a GPU it times
     # the work with CUDA events, not the host's enqueueing.
     timer = PhaseTimer(rank, device=device)
+    t0 = time.perf_counter()
     built = build_training(
         cfg,
         n_shards=cfg.parallel.dp,
@@ -252,7 +258,9 @@ def _data_parallel_executor(cfg, rank, group, device, retained, hooks, autocast,
         search=search,
         allocate=retained.allocate if retained else None,
     )
+    t1 = time.perf_counter()
     updater = _make_updater(retained, cfg)(built.state, built.geometry, built.step)
+    t2 = time.perf_counter()
     trainer = Trainer(
         model=built.model,
         state=built.state,
@@ -277,6 +285,11 @@ def _data_parallel_executor(cfg, rank, group, device, retained, hooks, autocast,
         replica_sets=(tuple(range(world)),) if world > 1 else (),
         checkpoint_layout=layout_record(None),
         reshard=_resharder(cfg, built.state, TPGroup(), search),
+        build_s={
+            "model_and_state": round(t1 - t0, 4),
+            "updater": round(t2 - t1, 4),
+            "trainer": round(time.perf_counter() - t2, 4),
+        },
     )
 
 

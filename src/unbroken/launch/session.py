@@ -360,6 +360,7 @@ class RankSession:
                 attach_s=round(st["attached"] - st["attach"], 4),
                 map_s=round(st["mapped"] - st["attach"], 4),
                 restore_s=round(time.time() - st["attached"], 4),
+                build_s=self.executor.build_s,
             )
         self._enter(SessionStage.RESTORED)
         return start
