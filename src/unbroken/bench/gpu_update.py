@@ -60,6 +60,26 @@ def _kernel_times(prof, iterations: int = 1) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def _timed_updates(upd, state, iterations: int, sync) -> tuple[list[float], list[float]]:
+    """Seconds of each update and of each gradients' protection before it, device
+    synchronized around each."""
+    times, protect = [], []
+    for it in range(iterations):
+        _grads(state, it)
+        sync()
+        t0 = time.perf_counter()
+        upd.protect(it)
+        sync()
+        protect.append(time.perf_counter() - t0)
+        upd.record_sync(it, loss=0.0, grad_norm=1.0, grad_scale=1.0, lr=_LR)
+        sync()
+        t0 = time.perf_counter()
+        upd.update(it, lr=_LR, grad_scale=1.0, hook=_noop)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times, protect
+
+
 def _run_variant(variant, built, regions, prot, init, args, say) -> dict[str, Any]:
     import torch
 
@@ -74,20 +94,7 @@ def _run_variant(variant, built, regions, prot, init, args, say) -> dict[str, An
     upd = _updater(variant, built, regions, prot)
     build_ms = 1e3 * (time.perf_counter() - t0)
     upd.initialize(-1)
-    times, protect = [], []
-    for it in range(args.iterations):
-        _grads(s, it)
-        _sync()
-        t0 = time.perf_counter()
-        upd.protect(it)
-        _sync()
-        protect.append(time.perf_counter() - t0)
-        upd.record_sync(it, loss=0.0, grad_norm=1.0, grad_scale=1.0, lr=_LR)
-        _sync()
-        t0 = time.perf_counter()
-        upd.update(it, lr=_LR, grad_scale=1.0, hook=_noop)
-        _sync()
-        times.append(time.perf_counter() - t0)
+    times, protect = _timed_updates(upd, s, args.iterations, _sync)
     row: dict[str, Any] = {
         "kind": type(upd).__name__,
         "fused": getattr(upd, "fused", None) is not None,
