@@ -138,6 +138,11 @@ def test_a_replica_too_slow_for_one_microbatch_gets_none():
     assert counts == (8, 0)
     assert scorer.time(_with_counts(lay, (8, 0))) < scorer.time(_with_counts(lay, (7, 1)))
     assert balance_simulated(scorer, lay) == [8, 0]
+    # An executor that keeps every replica computing (the data-parallel trainer) is not
+    # offered it: the counts the planner gave before empty replicas existed.
+    assert balance_simulated(scorer, lay, floor=1) == [7, 1]
+    keep = PlannerConfig(exclusion=False, repartition=False, empty_replicas=False)
+    assert plan_for_state(scorer.state, keep).plan().microbatches == (7, 1)
 
 
 def test_a_slow_replica_keeps_work_while_one_microbatch_there_is_faster():

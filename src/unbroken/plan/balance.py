@@ -42,14 +42,19 @@ def idle_s(scorer: Scorer, layout: Layout, d: int) -> float:
     return max(scorer.reduce_s(alone).values(), default=0.0) + scorer.opt_s(alone)
 
 
-def _greedy(first: Sequence[float], lines: Sequence[tuple[float, float]], total: int) -> list[int]:
-    """Counts n_d >= 0 summing to `total` that minimize max_d of each replica's time: its first
-    micro-batch finishes at `first[d]` (simulated), the n-th after that at a_d + b_d n; each
-    micro-batch goes where it finishes earliest ([Note: empty replica])."""
-    counts = [0] * len(lines)
-    heap = [(t, d) for d, t in enumerate(first)]
+def _greedy(
+    first: Sequence[float], lines: Sequence[tuple[float, float]], total: int, floor: int
+) -> list[int]:
+    """Counts n_d >= `floor` summing to `total` that minimize max_d of each replica's time: its
+    first micro-batch finishes at `first[d]` (simulated), the n-th after that at a_d + b_d n;
+    each micro-batch goes where it finishes earliest ([Note: empty replica])."""
+    counts = [floor] * len(lines)
+    heap = [
+        (t if floor == 0 else a + (floor + 1) * b, d)
+        for d, (t, (a, b)) in enumerate(zip(first, lines, strict=True))
+    ]
     heapq.heapify(heap)
-    for _ in range(total):
+    for _ in range(total - floor * len(lines)):
         _, d = heapq.heappop(heap)
         counts[d] += 1
         a, b = lines[d]
@@ -57,7 +62,9 @@ def _greedy(first: Sequence[float], lines: Sequence[tuple[float, float]], total:
     return counts
 
 
-def balance_simulated(scorer: Scorer, layout: Layout, *, steps: int = 8) -> list[int]:
+def balance_simulated(
+    scorer: Scorer, layout: Layout, *, steps: int = 8, floor: int = 0
+) -> list[int]:
     """Micro-batch counts per replica (summing to the layout's batch) that minimize the slowest
     replica's simulated time alone (module docstring); a count may be 0 ([Note: empty
     replica]).
@@ -67,6 +74,9 @@ def balance_simulated(scorer: Scorer, layout: Layout, *, steps: int = 8) -> list
     simulated time, and each micro-batch goes where it would finish earliest. Then at most
     `steps` single moves, each timed, from the replica the simulator says finishes last to the
     one finishing first (to 0 only when the simulated time with none is shorter).
+
+    `floor`: the fewest micro-batches a replica keeps (1 for an executor that cannot run an
+    empty replica, `PlannerConfig.empty_replicas`).
     """
     total = sum(layout.microbatches)
     if layout.dp == 1:
@@ -85,12 +95,13 @@ def balance_simulated(scorer: Scorer, layout: Layout, *, steps: int = 8) -> list
         hi, lo = max(n, 2), max(n, 2) - 1
         slope = max(time(d, hi) - time(d, lo), 1e-12)
         lines.append((time(d, hi) - slope * hi, slope))
-    counts = _greedy([time(d, 1) for d in range(layout.dp)], lines, total)
+    first = [time(d, 1) if floor == 0 else 0.0 for d in range(layout.dp)]
+    counts = _greedy(first, lines, total, floor)
     times = [time(d, n) for d, n in enumerate(counts)]
     for _ in range(steps):
         hi = max(range(len(times)), key=lambda d: (times[d], -d))
         lo = min(range(len(times)), key=lambda d: (times[d], d))
-        if hi == lo or counts[hi] <= 0:
+        if hi == lo or counts[hi] <= floor:
             break
         t_hi, t_lo = time(hi, counts[hi] - 1), time(lo, counts[lo] + 1)
         rest = max((t for d, t in enumerate(times) if d not in (hi, lo)), default=0.0)
