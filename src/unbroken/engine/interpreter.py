@@ -25,8 +25,9 @@ gradient all-reduce over replicas is divided by the replica count as there.
 
 A rank of a replica that owns no micro-batch (its list is REDUCE_GRAD, OPT_STEP) still joins
 the reduction and steps; every `probe_every`-th iteration it first runs the probe micro-batch
-of [Note: probe micro-batch] (`unbroken.engine.probe`): no phase hooks, its timings in
-`StageTiming.probe`, nothing of it left in the state.
+of [Note: probe micro-batch] (`unbroken.engine.probe`): its F and B are the rank's FORWARD and
+BACKWARD step 0 of 1 for the phase hooks, its timings go to `StageTiming.probe`, nothing of it
+is left in the state.
 
 Gradients land in the caller's flat gradient buffer (`bind_grads`); parameters are only
 updated by the updater — [Note: flat-storage] holds for every plan.
@@ -46,7 +47,8 @@ rank's own view of the plan, so that a hook's (phase, step) means the same on ev
   when interleaved). Each (phase, step) fires once per iteration, step 0 first. Not the global
   micro-batch id: the ranks of replica 0 never see ids past their own, so a fault's default
   step (n // 2) of the global count was never reached there. W actions have no hook (their
-  time counts in the step before).
+  time counts in the step before). A rank of an empty replica has no F or B, hence no such
+  hook, except in an iteration it probes, whose probe F and B are its step 0 of 1.
 - with replicas, ALLREDUCE b before each gradient-reduction bucket (one for `FineShardSync`)
   and REDUCED after the last, inside REDUCE_GRAD; then PROTECT, SYNC, UPDATE per chunk,
   BOUNDARY.
@@ -474,9 +476,10 @@ class PlanWorker:
                 self._input_grads.pop((a.stage, a.microbatch), None)
 
     def _compute(self, iteration: int, a: Action) -> None:
-        if a.kind is not _K.W and not self._probing:  # [Note: plan hooks]
+        if a.kind is not _K.W:  # [Note: plan hooks]; a probe is its rank's one step
             phase = Phase.FORWARD if a.kind is _K.F else Phase.BACKWARD
-            self._hook(phase, iteration, *self._steps[(a.kind, a.stage, a.microbatch)])
+            step = (0, 1) if self._probing else self._steps[(a.kind, a.stage, a.microbatch)]
+            self._hook(phase, iteration, *step)
         t, tp0 = time.perf_counter(), self.groups.tp.clock.seconds
         if a.kind is _K.F:
             self._forward(iteration, a.stage, a.microbatch)
@@ -494,9 +497,10 @@ class PlanWorker:
 
     def _run_probe(self, iteration: int) -> None:
         """The probe micro-batch ([Note: probe micro-batch] in `unbroken.engine.probe`): its
-        compute timed apart (after-compute hooks run, as a slow device's kernels would be slow
-        for it too; the phase hooks do not), and nothing of it left: gradients zeroed, RNG
-        state restored, its data and activations dropped."""
+        compute timed apart, and nothing of it left: gradients zeroed, RNG state restored, its
+        data and activations dropped. The phase hooks see its F and B as the rank's step 0 of
+        1 ([Note: plan hooks]): a slow device is slow for the probe too, and a fault injected
+        on the rank keeps its clock (an injected slowdown's `until`)."""
         rng = torch.get_rng_state()
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         self._probing = True
