@@ -218,10 +218,7 @@ def migrate(
     pass proposes its migrations in the order it chose them, and the simulator times the first
     quarter, half, three quarters and all of them; the best prefix is kept if it beats the
     layout without them, and the next pass starts from the timeline of what was kept.
-
-    `floor`: the fewest micro-batches the seed leaves a replica (0: [Note: empty replica] in
-    `unbroken.plan.balance`).
-    """
+    `floor`: fewest micro-batches the seed leaves a replica ([Note: empty replica])."""
     delta = auto_delta(layout) if delta is None else delta
     best, evaluated, added = layout, 0, 0
     notes: list[str] = []
