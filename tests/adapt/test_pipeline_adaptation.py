@@ -318,3 +318,25 @@ def test_a_dp_x_tp_job_dissolves_the_replica_whose_tp_group_lost_a_device(tmp_pa
     adapt.note_lost(2, "lost")
     with pytest.raises(NoPlanError, match="fewer than the TP degree 2"):
         adapt.next_world()
+
+
+def test_a_dp_x_pp_job_empties_a_replica_too_slow_for_one_microbatch_and_refills_it(tmp_path):
+    # [Note: empty replica]: rank 3 (replica 1's last stage) 20x slow: one micro-batch there
+    # takes longer than all eight on replica 0. Ours empties replica 1 (its ranks keep their
+    # layers and state, and probe: `unbroken.engine.probe`); its return to full speed gives
+    # the micro-batches back. Greyhound's policy keeps one micro-batch per replica.
+    events = JsonlLog(tmp_path / "events.jsonl", run="t")
+    adapt = PipelineAdaptation(make_plan(2, 2, 1, 4, 4), events, lambda _: None)
+    assert adapt.on_fail_slow(_slow(3, factor=20.0), iter_s=0.2) is True
+    assert adapt.plan.microbatches == (8, 0) and adapt.plan.ranks == (0, 1, 2, 3)
+    assert adapt.plan.actions[3][-2:] == adapt.plan.actions[2]  # REDUCE_GRAD, OPT_STEP only
+    assert adapt.on_recovered(3, 1.03, iter_s=0.2) is True
+    assert adapt.plan.microbatches == (4, 4)
+    grey = PipelineAdaptation(
+        make_plan(2, 2, 1, 4, 4),
+        JsonlLog(tmp_path / "grey.jsonl", run="t"),
+        lambda _: None,
+        adapt=AdaptConfig(enabled=True, policy="greyhound"),
+    )
+    assert grey.on_fail_slow(_slow(3, factor=20.0)) is True
+    assert min(grey.plan.microbatches) == 1

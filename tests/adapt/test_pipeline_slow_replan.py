@@ -95,3 +95,40 @@ def test_a_slow_device_of_a_dp_x_pp_job_gets_its_microbatches_back_when_healthy(
     assert (
         events_of(events, "checkpoint_loaded") == [] and events_of(events, "recovery_start") == []
     )
+
+
+@pytest.mark.slow  # ~60 s (52 iterations twice); CI keeps its parts without the whole run:
+# tests/engine/test_empty_replica.py (the [8, 0]-style plan and its probe, bit-exact, live
+# switches both ways), tests/detect/test_plan_model.py (the watch finds the rank back from its
+# probes) and tests/adapt/test_pipeline_adaptation.py (the coordinator empties and refills)
+@pytest.mark.timeout(1200)
+def test_an_emptied_replica_is_probed_and_gets_its_microbatches_back_when_healthy(tmp_path):
+    # Rank 3 (replica 1's last stage) 20x slower for iterations 15..29: one micro-batch there
+    # costs more than all eight on replica 0, so the plan empties replica 1 ([8, 0]). Its
+    # ranks then compute nothing but a probe micro-batch every adapt.probe_every (4)
+    # iterations; the watch finds rank 3 back at its peers' pace from the probes, and the
+    # coordinator gives replica 1 its micro-batches back. Bit for bit the fault-free run.
+    cfg = adapt_job(
+        world_size=4,
+        iterations=52,
+        microbatches=4,
+        inject=["slow:rank=3,iter=15,factor=20,until=30"],
+    )
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    slow, back = events_of(events, "replan")
+    assert slow["trigger"]["rank"] == 3 and slow["counts_after"] == [8, 0], slow
+    first, second = [e for e in events_of(events, "plan_applied") if "stages" in e]
+    assert first["counts"] == [8, 0] and second["counts"] == [4, 4]
+    (recovered,) = [e for e in events_of(events, "speed_recovered") if e["rank"] == 3]
+    assert recovered["detected_at"] > 30 and second["iter"] > recovered["detected_at"]
+    assert (back["trigger"]["kind"], back["trigger"]["device"]) == ("speed_recovered", 3)
+    probes = [
+        r["iter"]
+        for r in read_jsonl(tmp_path / "timings.jsonl")
+        if r["run"] == "faulty" and r["rank"] == 3 and r.get("probe")
+    ]
+    assert probes and all(first["iter"] <= i < second["iter"] and i % 4 == 0 for i in probes)

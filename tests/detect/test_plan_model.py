@@ -5,6 +5,8 @@ group whose peers wait for it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -181,6 +183,7 @@ def test_stage_timing_round_trips_through_its_record():
         reduce_s=0.125,
         sync_s=0.0625,
         step_s=0.03125,
+        probe=(("F", 1, 0, 0.75), ("B", 1, 0, 1.5)),
     )
     assert StageTiming.from_dict(t.to_dict()) == t
 
@@ -275,3 +278,53 @@ def test_a_one_replica_pipeline_rank_whose_layers_moved_is_found_back_per_layer(
     healthy = first.healthy[0]
     ratio = healthy.ratio(moved, [(o.doc_lengths, o.stages) for o in obs[20:28]], 0)
     assert ratio == pytest.approx(3.0, rel=0.05)
+
+
+def _with_probes(
+    plan: ParallelPlan, obs: list[Observation], every: int, slow: dict[int, float], until: int
+) -> list[Observation]:
+    """`obs` with the empty replica's ranks timing a probe of micro-batch 0 every `every`-th
+    iteration ([Note: probe micro-batch] in `unbroken.engine.probe`), rank r `slow[r]` x slower
+    before iteration `until`."""
+    out = []
+    for o in obs:
+        stages = dict(o.stages or {})
+        if o.iteration % every == 0:
+            t_mb = mb_time(o.doc_lengths[0][0])
+            for rank in probe_ranks(plan):
+                _, s = plan.locate(rank)
+                f = slow.get(rank, 1.0) if o.iteration < until else 1.0
+                probe = tuple((k, s, 0, _share(plan, s, k) * t_mb * f) for k in ("F", "B"))
+                stages[rank] = dataclasses.replace(stages[rank], probe=probe)
+        out.append(dataclasses.replace(o, stages=stages))
+    return out
+
+
+def probe_ranks(plan: ParallelPlan) -> list[int]:
+    return [r for r in plan.ranks if plan.microbatches[plan.locate(r)[0]] == 0]
+
+
+def test_an_empty_replicas_rank_is_recovered_from_its_probes_and_only_from_them():
+    # Rank 2 (replica 1, stage 0) reported 3x slow; the live re-plan emptied replica 1
+    # ([8, 0]). Its ranks compute nothing; a probe every 2 iterations times rank 2 against
+    # rank 0 (stage 0 of replica 0). Healthy again from iteration 24: found back over a window
+    # after its last slow probe (iteration 22).
+    launch = make_plan(2, 2, 1, 4, 4, "1f1b")
+    first = FailSlowDetector(DetectorConfig(), plan=launch)
+    obs, _ = plan_series(launch, 20, seed=4, slow_rank=2, slow_iter=14, factor=3)
+    assert [r for r, _ in _watch(first, obs)[0]] == [2]
+    empty = make_plan(2, 2, 1, 4, [8, 0], "1f1b")
+    assert probe_ranks(empty) == [2, 3]
+    plain, _ = plan_series(empty, 44, seed=5)
+
+    def watched(obs):
+        det = FailSlowDetector(DetectorConfig(), plan=empty)
+        det.carry_reports(first)
+        return _watch(det, obs)
+
+    reports, back = watched(_with_probes(empty, plain, 2, {2: 3.0}, until=24))
+    ((rank, first_back, _),) = back
+    assert reports == [] and rank == 2 and first_back > 22
+    # Still slow in its probes: not recovered; no probes at all: no pace, not recovered.
+    assert watched(_with_probes(empty, plain, 2, {2: 3.0}, until=10**9)) == ([], [])
+    assert watched(plain) == ([], [])

@@ -14,7 +14,7 @@ import contextlib
 import pickle
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -66,6 +66,8 @@ class Outcome:
     """Per replica: full gradient tensors by name (after the DP average)."""
     params: list[dict[str, torch.Tensor]]
     """Per replica: full parameters after the last update."""
+    probes: dict[int, int] = field(default_factory=dict)
+    """Per rank: probe actions it timed in the last iteration (`unbroken.engine.probe`)."""
 
 
 @contextlib.contextmanager
@@ -164,6 +166,7 @@ def _worker(rank: int, world_size: int, store_path: str, cases: list[Case], out:
                     "losses": losses,
                     "norms": norms,
                     "seconds": (t1 - t0, time.perf_counter() - t1),
+                    "probes": len(er.worker.timing.probe) if er.worker.timing else 0,
                     "replica": located[0] if located else None,
                     "tp": (er.groups.tp.size, er.groups.tp.rank),
                     "grads": {k: v.clone() for k, v in layout.views(er.state.grads).items()},
@@ -286,6 +289,7 @@ def run_plans(cases: list[Case], world_size: int, tmp: Path) -> dict[str, Outcom
             grad_norms=first["norms"],
             grads=_assemble(case, rows, "grads"),
             params=_assemble(case, rows, "params"),
+            probes={r: row["probes"] for r, row in enumerate(rows)},
         )
     return outcomes
 

@@ -35,7 +35,8 @@ def layouts(draw) -> tuple[Layout, ClusterState]:
             )
             next_rank += tp
         replicas.append(Replica(tuple(stages)))
-    counts = tuple(draw(st.integers(1, 5)) for _ in range(dp))
+    counts = tuple(draw(st.integers(0, 5)) for _ in range(dp))  # 0: [Note: empty replica]
+    counts = (max(counts[0], 1), *counts[1:]) if sum(counts) == 0 else counts
     skeleton = Layout(replicas=tuple(replicas), microbatches=counts).skeleton
     moves = {}
     for mb in range(sum(counts)):

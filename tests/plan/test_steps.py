@@ -118,3 +118,42 @@ def test_a_replica_left_one_microbatch_gets_its_share_back_when_every_device_is_
     assert plan_for_state(
         healthy, PlannerConfig(exclusion=False, repartition=False)
     ).plan().microbatches == (4, 4)
+
+
+def _counts_with_slow_rank(speed: float) -> tuple[Scorer, Layout, tuple[int, ...]]:
+    lay = layout(2, 2, 1, 4)
+    cluster = state(lay).with_slow(lay.group(1, 1).ranks[0], speed=speed)
+    live = PlannerConfig(exclusion=False, repartition=False)
+    return Scorer(cluster), lay, plan_for_state(cluster, live).plan().microbatches
+
+
+def _with_counts(lay: Layout, counts: tuple[int, ...]) -> Layout:
+    return Layout(replicas=lay.replicas, microbatches=counts, inflight=lay.inflight)
+
+
+def test_a_replica_too_slow_for_one_microbatch_gets_none():
+    # [Note: empty replica]: at 1/20 speed one micro-batch on replica 1 takes longer than all
+    # eight on replica 0, so the planner empties it, and the simulator agrees it is faster.
+    scorer, lay, counts = _counts_with_slow_rank(0.05)
+    assert counts == (8, 0)
+    assert scorer.time(_with_counts(lay, (8, 0))) < scorer.time(_with_counts(lay, (7, 1)))
+    assert balance_simulated(scorer, lay) == [8, 0]
+    # An executor that keeps every replica computing (the data-parallel trainer) is not
+    # offered it: the counts the planner gave before empty replicas existed.
+    assert balance_simulated(scorer, lay, floor=1) == [7, 1]
+    keep = PlannerConfig(exclusion=False, repartition=False, empty_replicas=False)
+    assert plan_for_state(scorer.state, keep).plan().microbatches == (7, 1)
+
+
+def test_a_slow_replica_keeps_work_while_one_microbatch_there_is_faster():
+    scorer, lay, counts = _counts_with_slow_rank(0.25)
+    assert min(counts) >= 1 and sum(counts) == 8
+    assert scorer.time(_with_counts(lay, counts)) < scorer.time(_with_counts(lay, (8, 0)))
+
+
+def test_an_empty_replica_gets_its_share_back_when_every_device_is_healthy():
+    empty = make_plan(2, 2, 1, 8, [8, 0])
+    healthy = state(Layout.from_plan(make_plan(2, 2, 1, 8, 4))).with_plan(empty)
+    result = plan_for_state(healthy, PlannerConfig(exclusion=False, repartition=False))
+    assert result.plan().microbatches == (4, 4)
+    assert result.predicted_s < result.current_s

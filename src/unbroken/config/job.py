@@ -537,10 +537,18 @@ class AdaptConfig:
     re-planning); "evict" — evict-and-restart (Oobleck-like): a validated slow device is
     excluded, and the job restarts from its newest checkpoint on the other devices with an
     even plan; a lost device the same way (retained state and replicas are not used)."""
+    probe_every: int = 4
+    """A plan job's replica the scheduler left with no micro-batch (its devices too slow for
+    even one) runs a probe micro-batch every this many iterations — discarded, no effect on
+    the state or the data order — so that the detector sees when its devices run at full
+    speed again and the job gives them their work back (`unbroken.engine.probe`). 0: never
+    (such a device then stays out until the job restarts)."""
 
     def __post_init__(self) -> None:
         if self.max_replans < 0:
             raise ValueError("adapt.max_replans must be >= 0")
+        if self.probe_every < 0:
+            raise ValueError("adapt.probe_every must be >= 0")
         if not 0 <= self.min_gain < 1:
             raise ValueError("adapt.min_gain must be in [0, 1)")
         if self.policy not in ADAPT_POLICIES:

@@ -172,7 +172,10 @@ class PlanFit:
         """`rank`'s compute pace against the ranks that hold its stages in the other replicas
         over `window`: per (virtual stage, kind) it runs, its action seconds over the predicted
         T_MB of their micro-batches, over the median of the same ratio of the stage's other
-        holders; the median over its stages. None: no other replica holds a stage of it.
+        holders; the median over its stages. None: no other replica holds a stage of it, or
+        it computed nothing — a rank of an empty replica is paced by its probe micro-batch
+        ([Note: probe micro-batch] in `unbroken.engine.probe`), and without one it has no
+        pace: never found back, never found slow.
 
         Like with like, as `FailSlowDetector._pace_against_peers`: each rank's first action of
         each (stage, kind) per iteration only (the first carries the iteration's start-up, and
@@ -184,7 +187,9 @@ class PlanFit:
             t = by_microbatch(plan, self.predictor.mb_times(lengths))
             for r, timing in stages.items():
                 seen: set[tuple[int, str]] = set()
-                for kind, k, mb, seconds in timing.compute:
+                # A rank of an empty replica computes only its probe ([Note: probe
+                # micro-batch] in `unbroken.engine.probe`); no timing, no pace.
+                for kind, k, mb, seconds in timing.compute or timing.probe:
                     if (k, kind) in seen or mb not in t:
                         continue
                     seen.add((k, kind))

@@ -138,6 +138,10 @@ class StageTiming:
     """The loss and gradient-norm all-reduce over the world."""
     step_s: float = 0.0
     """OPT_STEP without `sync_s`: protect, update, boundary (local work)."""
+    probe: tuple[tuple[str, int, int, float], ...] = ()
+    """As `compute`, for the probe micro-batch of a replica that owns none ([Note: probe
+    micro-batch] in `unbroken.engine.probe`): no part of the iteration's work, so kept apart
+    from `compute` (the plan's fit never sees it); only the recovery check reads it."""
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -151,6 +155,7 @@ class StageTiming:
             "reduce_s": self.reduce_s,
             "sync_s": self.sync_s,
             "step_s": self.step_s,
+            "probe": [list(c) for c in self.probe],
         }
 
     @classmethod
@@ -166,6 +171,7 @@ class StageTiming:
             reduce_s=float(d.get("reduce_s", 0.0)),
             sync_s=float(d.get("sync_s", 0.0)),
             step_s=float(d.get("step_s", 0.0)),
+            probe=tuple((str(k), int(s), int(m), float(t)) for k, s, m, t in d.get("probe", ())),
         )
 
 

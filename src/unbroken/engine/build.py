@@ -330,5 +330,6 @@ def build_worker(
         autocast_dtype=autocast_dtype,
         ordered=ordered,
         shard_microbatches=cfg.data.microbatches,
+        probe_every=cfg.adapt.probe_every,
     )
     return EngineRank(worker=worker, model=model, state=state, groups=groups, geometry=geometry)

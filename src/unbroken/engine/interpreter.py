@@ -23,6 +23,12 @@ embedding gradients) and defers the linear weight GEMMs to W ([Note: split backw
 is the reference trainer's `loss / len(batches)` when replicas own equal counts, and the
 gradient all-reduce over replicas is divided by the replica count as there.
 
+A rank of a replica that owns no micro-batch (its list is REDUCE_GRAD, OPT_STEP) still joins
+the reduction and steps; every `probe_every`-th iteration it first runs the probe micro-batch
+of [Note: probe micro-batch] (`unbroken.engine.probe`): its F and B are the rank's FORWARD and
+BACKWARD step 0 of 1 for the phase hooks, its timings go to `StageTiming.probe`, nothing of it
+is left in the state.
+
 Gradients land in the caller's flat gradient buffer (`bind_grads`); parameters are only
 updated by the updater — [Note: flat-storage] holds for every plan.
 
@@ -41,7 +47,8 @@ rank's own view of the plan, so that a hook's (phase, step) means the same on ev
   when interleaved). Each (phase, step) fires once per iteration, step 0 first. Not the global
   micro-batch id: the ranks of replica 0 never see ids past their own, so a fault's default
   step (n // 2) of the global count was never reached there. W actions have no hook (their
-  time counts in the step before).
+  time counts in the step before). A rank of an empty replica has no F or B, hence no such
+  hook, except in an iteration it probes, whose probe F and B are its step 0 of 1.
 - with replicas, ALLREDUCE b before each gradient-reduction bucket (one for `FineShardSync`)
   and REDUCED after the last, inside REDUCE_GRAD; then PROTECT, SYNC, UPDATE per chunk,
   BOUNDARY.
@@ -78,6 +85,7 @@ from unbroken.config import TrainConfig
 from unbroken.detect.timing import StageTiming
 from unbroken.engine.groups import PlanGroups
 from unbroken.engine.ordered_plan import PlanOrderedGradients
+from unbroken.engine.probe import probe_actions, probes
 from unbroken.engine.sharding import replicated
 from unbroken.engine.stage import MicroBatchInputs, StageModel
 from unbroken.engine.transfer import run_batch
@@ -129,6 +137,7 @@ class PlanWorker:
             micro-batch k mod M of shard k // M whichever replica runs it (a plan whose
             replicas own other counts than the launch plan's reads the same data). None: the
             owner replica's shard (every replica owns the same count).
+        probe_every: see the attribute.
     """
 
     def __init__(
@@ -146,8 +155,12 @@ class PlanWorker:
         autocast_dtype: torch.dtype | None = None,
         ordered: PlanOrderedGradients | None = None,
         shard_microbatches: int | None = None,
+        probe_every: int = 0,
     ) -> None:
         self.model, self.state, self.shard_microbatches = model, state, shard_microbatches
+        self.probe_every = probe_every
+        """An empty replica's ranks run a probe micro-batch every this many iterations
+        ([Note: probe micro-batch] in `unbroken.engine.probe`; 0: never)."""
         self.autocast_dtype = autocast_dtype
         self.source, self.cfg = source, cfg
         self.updater, self.device, self.hooks = updater, device, list(hooks)
@@ -209,6 +222,8 @@ class PlanWorker:
         self._counted = self._norm_slices() if ordered is None else []
         self._buckets = self._norm_buckets() if ordered is not None else []
         self._steps = _hook_steps(self.actions)
+        self._probe_list = probe_actions(plan, self.rank) if self.rank in plan.ranks else ()
+        self._probing = False
 
     def set_plan(
         self, plan: ParallelPlan, groups: PlanGroups, ordered: PlanOrderedGradients | None
@@ -314,7 +329,7 @@ class PlanWorker:
                 out = self.model(self.layers[k], x, inputs)
         if k == self.last_stage:
             out = out / self.loss_div
-            if self.reports_loss:  # float64 on the device: no host sync per micro-batch
+            if self.reports_loss and not self._probing:  # float64 on the device: no host sync
                 if self.ordered is not None:  # folded in id order (_sync)
                     self._mb_loss[mb] = out.detach().double()
                 else:
@@ -343,8 +358,8 @@ class PlanWorker:
         x = self._stage_inputs.pop((k, mb), None)
         if x is not None:
             self._input_grads[(k, mb)] = x.grad
-        if self.ordered is not None:  # one B per micro-batch (`check_ordered_plan`)
-            self.ordered.keep(mb)
+        if self.ordered is not None and not self._probing:  # one B per micro-batch
+            self.ordered.keep(mb)  # (`check_ordered_plan`)
 
     def _weight(self, k: int, mb: int) -> None:
         WeightGradSink.run(self._pending_w.pop((k, mb)))
@@ -430,6 +445,7 @@ class PlanWorker:
         self._blocked = dict.fromkeys(("p2p", "tp", "reduce", "sync"), 0.0)
         self._p2p_min = float("inf")
         self._compute_s: list[tuple[str, int, int, float]] = []
+        self._probe_s: list[tuple[str, int, int, float]] = []
 
     def _batch(self, batch: list[Action]) -> None:
         t = self._blocked_since = time.perf_counter()
@@ -460,9 +476,10 @@ class PlanWorker:
                 self._input_grads.pop((a.stage, a.microbatch), None)
 
     def _compute(self, iteration: int, a: Action) -> None:
-        if a.kind is not _K.W:  # [Note: plan hooks]
+        if a.kind is not _K.W:  # [Note: plan hooks]; a probe is its rank's one step
             phase = Phase.FORWARD if a.kind is _K.F else Phase.BACKWARD
-            self._hook(phase, iteration, *self._steps[(a.kind, a.stage, a.microbatch)])
+            step = (0, 1) if self._probing else self._steps[(a.kind, a.stage, a.microbatch)]
+            self._hook(phase, iteration, *step)
         t, tp0 = time.perf_counter(), self.groups.tp.clock.seconds
         if a.kind is _K.F:
             self._forward(iteration, a.stage, a.microbatch)
@@ -475,7 +492,47 @@ class PlanWorker:
         for hook in self.hooks:  # [Note: plan hooks]
             if (after := getattr(hook, "after_compute", None)) is not None:
                 after(iteration)
-        self._compute_s.append((a.kind.value, a.stage, a.microbatch, time.perf_counter() - t))
+        took = (a.kind.value, a.stage, a.microbatch, time.perf_counter() - t)
+        (self._probe_s if self._probing else self._compute_s).append(took)
+
+    def _run_probe(self, iteration: int) -> None:
+        """The probe micro-batch ([Note: probe micro-batch] in `unbroken.engine.probe`): its
+        compute timed apart, and nothing of it left: gradients zeroed, RNG state restored, its
+        data and activations dropped. The phase hooks see its F and B as the rank's step 0 of
+        1 ([Note: plan hooks]): a slow device is slow for the probe too, and a fault injected
+        on the rank keeps its clock (an injected slowdown's `until`)."""
+        rng = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        self._probing = True
+        try:
+            self._run_list(iteration, self._probe_list)
+        finally:
+            self._probing = False
+            torch.set_rng_state(rng)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, self.device)
+        self.state.grads.zero_()
+        self._batches.clear()
+        self._mb_inputs.clear()
+        self._outputs.clear()
+        self._input_grads.clear()
+        self._stage_inputs.clear()
+
+    def _run_list(self, iteration: int, actions: Sequence[Action]) -> None:
+        """Compute actions one by one, consecutive transfers as one p2p batch."""
+        batch: list[Action] = []
+        for a in actions:
+            if a.is_comm:
+                batch.append(a)
+                continue
+            if batch:
+                self._batch(batch)
+                batch = []
+            t = time.perf_counter()
+            self._compute(iteration, a)
+            self._record(f"{a.kind}{a.stage}", t)
+        if batch:
+            self._batch(batch)
 
     def _record(self, key: str, since: float) -> None:
         if self.profile is not None:
@@ -494,6 +551,7 @@ class PlanWorker:
             reduce_s=b["reduce"],
             sync_s=b["sync"],
             step_s=step_s,
+            probe=tuple(self._probe_s),
         )
 
     def run_iteration(self, iteration: int) -> IterationResult:
@@ -513,19 +571,9 @@ class PlanWorker:
         tail = [a.kind for a in self.actions[-2:]]
         if tail != [_K.REDUCE_GRAD, _K.OPT_STEP]:
             raise RuntimeError(f"rank {self.rank}: action list must end REDUCE_GRAD, OPT_STEP")
-        batch: list[Action] = []
-        for a in self.actions[:-2]:
-            if a.is_comm:
-                batch.append(a)
-                continue
-            if batch:
-                self._batch(batch)
-                batch = []
-            t = time.perf_counter()
-            self._compute(iteration, a)
-            self._record(f"{a.kind}{a.stage}", t)
-        if batch:
-            self._batch(batch)
+        self._run_list(iteration, self.actions[:-2])
+        if probes(self.plan, self.rank, iteration, self.probe_every):
+            self._run_probe(iteration)
         t = time.perf_counter()
         self._reduce_grads(iteration)
         self._record("REDUCE_GRAD", t)

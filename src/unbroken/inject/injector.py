@@ -234,6 +234,9 @@ class Injector:
             torch.cuda.synchronize(self.device)
         now = self.clock()
         self._stall(now - self._phase_start, self.busy_clock() - self._busy_start, iteration)
+        # A rank with no forward in an iteration (an empty replica's, `unbroken.engine.probe`)
+        # must still see its slowdown end: any hook of iteration `until` or later ends it.
+        self._end_slow(iteration)
         self._last = (phase, iteration, step)
         if phase is Phase.FORWARD and step == 0:
             self._release_spike()  # a memory spike lasts one iteration

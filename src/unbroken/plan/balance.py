@@ -7,6 +7,15 @@ micro-batch when it runs alone) and `balance_simulated` (the planner's: counts t
 slowest replica's *simulated* time, proposed from two simulated points per replica and refined
 by timed single moves — pipeline fill and drain are not proportional to the count, which the
 variance objective ignores).
+
+[Note: empty replica] `balance_simulated` may give a replica 0 micro-batches (issue 18): its
+time is then only its reduction and optimizer step (`idle_s`), and it gets 0 exactly when its
+time with one micro-batch is above what the others reach with that micro-batch too. At least
+one replica keeps work (the counts sum to the batch, which is >= 1). An empty replica still
+holds a copy of the state: it joins the ordered reduction with no addend and steps
+(`unbroken.engine.ordered_plan`), and its devices are watched by a probe micro-batch
+(`unbroken.engine.probe`). The baselines' `balance_counts` keeps n >= 1: that is their papers'
+program.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from collections.abc import Sequence
 from unbroken.plan.layout import Layout
 from unbroken.plan.score import Scorer
 
-__all__ = ["balance_counts", "balance_simulated", "replica_rates"]
+__all__ = ["balance_counts", "balance_simulated", "idle_s", "replica_rates"]
 
 
 def _alone(layout: Layout, d: int, count: int) -> Layout:
@@ -26,13 +35,26 @@ def _alone(layout: Layout, d: int, count: int) -> Layout:
     )
 
 
-def _greedy(lines: Sequence[tuple[float, float]], total: int) -> list[int]:
-    """Counts n_d >= 1 summing to `total` that minimize max_d a_d + b_d n_d: each micro-batch
-    goes where it finishes earliest."""
-    counts = [1] * len(lines)
-    heap = [(a + 2 * b, d) for d, (a, b) in enumerate(lines)]
+def idle_s(scorer: Scorer, layout: Layout, d: int) -> float:
+    """Replica `d`'s simulated time alone with no micro-batch: its gradient reduction and its
+    optimizer step ([Note: empty replica])."""
+    alone = _alone(layout, d, 1)
+    return max(scorer.reduce_s(alone).values(), default=0.0) + scorer.opt_s(alone)
+
+
+def _greedy(
+    first: Sequence[float], lines: Sequence[tuple[float, float]], total: int, floor: int
+) -> list[int]:
+    """Counts n_d >= `floor` summing to `total` that minimize max_d of each replica's time: its
+    first micro-batch finishes at `first[d]` (simulated), the n-th after that at a_d + b_d n;
+    each micro-batch goes where it finishes earliest ([Note: empty replica])."""
+    counts = [floor] * len(lines)
+    heap = [
+        (t if floor == 0 else a + (floor + 1) * b, d)
+        for d, (t, (a, b)) in enumerate(zip(first, lines, strict=True))
+    ]
     heapq.heapify(heap)
-    for _ in range(total - len(lines)):
+    for _ in range(total - floor * len(lines)):
         _, d = heapq.heappop(heap)
         counts[d] += 1
         a, b = lines[d]
@@ -40,14 +62,21 @@ def _greedy(lines: Sequence[tuple[float, float]], total: int) -> list[int]:
     return counts
 
 
-def balance_simulated(scorer: Scorer, layout: Layout, *, steps: int = 8) -> list[int]:
+def balance_simulated(
+    scorer: Scorer, layout: Layout, *, steps: int = 8, floor: int = 0
+) -> list[int]:
     """Micro-batch counts per replica (summing to the layout's batch) that minimize the slowest
-    replica's simulated time alone (module docstring).
+    replica's simulated time alone (module docstring); a count may be 0 ([Note: empty
+    replica]).
 
-    Each replica's time is simulated at its count and one less; the line through the two points
-    proposes the counts (each micro-batch where it would finish earliest), and then at most
+    Each replica's time is simulated at one micro-batch, at its count and at one less; the line
+    through the last two points prices its further micro-batches, the first is priced at its
+    simulated time, and each micro-batch goes where it would finish earliest. Then at most
     `steps` single moves, each timed, from the replica the simulator says finishes last to the
-    one finishing first.
+    one finishing first (to 0 only when the simulated time with none is shorter).
+
+    `floor`: the fewest micro-batches a replica keeps (1 for an executor that cannot run an
+    empty replica, `PlannerConfig.empty_replicas`).
     """
     total = sum(layout.microbatches)
     if layout.dp == 1:
@@ -56,7 +85,9 @@ def balance_simulated(scorer: Scorer, layout: Layout, *, steps: int = 8) -> list
 
     def time(d: int, n: int) -> float:
         if (d, n) not in memo:
-            memo[(d, n)] = scorer.time(_alone(layout, d, n))
+            memo[(d, n)] = (
+                idle_s(scorer, layout, d) if n == 0 else scorer.time(_alone(layout, d, n))
+            )
         return memo[(d, n)]
 
     lines = []
@@ -64,12 +95,13 @@ def balance_simulated(scorer: Scorer, layout: Layout, *, steps: int = 8) -> list
         hi, lo = max(n, 2), max(n, 2) - 1
         slope = max(time(d, hi) - time(d, lo), 1e-12)
         lines.append((time(d, hi) - slope * hi, slope))
-    counts = _greedy(lines, total)
+    first = [time(d, 1) if floor == 0 else 0.0 for d in range(layout.dp)]
+    counts = _greedy(first, lines, total, floor)
     times = [time(d, n) for d, n in enumerate(counts)]
     for _ in range(steps):
         hi = max(range(len(times)), key=lambda d: (times[d], -d))
         lo = min(range(len(times)), key=lambda d: (times[d], d))
-        if hi == lo or counts[hi] <= 1:
+        if hi == lo or counts[hi] <= floor:
             break
         t_hi, t_lo = time(hi, counts[hi] - 1), time(lo, counts[lo] + 1)
         rest = max((t for d, t in enumerate(times) if d not in (hi, lo)), default=0.0)

@@ -155,13 +155,13 @@ FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 """Prefixes of a pass's migrations that are timed ([Note: migration acceptance])."""
 
 
-def whole_batch_seed(scorer: Scorer, layout: Layout) -> list[Migration]:
+def whole_batch_seed(scorer: Scorer, layout: Layout, floor: int = 0) -> list[Migration]:
     """Whole micro-batches (every stage) moved from slow replicas to fast ones so that each
     replica's share matches its speed ([Note: migration seed]); none unless every replica has
     the same layer split (a migration needs equal layers at both ends)."""
     if layout.dp < 2 or layout.migrations or not layout.uniform_split:
         return []
-    target = balance_simulated(scorer, layout)
+    target = balance_simulated(scorer, layout, floor=floor)
     plan = layout.skeleton
     give = []
     for d in range(layout.dp):
@@ -177,20 +177,20 @@ def whole_batch_seed(scorer: Scorer, layout: Layout) -> list[Migration]:
     ]
 
 
-def _seed(scorer: Scorer, layout: Layout, ownership: bool) -> tuple[Layout | None, int]:
+def _seed(scorer: Scorer, layout: Layout, ownership: bool, floor: int) -> tuple[Layout | None, int]:
     """The seed as a layout: re-owned micro-batches when ownership may change, else whole
     micro-batch migrations (same timing, [Note: migration seed])."""
     if ownership:
         if layout.dp < 2 or layout.migrations:
             return None, 0
-        counts = tuple(balance_simulated(scorer, layout))
+        counts = tuple(balance_simulated(scorer, layout, floor=floor))
         if counts == layout.microbatches:
             return None, 0
         moved = sum(abs(a - b) for a, b in zip(counts, layout.microbatches, strict=True)) // 2
         return Layout(
             replicas=layout.replicas, microbatches=counts, inflight=layout.inflight
         ), moved * layout.pp
-    seed = whole_batch_seed(scorer, layout)
+    seed = whole_batch_seed(scorer, layout, floor)
     return (layout.with_migrations(seed), len(seed)) if seed else (None, 0)
 
 
@@ -202,6 +202,7 @@ def migrate(
     delta: int | None = None,
     rounds: int = 3,
     ownership: bool = True,
+    floor: int = 0,
 ) -> Improvement:
     """Algorithm 1 passes while they shorten the predicted iteration (module docstring).
 
@@ -217,11 +218,11 @@ def migrate(
     pass proposes its migrations in the order it chose them, and the simulator times the first
     quarter, half, three quarters and all of them; the best prefix is kept if it beats the
     layout without them, and the next pass starts from the timeline of what was kept.
-    """
+    `floor`: fewest micro-batches the seed leaves a replica ([Note: empty replica])."""
     delta = auto_delta(layout) if delta is None else delta
     best, evaluated, added = layout, 0, 0
     notes: list[str] = []
-    candidate, seeded = _seed(scorer, layout, ownership)
+    candidate, seeded = _seed(scorer, layout, ownership, floor)
     if candidate is not None:
         evaluated += 1
         t = scorer.time(candidate, bound=time)

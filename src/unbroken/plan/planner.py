@@ -65,6 +65,10 @@ class PlannerConfig:
     migration seed). False keeps the current ownership and moves work with migrations only:
     what today's engine runs (it requires equal micro-batch counts); a replica dissolved by a
     lost stage still hands its micro-batches to the others."""
+    empty_replicas: bool = True
+    """May give a replica no micro-batch when that is faster ([Note: empty replica] in
+    `unbroken.plan.balance`). False for an executor that keeps every replica computing (the
+    data-parallel trainer, whose placement gives every rank at least one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +234,13 @@ def _plan(
     after_exclusion, exclusion_s = run.best, run.best_s
     _pipeline_and_migration(run, config)
     if config.repartition and config.ownership:
-        imp = repartition_each(scorer, after_exclusion, exclusion_s, budget=config.budget)
+        imp = repartition_each(
+            scorer,
+            after_exclusion,
+            exclusion_s,
+            budget=config.budget,
+            floor=0 if config.empty_replicas else 1,
+        )
         name = "per-replica repartition (instead of steps 2-3)"
         run.offer(name, imp.layout, imp.time, imp.notes, imp.evaluated)
     if not math.isfinite(run.best_s):
@@ -284,6 +294,7 @@ def _pipeline_and_migration(run: _Run, config: PlannerConfig) -> None:
             delta=config.delta,
             rounds=config.rounds,
             ownership=config.ownership,
+            floor=0 if config.empty_replicas else 1,
         )
         run.offer("migration", imp.layout, imp.time, imp.notes, imp.evaluated)
 

@@ -153,11 +153,12 @@ def _affected(scorer: Scorer, layout: Layout, d: int) -> bool:
 
 
 def repartition_each(
-    scorer: Scorer, layout: Layout, time: float, *, budget: int = 64
+    scorer: Scorer, layout: Layout, time: float, *, budget: int = 64, floor: int = 0
 ) -> Improvement:
     """The per-replica repartition of the module docstring, with re-owned micro-batches: each
     affected replica (a slowed or narrowed group, a slow link) of `layout` gets its own split,
-    the others keep theirs."""
+    the others keep theirs. `floor`: fewest micro-batches a replica keeps (0: [Note: empty
+    replica] in `unbroken.plan.balance`)."""
     if layout.dp == 1 or layout.pp == 1:
         return Improvement(layout, time, (), 0)
     found: dict[tuple, tuple[int, ...]] = {}
@@ -165,7 +166,7 @@ def repartition_each(
     for d in range(layout.dp):
         alone = Layout(
             replicas=(layout.replicas[d],),
-            microbatches=(layout.microbatches[d],),
+            microbatches=(max(layout.microbatches[d], 1),),  # an empty one: split for one
             inflight=(layout.inflight[d],),
         )
         if not _affected(scorer, layout, d):
@@ -180,7 +181,7 @@ def repartition_each(
     split = Layout(
         replicas=tuple(replicas), microbatches=layout.microbatches, inflight=layout.inflight
     )
-    counts = tuple(balance_simulated(scorer, split))
+    counts = tuple(balance_simulated(scorer, split, floor=floor))
     candidate = Layout(replicas=split.replicas, microbatches=counts, inflight=layout.inflight)
     evaluated += 1
     t = scorer.time(candidate, bound=time)

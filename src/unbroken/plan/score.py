@@ -286,6 +286,13 @@ class Scorer:
         targets = {m.replica for m in layout.migrations}
         for comp in components(layout):
             ids = [m for d in comp for m in layout.skeleton.microbatch_ids(d)]
+            if not ids and not targets.intersection(comp):  # [Note: empty replica]
+                idle = _idle(layout.pp)
+                t = idle.time(reduce, opt)
+                yield idle, t, (comp, ids)
+                if t >= bound:
+                    return
+                continue
             key, table, links, arrival, slowest = self._key(layout, comp, targets)
             if key in self.cache:
                 t = self.cache[key].time(reduce, opt)
@@ -425,6 +432,13 @@ class Scorer:
         if out.time(reduce, opt) != timeline.iteration_time:  # pragma: no cover - the note's claim
             raise RuntimeError("reduction-free timing differs from the simulator's")
         return out
+
+
+def _idle(pp: int) -> _Component:
+    """A replica with no micro-batch ([Note: empty replica] in `unbroken.plan.balance`): its
+    list is REDUCE_GRAD, OPT_STEP, so each stage's reduction is ready at once."""
+    empty = GroupTrace((), ())
+    return _Component({s: 0.0 for s in range(pp)}, {(0, s): empty for s in range(pp)}, True)
 
 
 def _message_pairs(small: Layout) -> set[tuple[int, int]]:

@@ -146,7 +146,11 @@ class Adaptation:
         """device -> why it is lost."""
         self.returned: dict[int, str] = {}
         """device -> why it is usable again (lost before; not yet back in the world)."""
-        self.planner = PlannerConfig(exclusion=cfg.adapt.policy != "greyhound")
+        # The data-parallel trainer gives every rank a micro-batch (`_at_least_one`): no
+        # empty replica ([Note: empty replica] in `unbroken.plan.balance`) is planned for it.
+        self.planner = PlannerConfig(
+            exclusion=cfg.adapt.policy != "greyhound", empty_replicas=False
+        )
         """The scheduler's steps: Greyhound's policy is the planner without exclusion."""
         self.healthy_s = plan_for_state(self.state, self.planner).current_s
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from unbroken.config import AdaptConfig
@@ -83,6 +84,13 @@ rank's layers and state. Excluding the device or moving layers needs the live re
 _MOVE = PlannerConfig(exclusion=False)
 """The same plus layer repartition (ResiHP §6.2): layers move between the stages of a replica,
 so the ranks' state moves with them (a planned restart in `RestoreMode.RESHARD`)."""
+
+
+def _planner(config: PlannerConfig, adapt: AdaptConfig) -> PlannerConfig:
+    """`config` for this job's policy: ours may empty a replica ([Note: empty replica] in
+    `unbroken.plan.balance`; its devices probed, `unbroken.engine.probe`); Greyhound's
+    `solve_dp` keeps at least one micro-batch per replica."""
+    return replace(config, empty_replicas=adapt.policy == "resihp")
 
 
 class PipelineAdaptation:
@@ -201,10 +209,10 @@ class PipelineAdaptation:
         run: the ordered reduction folds a layer's gradient over the replicas in one layout
         (`unbroken.engine.ordered_plan`), and the scheduler's repartition of a DP x PP job
         moves the slow replica's layers alone — so today only one-replica pipelines move."""
-        keep = plan_for_state(self.state, _LIVE)
+        keep = plan_for_state(self.state, _planner(_LIVE, self.adapt))
         if not self.moves_layers:
             return keep, False
-        move = plan_for_state(self.state, _MOVE)
+        move = plan_for_state(self.state, _planner(_MOVE, self.adapt))
         plan = move.plan()
         if (
             move.kept_current
@@ -289,7 +297,7 @@ class PipelineAdaptation:
         self.state = self.state.with_healthy(rank)
         if self.plan.dp == 1:
             return self._layers_back(trigger, iter_s)
-        result = plan_for_state(self.state, _LIVE)
+        result = plan_for_state(self.state, _planner(_LIVE, self.adapt))
         plan = result.plan()
         if result.kept_current or plan.microbatches == self.plan.microbatches:
             return self._skip(trigger, "the plan for the healthy device is the running one")
