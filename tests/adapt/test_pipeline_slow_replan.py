@@ -21,6 +21,11 @@ from unbroken.metrics.log import read_jsonl
 from .conftest import adapt_job, events_of
 
 
+@pytest.mark.slow  # ~40 s; CI reached 19:53 at stop 43. CI keeps its parts: the fail-slow
+# loop end to end on a data-parallel job (tests/test_demo.py), a pipeline's live switch on a
+# slow device (tests/adapt/test_live_repartition.py), live switches of a DP x PP plan bit-exact
+# (tests/engine/test_empty_replica.py) and the coordinator's decisions for DP x PP
+# (tests/adapt/test_pipeline_adaptation.py)
 @pytest.mark.timeout(900)
 def test_a_slow_device_of_a_dp_x_pp_job_is_planned_around_live_bit_exact(tmp_path):
     cfg = adapt_job(
@@ -44,7 +49,7 @@ def test_a_slow_device_of_a_dp_x_pp_job_is_planned_around_live_bit_exact(tmp_pat
     assert events_of(events, "recovery_start") == []
 
 
-@pytest.mark.slow  # ~25 s; CI keeps the live switch above and shadow takeovers elsewhere
+@pytest.mark.slow  # ~25 s; shadow takeovers are in CI elsewhere (tests/recovery/test_shadows.py)
 @pytest.mark.timeout(1200)
 def test_a_shadow_takeover_right_after_a_live_pipeline_replan_keeps_the_new_plan(tmp_path):
     faults = ["slow:rank=0,iter=15,factor=6", "kill:rank=3,iter=27,phase=update"]
@@ -63,7 +68,7 @@ def test_a_shadow_takeover_right_after_a_live_pipeline_replan_keeps_the_new_plan
     assert crash["mode"] == "inplace" and crash["shadow_level"] == 3
 
 
-@pytest.mark.slow  # ~50 s (56 iterations twice); CI keeps the switch above, and the return's
+@pytest.mark.slow  # ~50 s (56 iterations twice); CI keeps the return's
 # parts without processes: tests/detect/test_plan_model.py (the watch finds the return) and
 # tests/adapt/test_pipeline_adaptation.py (the coordinator switches back)
 @pytest.mark.timeout(1200)
