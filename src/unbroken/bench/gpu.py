@@ -803,8 +803,8 @@ def _protection(b: _Bench) -> None:
 def _memory_breakdown(device, lending) -> dict[str, int]:
     """Where a trainer's reserved device memory sits after its iterations: torch's counters
     (reserved now and at peak, the peak of allocated bytes, of free bytes inside split
-    segments) and, lent, the lending pool's own segments: their bytes and how many of them the
-    raw allocator took from the driver past the lent ranges."""
+    segments) and, lent, the lending pool's own segments: how many, and their bytes (the
+    lent ranges and what the raw allocator took from the driver past them)."""
     import torch
 
     stats = torch.cuda.memory_stats(device)

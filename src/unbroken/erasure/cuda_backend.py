@@ -254,6 +254,14 @@ class TritonCodec(Codec):
             coefficients.shape == self.matrix.shape and np.array_equal(coefficients, self.matrix)
         )
 
+    def _word_block(self, words: int, block_w: int) -> int:
+        """`block_w` halved (not below `xor_min_block`) until `words` give about half of
+        `xor_fill` programs: small pages still fill the GPU."""
+        t = self.tuning
+        while block_w > t["xor_min_block"] and _cdiv(words, block_w) < t["xor_fill"] // 2:
+            block_w //= 2
+        return block_w
+
     def _launch_horner(self, rows, src, src2, dst, length, dest_offset, fused, accumulate) -> None:
         """One program per word block over all k columns; small pages shrink the block (the
         columns cannot be split, see `_triton_horner`)."""
@@ -261,9 +269,7 @@ class TritonCodec(Codec):
 
         t = self.tuning
         words = length // 4
-        block_w = t["horner_block"]
-        while block_w > t["xor_min_block"] and _cdiv(words, block_w) < t["xor_fill"] // 2:
-            block_w //= 2
+        block_w = self._word_block(words, t["horner_block"])
         gf_matmul_horner[(_cdiv(words, block_w),)](
             src,
             src2,
@@ -326,9 +332,7 @@ class TritonCodec(Codec):
         words = length // 4
         # Small pages: shrink the word block, then split the columns, until the grid can
         # fill the machine (about `xor_fill` programs).
-        block_w = t["xor_block"]
-        while block_w > t["xor_min_block"] and _cdiv(words, block_w) < t["xor_fill"] // 2:
-            block_w //= 2
+        block_w = self._word_block(words, t["xor_block"])
         blocks = _cdiv(words, block_w)
         splits = max(1, min(t["xor_fill"] // blocks, cols // t["xor_min_cols"]))
         per_split = _cdiv(cols, splits)
