@@ -21,6 +21,17 @@ from unbroken.metrics.log import read_jsonl
 from .conftest import adapt_job, events_of
 
 
+def _pp2_run(tmp_path, iterations: int, inject: list[str]) -> tuple[dict, list[dict]]:
+    """PP = 2 x DP = 2 on 4 ranks with `adapt.enabled` and `inject`, beside its fault-free
+    reference: the summary (done, bit for bit the reference) and the faulty run's events."""
+    cfg = adapt_job(world_size=4, iterations=iterations, microbatches=4, inject=inject)
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    return s, [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+
+
 @pytest.mark.slow  # ~40 s; CI reached 19:53 at stop 43. CI keeps its parts: the fail-slow
 # loop end to end on a data-parallel job (tests/test_demo.py), a pipeline's live switch on a
 # slow device (tests/adapt/test_live_repartition.py), live switches of a DP x PP plan bit-exact
@@ -28,14 +39,7 @@ from .conftest import adapt_job, events_of
 # (tests/adapt/test_pipeline_adaptation.py)
 @pytest.mark.timeout(900)
 def test_a_slow_device_of_a_dp_x_pp_job_is_planned_around_live_bit_exact(tmp_path):
-    cfg = adapt_job(
-        world_size=4, iterations=32, microbatches=4, inject=["slow:rank=0,iter=15,factor=6"]
-    )
-    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
-    s = run_job(cfg, tmp_path, reference=True, quiet=True)
-    assert s["state"] == "done", s["reason"]
-    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
-    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    _, events = _pp2_run(tmp_path, 32, ["slow:rank=0,iter=15,factor=6"])
     replans = events_of(events, "replan")
     assert replans, [e for e in events if e["kind"] in ("fail_slow", "replan_skipped")]
     first = replans[0]
@@ -53,12 +57,7 @@ def test_a_slow_device_of_a_dp_x_pp_job_is_planned_around_live_bit_exact(tmp_pat
 @pytest.mark.timeout(1200)
 def test_a_shadow_takeover_right_after_a_live_pipeline_replan_keeps_the_new_plan(tmp_path):
     faults = ["slow:rank=0,iter=15,factor=6", "kill:rank=3,iter=27,phase=update"]
-    cfg = adapt_job(world_size=4, iterations=30, microbatches=4, inject=faults)
-    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
-    s = run_job(cfg, tmp_path, reference=True, quiet=True)
-    assert s["state"] == "done", s["reason"]
-    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
-    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    s, events = _pp2_run(tmp_path, 30, faults)
     replan = events_of(events, "replan")[0]
     applied = events_of(events, "plan_applied")
     assert applied[0]["iter"] < 27  # the switch came before the crash
@@ -76,17 +75,7 @@ def test_a_slow_device_of_a_dp_x_pp_job_gets_its_microbatches_back_when_healthy(
     # Rank 0 is 6x slower for iterations 15..29 (`until`). After the live switch the watch
     # warms up again on the new plan (12 iterations), then compares rank 0 with the holder of
     # its stage in replica 1 over 8 iterations.
-    cfg = adapt_job(
-        world_size=4,
-        iterations=56,
-        microbatches=4,
-        inject=["slow:rank=0,iter=15,factor=6,until=30"],
-    )
-    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
-    s = run_job(cfg, tmp_path, reference=True, quiet=True)
-    assert s["state"] == "done", s["reason"]
-    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
-    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    _, events = _pp2_run(tmp_path, 56, ["slow:rank=0,iter=15,factor=6,until=30"])
     slow, back = events_of(events, "replan")
     assert slow["trigger"]["kind"] == "fail_slow" and slow["trigger"]["rank"] == 0
     (ended,) = events_of(events, "slow_ended")
@@ -113,17 +102,7 @@ def test_an_emptied_replica_is_probed_and_gets_its_microbatches_back_when_health
     # ranks then compute nothing but a probe micro-batch every adapt.probe_every (4)
     # iterations; the watch finds rank 3 back at its peers' pace from the probes, and the
     # coordinator gives replica 1 its micro-batches back. Bit for bit the fault-free run.
-    cfg = adapt_job(
-        world_size=4,
-        iterations=52,
-        microbatches=4,
-        inject=["slow:rank=3,iter=15,factor=20,until=30"],
-    )
-    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
-    s = run_job(cfg, tmp_path, reference=True, quiet=True)
-    assert s["state"] == "done", s["reason"]
-    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
-    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    _, events = _pp2_run(tmp_path, 52, ["slow:rank=3,iter=15,factor=20,until=30"])
     slow, back = events_of(events, "replan")
     assert slow["trigger"]["rank"] == 3 and slow["counts_after"] == [8, 0], slow
     first, second = [e for e in events_of(events, "plan_applied") if "stages" in e]

@@ -199,6 +199,16 @@ def _watch(det: FailSlowDetector, obs: list[Observation]) -> tuple[list, list]:
     return reports, back
 
 
+def _watch_carried(
+    plan: ParallelPlan, first: FailSlowDetector, obs: list[Observation]
+) -> tuple[list, list]:
+    """`_watch` of a fresh detector on `plan` that carries `first`'s open reports (the
+    coordinator's live switch, `carry_reports`)."""
+    det = FailSlowDetector(DetectorConfig(), plan=plan)
+    det.carry_reports(first)
+    return _watch(det, obs)
+
+
 def test_a_plan_rank_back_at_its_stage_peers_pace_is_recovered():
     # PP2 x DP2: rank 0 (replica 0, stage 0) 3x slower for iterations 14..27. Its stage's
     # holder in replica 1 (rank 2) is the peer it is compared with.
@@ -224,9 +234,7 @@ def test_a_detector_restarted_on_a_live_plan_keeps_watching_the_slow_rank():
     assert [r for r, _ in _watch(first, obs)[0]] == [0]
     moved = make_plan(2, 2, 1, 4, [1, 7], "1f1b")
     obs, _ = plan_series(moved, 44, seed=5, slow_rank=0, slow_iter=0, slow_until=24, factor=3)
-    carried = FailSlowDetector(DetectorConfig(), plan=moved)
-    carried.carry_reports(first)
-    reports, back = _watch(carried, obs)
+    reports, back = _watch_carried(moved, first, obs)
     assert reports == []  # the carried report is known
     ((rank, first_back, _),) = back
     assert rank == 0 and first_back >= 24
@@ -264,17 +272,13 @@ def test_a_one_replica_pipeline_rank_whose_layers_moved_is_found_back_per_layer(
     assert [r for r, _ in _watch(first, obs)[0]] == [0] and 0 in first.healthy
     moved = make_plan(1, 2, 1, 4, 4, "1f1b", layer_split=[1, 3])
     obs, _ = plan_series(moved, 44, seed=5, slow_rank=0, slow_iter=0, slow_until=24, factor=3)
-    carried = FailSlowDetector(DetectorConfig(), plan=moved)
-    carried.carry_reports(first)
-    reports, back = _watch(carried, obs)
+    reports, back = _watch_carried(moved, first, obs)
     assert reports == []  # the carried report is known
     ((rank, first_back, last),) = back
     assert rank == 0 and first_back == 24 and last == 31
     # Still slow on the moved plan: not found back (3x per layer, not 1x).
     obs, _ = plan_series(moved, 44, seed=5, slow_rank=0, slow_iter=0, factor=3)
-    carried = FailSlowDetector(DetectorConfig(), plan=moved)
-    carried.carry_reports(first)
-    assert _watch(carried, obs) == ([], [])
+    assert _watch_carried(moved, first, obs) == ([], [])
     healthy = first.healthy[0]
     ratio = healthy.ratio(moved, [(o.doc_lengths, o.stages) for o in obs[20:28]], 0)
     assert ratio == pytest.approx(3.0, rel=0.05)
@@ -316,15 +320,11 @@ def test_an_empty_replicas_rank_is_recovered_from_its_probes_and_only_from_them(
     empty = make_plan(2, 2, 1, 4, [8, 0], "1f1b")
     assert probe_ranks(empty) == [2, 3]
     plain, _ = plan_series(empty, 44, seed=5)
-
-    def watched(obs):
-        det = FailSlowDetector(DetectorConfig(), plan=empty)
-        det.carry_reports(first)
-        return _watch(det, obs)
-
-    reports, back = watched(_with_probes(empty, plain, 2, {2: 3.0}, until=24))
+    healed = _with_probes(empty, plain, 2, {2: 3.0}, until=24)
+    reports, back = _watch_carried(empty, first, healed)
     ((rank, first_back, _),) = back
     assert reports == [] and rank == 2 and first_back > 22
     # Still slow in its probes: not recovered; no probes at all: no pace, not recovered.
-    assert watched(_with_probes(empty, plain, 2, {2: 3.0}, until=10**9)) == ([], [])
-    assert watched(plain) == ([], [])
+    still_slow = _with_probes(empty, plain, 2, {2: 3.0}, until=10**9)
+    assert _watch_carried(empty, first, still_slow) == ([], [])
+    assert _watch_carried(empty, first, plain) == ([], [])

@@ -303,10 +303,18 @@ def bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def assert_same_run(ref: Outcome, got: Outcome) -> None:
+    """`got` ended where `ref` did: the same losses and gradient norms, and the first
+    replica's parameters bit for bit."""
+    assert got.losses == ref.losses and got.grad_norms == ref.grad_norms
+    assert bit_equal(got.params[0], ref.params[0])
+
+
 __all__ = [
     "ENGINE_MODEL",
     "Case",
     "Outcome",
+    "assert_same_run",
     "bit_equal",
     "engine_job",
     "max_abs_diff",
