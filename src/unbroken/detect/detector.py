@@ -8,9 +8,9 @@ every replica's micro-batches and, when available, each rank's `RankTiming`. The
    change-point prior on the next `warmup_iters`; a rank already slow through the whole
    warm-up (no change point would ever show it) is reported at its end by comparing the ranks'
    observed / predicted compute (`_slow_through_warmup`);
-2. runs BOCPD on the series of iteration time over the predicted healthy time of that
-   iteration's workload (the baseline: over the warm-up median), so the swings the workload
-   explains do not reach the change-point detector at all;
+2. runs BOCPD on the series of log(iteration time / predicted healthy time of that
+   iteration's workload) (the baseline: over the warm-up median), so the swings the workload
+   explains do not reach the change-point detector at all (the log: `_x`);
 3. at a change point covering iterations c..t compares the observed time of c..t with the
    predicted healthy time of the same workload. Observed > `slow_ratio` (1.25, ResiHP §5.2) x
    predicted: validation. Otherwise the change is benign (workload-induced): its points are
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import statistics
 import time
 from collections import deque
@@ -238,6 +239,24 @@ def _span(samples: Sequence[tuple[Sequence[int], float]]) -> tuple[float, float]
     return min(shares), max(shares)
 
 
+def _misplaced(window: Sequence[_Point], older: Sequence[_Point], min_run: int) -> int:
+    """How many of a change's first points belong to the level before it: BOCPD places a
+    change at the start of its likeliest run, and a point just before a slowdown that was
+    itself an outlier on the fast side (one iteration 25 % quick on a loaded host) is likelier
+    as the first point of the new run than as an outlier of the old one, so the change was
+    placed one iteration early. A change to a slower level begins at its first point slower
+    than the level before (median of `older`), a change to a faster one at its first faster
+    point; at least `min_run` points stay."""
+    if not older or len(window) <= min_run:
+        return 0
+    level = statistics.median(p.x for p in older)
+    direction = statistics.fmean(p.x for p in window[1:]) - level
+    skip = 0
+    while len(window) - skip > min_run and (window[skip].x - level) * direction <= 0:
+        skip += 1
+    return skip
+
+
 @dataclass(frozen=True, slots=True)
 class _Point:
     obs: Observation
@@ -316,7 +335,7 @@ class FailSlowDetector:
         self.scale = statistics.median(o.seconds for o in self._warm)
         xs = [self._x(o) for o in self._warm]
         var = max(statistics.pvariance(xs), self.cfg.noise_floor**2)
-        prior = dataclasses.replace(self.cfg.bocpd, mu0=1.0, beta0=self.cfg.bocpd.alpha0 * var)
+        prior = dataclasses.replace(self.cfg.bocpd, mu0=0.0, beta0=self.cfg.bocpd.alpha0 * var)
         self.bocpd = Bocpd(prior)
         for obs in self._warm:
             before = self.bocpd.snapshot()
@@ -355,11 +374,21 @@ class FailSlowDetector:
         return Decision(verdict=Verdict.FAIL_SLOW, iteration=iteration, report=report)
 
     def _x(self, obs: Observation) -> float:
-        """The point BOCPD sees: the iteration time over its predicted healthy time for this
-        workload (ours), or over the warm-up median (baseline, which knows no workload)."""
+        """The point BOCPD sees: the log of the iteration time over its predicted healthy time
+        for this workload (ours), or over the warm-up median (baseline, which knows no
+        workload).
+
+        The log because timing noise is relative: a rank 8x slower swings 8x as many
+        milliseconds as a healthy one. On the ratio itself BOCPD's new run carried the
+        warm-up's (healthy) variance, so a slow level's own noise looked like outliers of it
+        and an 8x slowdown on PP2 was declared 3-4 iterations after it began instead of 2
+        (a CI run: 4, past the detector's documented 3). On the log the noise is one size at
+        every level."""
         if self.cfg.baseline or self.predictor is None:
-            return obs.seconds / self.scale
-        return obs.seconds / max(self.predictor.iteration_time(obs.doc_lengths), 1e-9)
+            ratio = obs.seconds / self.scale
+        else:
+            ratio = obs.seconds / max(self.predictor.iteration_time(obs.doc_lengths), 1e-9)
+        return math.log(max(ratio, 1e-9))
 
     def _fit_data_parallel(self) -> None:
         samples = mb_samples(self._warm)
@@ -494,8 +523,12 @@ class FailSlowDetector:
         if cp is None:
             return Decision(verdict=Verdict.QUIET, iteration=obs.iteration)
         n_new = cp.at - cp.index + 1
-        window = list(self._points)[-n_new:]
         older = list(self._points)[:-n_new][-cfg.history :]
+        window = list(self._points)[-n_new:]
+        if (skip := _misplaced(window, older, cfg.bocpd.min_run)) > 0:
+            window = window[skip:]
+            cp = dataclasses.replace(cp, index=cp.index + skip)
+            self.bocpd.last_index = cp.index
         observed = sum(p.obs.seconds for p in window)
         predicted = sum(self.predictor.iteration_time(p.obs.doc_lengths) for p in window)
         ratio = observed / predicted if predicted > 0 else float("inf")
@@ -507,7 +540,7 @@ class FailSlowDetector:
         )
         if cfg.baseline:
             if cfg.baseline_slowdowns_only:
-                level_before = statistics.fmean(p.x for p in older) if older else 1.0
+                level_before = statistics.fmean(p.x for p in older) if older else 0.0
                 if statistics.fmean(p.x for p in window) <= level_before:
                     return Decision(verdict=Verdict.ACCEPTED, **common)
         elif ratio <= cfg.slow_ratio:
