@@ -3,8 +3,13 @@ make a layout slower."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from tests.plan.helpers import GiB, layout, state
 from unbroken.parallel import make_plan
+from unbroken.parallel.simulate import simulate
 from unbroken.plan import PlannerConfig, Scorer, plan_for_state
 from unbroken.plan.balance import balance_counts, balance_simulated
 from unbroken.plan.layout import Layout
@@ -149,6 +154,32 @@ def test_a_slow_replica_keeps_work_while_one_microbatch_there_is_faster():
     scorer, lay, counts = _counts_with_slow_rank(0.25)
     assert min(counts) >= 1 and sum(counts) == 8
     assert scorer.time(_with_counts(lay, counts)) < scorer.time(_with_counts(lay, (8, 0)))
+
+
+def test_a_slow_devices_own_step_counts_against_keeping_one_microbatch_there():
+    # The planner times one steady-state iteration (`unbroken.parallel.simulate`): a slow
+    # device steps its optimizer slowly too, and that step runs before its next compute. With a
+    # step of ~3 micro-batches' compute (the tiny CPU model's shape, bench/results/adapt-cpu.md
+    # stop 42) one micro-batch left on a 4x slow replica waits for that 4x step, while the
+    # other replica's eight overlap it — the planner empties the replica at 4x, where a model
+    # without the step kept [7, 1] up to ~8x (stop 43).
+    lay = layout(2, 2, 1, 4)
+    slow = lay.group(1, 1).ranks[0]
+    heavy = state(lay)
+    heavy = heavy.with_workload(replace(heavy.workload, step_s_per_param=2e-10))
+    live = PlannerConfig(exclusion=False, repartition=False)
+    scorer = Scorer(heavy.with_slow(slow, speed=0.25))
+    result = plan_for_state(scorer.state, live)
+    assert result.plan().microbatches == (8, 0)
+    assert scorer.time(result.layout) < scorer.time(_with_counts(result.layout, (7, 1)))
+    # Without the step's weight (the toy workload's ~2 ms step) one micro-batch stays there.
+    light = state(lay).with_slow(slow, speed=0.25)
+    assert plan_for_state(light, live).plan().microbatches != (8, 0)
+    # In the replay the slow rank starts 3 healthy steps late (the rest of its 4x step).
+    kept = _with_counts(result.layout, (7, 1))
+    timeline = simulate(scorer.plan(kept), scorer.costs(kept))
+    first = min(t.start for t in timeline.actions if t.rank == slow)
+    assert first == pytest.approx(3 * scorer.opt_s(kept))
 
 
 def test_an_empty_replica_gets_its_share_back_when_every_device_is_healthy():

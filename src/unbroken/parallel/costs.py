@@ -111,6 +111,12 @@ class Costs:
             return float(self.reduce_grad.get(stage, 0.0))
         return float(self.reduce_grad)
 
+    def step_lead(self, rank: int) -> float:
+        """How late `rank` starts its list in the steady state: the part of its previous
+        iteration's optimizer step beyond a healthy rank's (`opt_step` x (slowdown - 1);
+        `unbroken.parallel.simulate`)."""
+        return float(self.opt_step) * (self.slowdown.get(rank, 1.0) - 1.0)
+
     def slowness(self, ranks: tuple[int, ...]) -> float:
         """Slowdown factor of a group: its slowest member's."""
         return max((self.slowdown.get(r, 1.0) for r in ranks), default=1.0)

@@ -16,7 +16,14 @@ reuse (ResiHP §5.2, eq. 2): a dependency-driven discrete-event replay in which
 - whatever the timing mode, the lists are also replayed under rendezvous semantics: an order
   that would hang with blocking sends is reported even when the eager timing completes (with
   in-order ranks, whether a replay completes does not depend on the costs);
-- REDUCE_GRAD is a collective over one physical stage's ranks in every replica; OPT_STEP is local.
+- REDUCE_GRAD is a collective over one physical stage's ranks in every replica; OPT_STEP is
+  local;
+- the replay is one iteration of the steady state: a rank's optimizer step runs after the
+  world-wide sync and before its next iteration's first action, and a slow device steps slowly
+  too, so a rank with slowdown F starts its list `opt_step × (F − 1)` late (the part of the
+  previous iteration's step a healthy rank does not have; `Costs.step_lead`) and every rank's
+  closing OPT_STEP lasts `opt_step`. The fastest replica's compute then overlaps a slow device's
+  step, as in a running job, and a micro-batch left on the slow device waits for that step.
 
 When the lists cannot complete, the replay stops instead of hanging and reports the actions each
 stuck rank is blocked on, together with the static problems of `unbroken.parallel.check`.
@@ -142,7 +149,7 @@ class _Replay:
         self.end: dict[Ref, float] = {}
         self.cause: dict[Ref, Ref | None] = {}
         self.pc = dict.fromkeys(self.acts, 0)
-        self.ready = dict.fromkeys(self.acts, 0.0)
+        self.ready = {r: costs.step_lead(r) for r in self.acts}
         self.bind: dict[int, Ref | None] = dict.fromkeys(self.acts)
         self.posted_pc = dict.fromkeys(self.acts, -1)
         self.post_time: dict[Ref, float] = {}

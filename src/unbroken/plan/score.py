@@ -30,6 +30,11 @@ max_s (start_s + reduce_s) + opt, added in the simulator's own order (bit for bi
 checked against it on every simulation). A pipeline timed alone (micro-batch balancing: the
 reduction of one replica) and inside its layout (the reduction of all) is simulated once.
 
+[Note: step lead] The replay is one steady-state iteration (`unbroken.parallel.simulate`): a
+slow group starts its list `opt x (slowdown - 1)` late, the rest of its previous step. A
+component with a slow group is therefore keyed with the step cost too; a healthy one is not
+(its timeline does not depend on it).
+
 Receive placement ([Note: receive placement] in `unbroken.plan.schedule`): a component with a
 slow link (a device below full link speed) takes the arrival placement when the simulator's
 blocking replay completes, else the instant one; other components take the instant placement
@@ -287,13 +292,20 @@ class Scorer:
         for comp in components(layout):
             ids = [m for d in comp for m in layout.skeleton.microbatch_ids(d)]
             if not ids and not targets.intersection(comp):  # [Note: empty replica]
-                idle = _idle(layout.pp)
+                idle = _idle(
+                    [
+                        opt * (max(self.slowness(layout.group(d, s).ranks) for d in comp) - 1.0)
+                        for s in range(layout.pp)
+                    ]
+                )
                 t = idle.time(reduce, opt)
                 yield idle, t, (comp, ids)
                 if t >= bound:
                     return
                 continue
             key, table, links, arrival, slowest = self._key(layout, comp, targets)
+            if slowest > 1.0:  # its slow groups start late by the step ([Note: step lead])
+                key = (*key, opt)
             if key in self.cache:
                 t = self.cache[key].time(reduce, opt)
                 yield self.cache[key], t, (comp, ids)
@@ -434,11 +446,13 @@ class Scorer:
         return out
 
 
-def _idle(pp: int) -> _Component:
+def _idle(leads: Sequence[float]) -> _Component:
     """A replica with no micro-batch ([Note: empty replica] in `unbroken.plan.balance`): its
-    list is REDUCE_GRAD, OPT_STEP, so each stage's reduction is ready at once."""
+    list is REDUCE_GRAD, OPT_STEP, so stage s's reduction is ready once its group's step lead
+    `leads[s]` has passed (`Costs.step_lead`: a slow device's long step of the iteration
+    before)."""
     empty = GroupTrace((), ())
-    return _Component({s: 0.0 for s in range(pp)}, {(0, s): empty for s in range(pp)}, True)
+    return _Component(dict(enumerate(leads)), {(0, s): empty for s in range(len(leads))}, True)
 
 
 def _message_pairs(small: Layout) -> set[tuple[int, int]]:

@@ -129,6 +129,10 @@ class ClusterState:
         """The same devices running `plan`."""
         return replace(self, plan=plan)
 
+    def with_workload(self, workload: Workload) -> ClusterState:
+        """The same devices and plan priced with `workload` (a live job's measured costs)."""
+        return replace(self, workload=workload)
+
     def with_lost(self, *ranks: int) -> ClusterState:
         """The state after `ranks` fail-stop."""
         return self._update({r: {"status": DeviceStatus.LOST} for r in ranks})
