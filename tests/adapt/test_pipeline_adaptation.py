@@ -12,6 +12,8 @@ import pytest
 
 from unbroken.config import AdaptConfig
 from unbroken.detect.events import DetectionEvent, DetectionKind
+from unbroken.detect.pipeline import PlanFit, PlanSchedule
+from unbroken.detect.workload import MicroBatchModel, WorkloadPredictor
 from unbroken.launch.coordinator.adapt_plan import PipelineAdaptation
 from unbroken.metrics.log import JsonlLog, read_jsonl
 from unbroken.parallel import ParallelPlan, make_plan
@@ -340,3 +342,41 @@ def test_a_dp_x_pp_job_empties_a_replica_too_slow_for_one_microbatch_and_refills
     )
     assert grey.on_fail_slow(_slow(3, factor=20.0)) is True
     assert min(grey.plan.microbatches) == 1
+
+
+def _tiny_cpu_fit(plan: ParallelPlan) -> PlanFit:
+    """A warm-up fit shaped like the tiny CPU model's PP2 x DP2 bench job (stop 42's
+    timings): a micro-batch's F + B ~4.5 ms per stage, its two stages alike, and an optimizer
+    step of 20 ms on every rank — the step costs as much as four micro-batches' compute."""
+    shares = {
+        (d, s, kind): share
+        for d in range(2)
+        for s in range(2)
+        for kind, share in (("F", 1 / 6), ("B", 1 / 3))
+    }
+    schedule = PlanSchedule(plan=plan, shares=shares, opt_step_s=0.02)
+    predictor = WorkloadPredictor(mb=MicroBatchModel(alpha=1e-4, beta=0.0), schedule=schedule)
+    return PlanFit(predictor=predictor, busy_scale={}, mb_s=0.009, step_s=0.02)
+
+
+def test_a_measured_step_empties_a_slow_replica_at_the_slowdown_it_costs(tmp_path):
+    # 6x: with unit costs per layer and no step the scheduler keeps one micro-batch on the slow
+    # replica ([7, 1]: that micro-batch's path looked shorter than eight on the other replica).
+    # Priced with the job's measured costs (`calibrate`), that micro-batch waits for the slow
+    # device's own 6x step, which the other replica's eight overlap: it is emptied.
+    plan = make_plan(2, 2, 1, 4, 4)
+    unit = PipelineAdaptation(plan, JsonlLog(tmp_path / "unit.jsonl", run="t"), lambda _: None)
+    assert unit.on_fail_slow(_slow(3, factor=6.0)) is True
+    assert unit.plan.microbatches == (7, 1)
+    events = JsonlLog(tmp_path / "events.jsonl", run="t")
+    adapt = PipelineAdaptation(plan, events, lambda _: None)
+    adapt.calibrate(_tiny_cpu_fit(plan))
+    assert adapt.calibrated
+    assert adapt.on_fail_slow(_slow(3, factor=6.0)) is True
+    assert adapt.plan.microbatches == (8, 0)
+    (costs,) = _events(tmp_path, "replan_costs")
+    assert costs["layer_forward_s"] == pytest.approx(0.009 / 6 / 2)  # per layer, 2 per stage
+    assert costs["backward_ratio"] == pytest.approx(2.0) and costs["step_s"] == 0.02
+    # Once: a later fit (a warm-up on the re-planned job, its slow device in it) changes nothing.
+    adapt.calibrate(_tiny_cpu_fit(adapt.plan))
+    assert len(_events(tmp_path, "replan_costs")) == 1

@@ -313,6 +313,11 @@ class FailSlowDetector:
         layer before the slowdown (`_note_healthy`): what their return to speed is measured
         against, whatever layers a re-plan left them."""
 
+    @property
+    def plan_fit(self) -> PlanFit | None:
+        """A plan job's warm-up fit (None before the warm-up ends, or data parallel)."""
+        return self._plan_fit
+
     def carry_reports(self, other: FailSlowDetector) -> None:
         """Take over `other`'s open compute reports: a job that switched plans live around a
         slow rank keeps its rank numbering, and this detector (warmed up on the new plan, whose

@@ -144,6 +144,12 @@ class PlanFit:
     predictor: WorkloadPredictor
     busy_scale: Mapping[int, float]
     """rank -> healthy busy time / predicted compute (ranks without compute are absent)."""
+    mb_s: float = 0.0
+    """A typical micro-batch's compute over all its stages (F, B, W): the warm-up's median."""
+    step_s: float = 0.0
+    """A typical rank's optimizer step (protect, update, boundary): the warm-up's median over
+    iterations of the median over ranks (one slow rank does not move it, unlike the slowest
+    rank's step the simulation ends with, `PlanSchedule.opt_step_s`)."""
 
     @property
     def schedule(self) -> PlanSchedule:
@@ -354,5 +360,20 @@ def fit_plan(
             if compute > 0:
                 scale[rank].append(t.busy_s / compute)
     return PlanFit(
-        predictor=predictor, busy_scale={r: statistics.median(v) for r, v in scale.items()}
+        predictor=predictor,
+        busy_scale={r: statistics.median(v) for r, v in scale.items()},
+        mb_s=statistics.median(s for _, s in samples),
+        step_s=_typical_step(plan, warm),
     )
+
+
+def _typical_step(
+    plan: ParallelPlan, warm: Sequence[tuple[Workload, float, Mapping[int, StageTiming]]]
+) -> float:
+    """`PlanFit.step_s`: the median over iterations of the median step over working ranks."""
+    typical = []
+    for _, _, stages in warm:
+        working = [t.step_s for r, t in stages.items() if plan.actions.get(r)]
+        if working:
+            typical.append(statistics.median(working))
+    return statistics.median(typical) if typical else 0.0

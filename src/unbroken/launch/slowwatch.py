@@ -27,6 +27,7 @@ from unbroken.detect import (
     SpeedRecovered,
     Verdict,
 )
+from unbroken.detect.pipeline import PlanFit
 from unbroken.detect.timing import StageTiming
 from unbroken.metrics.log import JsonlLog
 from unbroken.parallel import ParallelPlan
@@ -67,6 +68,12 @@ class SlowWatch:
         """Called with (rank, factor, iteration) when a rank reported compute-slow runs at its
         peers' pace again (`DetectorConfig.recover_ratio`); the coordinator offers its device
         back to the plan."""
+
+    @property
+    def plan_fit(self) -> PlanFit | None:
+        """The current detector's fit of a plan job's warm-up (None: not fitted yet, or data
+        parallel): what the coordinator prices re-plans with (`PipelineAdaptation.calibrate`)."""
+        return self.detector.plan_fit
 
     def reset(
         self, world_size: int, plan: ParallelPlan | None = None, *, same_ranks: bool = False

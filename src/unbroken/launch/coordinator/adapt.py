@@ -161,6 +161,11 @@ class Adaptation:
     reshard: ParallelPlan | None = None
     """Never: a data-parallel re-plan moves no layers (`PipelineAdaptation.reshard`)."""
 
+    def calibrate(self, fit) -> None:
+        """Nothing to measure: a data-parallel replica is priced by its micro-batches, and the
+        trainer keeps one on every rank (`_at_least_one`), so a slow rank's optimizer step
+        stays on the iteration whatever the placement (`PipelineAdaptation.calibrate`)."""
+
     def spec_fields(self) -> dict:
         """The generation spec's fields of the running placement."""
         return {

@@ -44,6 +44,7 @@ Decisions, the event log and the job store's plan key: no processes, no sockets 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -51,6 +52,7 @@ from typing import Any
 
 from unbroken.config import AdaptConfig
 from unbroken.detect.events import DetectionEvent
+from unbroken.detect.pipeline import PlanFit
 from unbroken.jobstore import JobStore
 from unbroken.launch.coordinator.adapt import NewWorld, fail_slow_trigger
 from unbroken.metrics.log import JsonlLog
@@ -136,6 +138,8 @@ class PipelineAdaptation:
         plan's layout itself (`RestoreMode.RESHARD`; read and cleared by the coordinator)."""
         self._moving: tuple[PlanResult, ParallelPlan, dict, float | None] | None = None
         """A fail-slow re-plan that moves layers, waiting for the planned stop."""
+        self.calibrated = False
+        """Whether the scheduler prices with the job's measured costs (`calibrate`)."""
 
     # -- reports ----------------------------------------------------------------------------
     def note_lost(self, device: int, reason: str) -> None:
@@ -160,6 +164,27 @@ class PipelineAdaptation:
         """Whether the running generation should stop for the next (a planned stop, not a
         failure): the world grows back, or a re-plan moves layers."""
         return self.grows or self._moving is not None
+
+    def calibrate(self, fit: PlanFit | None) -> None:
+        """Price re-plans with the job's measured costs (`measured_workload`) from now on:
+        once, from the first fit the fail-slow watch has (the launch plan's healthy warm-up;
+        a later one may have been fitted with a slow device in it). Logs `replan_costs`."""
+        if self.calibrated or fit is None:
+            return
+        workload = measured_workload(self.plan, fit)
+        if workload is None:
+            return
+        self.calibrated = True
+        self.state = self.state.with_workload(workload)
+        self.healthy_s = plan_for_state(_cluster(self.launch, workload)).current_s
+        self.events.emit(
+            "replan_costs",
+            layer_forward_s=workload.alpha_s,
+            head_s=workload.head_s,
+            backward_ratio=workload.backward_ratio,
+            step_s=fit.step_s,
+            microbatch_s=fit.mb_s,
+        )
 
     def on_fail_slow(self, event: DetectionEvent, iter_s: float | None = None) -> bool:
         """A validated fail-slow report (rank of the running world, measured factor): publish
@@ -504,11 +529,11 @@ class PipelineAdaptation:
         return False
 
 
-def _cluster(plan: ParallelPlan) -> ClusterState:
-    """`plan` as the scheduler sees it: every rank healthy, unit costs per layer, memory that
-    never binds (a lost device's plan depends on the structure, not on speeds)."""
-    workload = Workload(
-        num_layers=plan.num_layers,
+def _unit_workload(num_layers: int) -> Workload:
+    """Unit costs per layer and no optimizer step: what the scheduler prices a pipeline job
+    with until the fail-slow watch has measured it (`measured_workload`)."""
+    return Workload(
+        num_layers=num_layers,
         tokens=1,
         sum_sq=1.0,
         alpha_s=1e-3,
@@ -517,6 +542,50 @@ def _cluster(plan: ParallelPlan) -> ClusterState:
         layer_params=1.0,
         act_bytes_per_layer=1.0,
     )
+
+
+def measured_workload(plan: ParallelPlan, fit: PlanFit) -> Workload | None:
+    """The scheduler's workload for `plan` from the fail-slow watch's warm-up fit: per layer
+    the forward seconds of a typical micro-batch (from the stages before the last; the last
+    stage's forward beyond its layers is the output head and loss), the backward over forward
+    ratio measured, and the optimizer step (`PlanFit.step_s`) spread over the parameters of
+    the device that holds the most layers (one unit per layer), so that a plan that moves
+    layers moves step time with them. None when the fit has no per-stage shares to read.
+
+    Why: with unit costs per layer and no step the live planner saw one micro-batch's path
+    through a slow replica as the only cost of keeping it busy, and kept [7, 1] on a 6-8x slow
+    PP2 x DP2 replica; on a job whose step costs as much as a few micro-batches (the tiny CPU
+    model: bench/results/adapt-cpu.md, stops 42-43) that micro-batch waits for the slow
+    device's own step (`unbroken.parallel.simulate`), and emptying the replica is faster."""
+    replica = plan.replicas[0]
+    forward = [0.0] * plan.pp
+    backward = [0.0] * plan.pp
+    for (d, s, kind), share in fit.schedule.shares.items():
+        if d == 0 and 0 <= s < plan.pp:
+            (forward if kind == "F" else backward)[s] += share * fit.mb_s
+    layers = [g.layers[1] - g.layers[0] for g in replica.stages]
+    inner = [forward[s] / layers[s] for s in range(plan.pp - 1) if layers[s]] or [
+        forward[-1] / max(layers[-1], 1)
+    ]
+    layer_f = statistics.median(inner)
+    if fit.mb_s <= 0 or layer_f <= 0 or sum(forward) <= 0:
+        return None
+    unit = _unit_workload(plan.num_layers)
+    most = max(g.layers[1] - g.layers[0] for rep in plan.replicas for g in rep.stages)
+    return replace(
+        unit,
+        alpha_s=layer_f,
+        head_s=max(0.0, forward[-1] - layers[-1] * layer_f) if plan.pp > 1 else 0.0,
+        backward_ratio=sum(backward) / sum(forward),
+        step_s_per_param=max(fit.step_s, 0.0) / max(most, 1),
+    )
+
+
+def _cluster(plan: ParallelPlan, workload: Workload | None = None) -> ClusterState:
+    """`plan` as the scheduler sees it: every rank healthy, `workload` (default unit costs per
+    layer, `_unit_workload`), memory that never binds (a lost device's plan depends on the
+    structure, not on speeds)."""
+    workload = workload or _unit_workload(plan.num_layers)
     n = max(plan.ranks) + 1
     fabric = Fabric(gpus_per_node=n, intra_bytes_per_s=1e12, inter_bytes_per_s=1e12)
     return ClusterState.healthy(plan, workload, fabric, memory_bytes=float(1 << 50))
