@@ -120,3 +120,18 @@ def test_the_greyhound_policy_moves_micro_batches_and_never_excludes():
     counts = a.placement.counts()
     assert sum(counts) == 16 and 1 <= counts[3] < 4, counts
     assert log.events[-1][0] == "replan" and store.placement_epoch() == 1
+
+
+def test_ours_leaves_a_rank_too_slow_for_one_micro_batch_none_and_greyhound_one():
+    # [Note: empty replica]: at 10x one micro-batch on rank 3 outlasts the others' whole
+    # share (16 over 3 ranks). Ours gives it none (the trainer probes it,
+    # `Trainer._probe`); Greyhound's `solve_dp` keeps one on every rank. Back at full speed,
+    # ours gives its share back.
+    a, store, _ = _adaptation()
+    assert a.on_fail_slow(_slow(3, 10.0), iter_s=0.5)
+    assert a.placement.counts()[3] == 0 and sum(a.placement.counts()) == 16
+    assert DataPlacement.from_dict(json.loads(store.placement(1))) == a.placement
+    assert a.on_recovered(3, 1.02, iter_s=0.5)
+    assert a.placement.counts() == (4, 4, 4, 4)
+    grey, _, _ = _adaptation(policy="greyhound")
+    assert grey.on_fail_slow(_slow(3, 10.0)) and grey.placement.counts()[3] == 1

@@ -27,7 +27,7 @@ def _job() -> JobConfig:
     )
 
 
-def _rank(rank: int, items: list[list[int]], store_path: str, out) -> None:
+def _rank(rank: int, items: list[list[int]], store_path: str, out, probe_every: int = 0) -> None:
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     world = len(items)
@@ -39,7 +39,7 @@ def _rank(rank: int, items: list[list[int]], store_path: str, out) -> None:
         timeout=timedelta(seconds=60),
     )
     try:
-        _train(rank, items, out)
+        _train(rank, items, out, probe_every)
     except Exception as exc:
         out.put((rank, f"{type(exc).__name__}: {exc}", None, [], []))
         raise
@@ -47,7 +47,7 @@ def _rank(rank: int, items: list[list[int]], store_path: str, out) -> None:
         dist.destroy_process_group()
 
 
-def _train(rank: int, items: list[list[int]], out) -> None:
+def _train(rank: int, items: list[list[int]], out, probe_every: int = 0) -> None:
     from unbroken.engine.replica import build_training
     from unbroken.train import Trainer
     from unbroken.update import PlainUpdater
@@ -64,18 +64,26 @@ def _train(rank: int, items: list[list[int]], out) -> None:
         device=torch.device("cpu"),
         updater=PlainUpdater(built.state, built.geometry, built.step),
         placement=DataPlacement(SHARDS, MICRO, tuple(map(tuple, items))),
+        probe_every=probe_every,
     )
     results = [trainer.run_iteration(it) for it in range(ITERATIONS)]
+    if not items[rank]:  # an empty rank's workload: the probe's micro-batch, when it ran one
+        assert [len(r.doc_lengths) for r in results] == [
+            int(probe_every > 0 and it % probe_every == 0) for it in range(ITERATIONS)
+        ]
     digest = hashlib.sha256(built.state.params.numpy().tobytes()).hexdigest()
     grads = hashlib.sha256(built.state.grads.numpy().tobytes()).hexdigest()
     out.put((rank, digest, grads, [r.loss for r in results], [r.tokens for r in results]))
 
 
-def _run(items: list[list[int]], tmp_path) -> set:
+def _run(items: list[list[int]], tmp_path, probe_every: int = 0) -> set:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     store = str(tmp_path / f"store-{len(list(tmp_path.iterdir()))}")
-    procs = [ctx.Process(target=_rank, args=(r, items, store, out)) for r in range(len(items))]
+    procs = [
+        ctx.Process(target=_rank, args=(r, items, store, out, probe_every))
+        for r in range(len(items))
+    ]
     for p in procs:
         p.start()
     got = [out.get(timeout=300) for _ in procs]
@@ -102,6 +110,16 @@ def test_every_placement_gives_the_same_bits(tmp_path):
     for r in results:
         assert len(r) == 1  # every rank of a run holds the same state
     assert len(set().union(*results)) == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_with_no_micro_batch_probes_and_changes_no_bit(tmp_path):
+    # [Note: empty replica]: rank 1 computes nothing and runs a probe micro-batch every
+    # iteration (the same micro-batch rank 0 computes for real); the run's bits are the
+    # two-rank even placement's.
+    even = _run([[0, 1, 2, 3], [4, 5, 6, 7]], tmp_path)
+    empty = _run([list(range(8)), []], tmp_path, probe_every=1)
+    assert len(even) == 1 and even == empty
 
 
 def test_placement_from_a_plan_uses_device_ids_in_rank_order():

@@ -527,13 +527,7 @@ class FailSlowDetector:
         self._points.append(_Point(obs=obs, x=x, before=before))
         if cp is None:
             return Decision(verdict=Verdict.QUIET, iteration=obs.iteration)
-        n_new = cp.at - cp.index + 1
-        older = list(self._points)[:-n_new][-cfg.history :]
-        window = list(self._points)[-n_new:]
-        if (skip := _misplaced(window, older, cfg.bocpd.min_run)) > 0:
-            window = window[skip:]
-            cp = dataclasses.replace(cp, index=cp.index + skip)
-            self.bocpd.last_index = cp.index
+        window, older, cp = self._window(cp)
         observed = sum(p.obs.seconds for p in window)
         predicted = sum(self.predictor.iteration_time(p.obs.doc_lengths) for p in window)
         ratio = observed / predicted if predicted > 0 else float("inf")
@@ -571,6 +565,18 @@ class FailSlowDetector:
         report = self._new_report(rank, factor, what, window[0].obs.iteration, obs.iteration)
         self._emit(report, ratio)
         return Decision(verdict=Verdict.FAIL_SLOW, report=report, validation_s=spent, **common)
+
+    def _window(self, cp: ChangePoint) -> tuple[list[_Point], list[_Point], ChangePoint]:
+        """A declared change's points, the `history` points before them, and the change;
+        its leading points that belong to the level before it are left out (`_misplaced`)."""
+        n_new = cp.at - cp.index + 1
+        older = list(self._points)[:-n_new][-self.cfg.history :]
+        window = list(self._points)[-n_new:]
+        if (skip := _misplaced(window, older, self.cfg.bocpd.min_run)) > 0:
+            window = window[skip:]
+            cp = dataclasses.replace(cp, index=cp.index + skip)
+            self.bocpd.last_index = cp.index
+        return window, older, cp
 
     def _new_report(
         self, rank: int | None, factor: float, what: str, iteration: int, detected_at: int

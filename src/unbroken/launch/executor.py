@@ -274,6 +274,7 @@ def _data_parallel_executor(cfg, rank, group, device, retained, hooks, autocast,
         updater=updater,
         loss_fn=built.loss_fn,
         placement=placement,
+        probe_every=cfg.adapt.probe_every,
     )
     world = dist.get_world_size(group) if group is not None else 1
     return DataParallelExecutor(

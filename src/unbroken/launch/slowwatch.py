@@ -141,7 +141,7 @@ class SlowWatch:
             seconds = m["iter_s"] - m.get("ckpt_s", 0.0)
             if self.plan is not None:
                 obs = self._plan_observation(it, seconds, ranks)
-            elif all(any(mb) for r in ranks.values() for mb in r["doc_lengths"] or [[]]):
+            elif _segmented([ranks[r]["doc_lengths"] for r in ranks]):
                 obs = Observation(
                     iteration=it,
                     seconds=seconds,
@@ -245,3 +245,10 @@ class SlowWatch:
     @property
     def overhead_s(self) -> float:
         return self.detector.observe_s
+
+
+def _segmented(lists: list[list[list[int]]]) -> bool:
+    """Whether a data-parallel iteration can be observed: every micro-batch a rank computed
+    has its segment lengths, and some rank computed one (a rank the placement left empty, not
+    probing this iteration, has none: `unbroken.train.Trainer._probe`)."""
+    return any(lists) and all(any(mb) for lengths in lists for mb in lengths)

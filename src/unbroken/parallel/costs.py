@@ -83,6 +83,10 @@ class Costs:
     slowdown: Mapping[int, float] = field(default_factory=dict)
     """rank -> factor >= 1 for fail-slow devices; a TP group computes at its slowest member's
     pace (ResiHP §6.1)."""
+    step_lead: Mapping[int, float] = field(default_factory=dict)
+    """rank -> seconds it starts its list late: in a steady-state iteration, the part of its
+    previous optimizer step that a healthy rank's does not have (a slow device steps slowly
+    too; the scheduler's replay, `unbroken.plan.score`). Missing: 0."""
 
     def compute_time(self, work: Work) -> float:
         """Base cost of one compute action, before slowdown.
@@ -110,12 +114,6 @@ class Costs:
         if isinstance(self.reduce_grad, Mapping):
             return float(self.reduce_grad.get(stage, 0.0))
         return float(self.reduce_grad)
-
-    def step_lead(self, rank: int) -> float:
-        """How late `rank` starts its list in the steady state: the part of its previous
-        iteration's optimizer step beyond a healthy rank's (`opt_step` x (slowdown - 1);
-        `unbroken.parallel.simulate`)."""
-        return float(self.opt_step) * (self.slowdown.get(rank, 1.0) - 1.0)
 
     def slowness(self, ranks: tuple[int, ...]) -> float:
         """Slowdown factor of a group: its slowest member's."""

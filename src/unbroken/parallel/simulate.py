@@ -18,12 +18,11 @@ reuse (ResiHP §5.2, eq. 2): a dependency-driven discrete-event replay in which
   in-order ranks, whether a replay completes does not depend on the costs);
 - REDUCE_GRAD is a collective over one physical stage's ranks in every replica; OPT_STEP is
   local;
-- the replay is one iteration of the steady state: a rank's optimizer step runs after the
-  world-wide sync and before its next iteration's first action, and a slow device steps slowly
-  too, so a rank with slowdown F starts its list `opt_step × (F − 1)` late (the part of the
-  previous iteration's step a healthy rank does not have; `Costs.step_lead`) and every rank's
-  closing OPT_STEP lasts `opt_step`. The fastest replica's compute then overlaps a slow device's
-  step, as in a running job, and a micro-batch left on the slow device waits for that step.
+- a rank starts its list `Costs.step_lead` late (0 by default). The scheduler replays one
+  iteration of the steady state with it: a rank's optimizer step runs after the world-wide
+  sync and before its next iteration's first action, and a slow device steps slowly too, so
+  it starts late by the part of its previous step a healthy rank's does not have, and every
+  rank's closing OPT_STEP lasts `opt_step` (`unbroken.plan.score`, [Note: step lead]).
 
 When the lists cannot complete, the replay stops instead of hanging and reports the actions each
 stuck rank is blocked on, together with the static problems of `unbroken.parallel.check`.
@@ -149,7 +148,7 @@ class _Replay:
         self.end: dict[Ref, float] = {}
         self.cause: dict[Ref, Ref | None] = {}
         self.pc = dict.fromkeys(self.acts, 0)
-        self.ready = {r: costs.step_lead(r) for r in self.acts}
+        self.ready = {r: float(costs.step_lead.get(r, 0.0)) for r in self.acts}
         self.bind: dict[int, Ref | None] = dict.fromkeys(self.acts)
         self.posted_pc = dict.fromkeys(self.acts, -1)
         self.post_time: dict[Ref, float] = {}

@@ -9,7 +9,7 @@ by timed single moves — pipeline fill and drain are not proportional to the co
 variance objective ignores).
 
 [Note: empty replica] `balance_simulated` may give a replica 0 micro-batches (issue 18): its
-time is then only its reduction and optimizer step (`idle_s`; the step as slow as its devices), and it gets 0 exactly when its
+time is then only its reduction and optimizer step (`idle_s`; after its devices' step lead, [Note: step lead] in `unbroken.plan.score`), and it gets 0 exactly when its
 time with one micro-batch is above what the others reach with that micro-batch too. At least
 one replica keeps work (the counts sum to the batch, which is >= 1). An empty replica still
 holds a copy of the state: it joins the ordered reduction with no addend and steps
@@ -43,7 +43,7 @@ def idle_s(scorer: Scorer, layout: Layout, d: int) -> float:
     reduce, opt = scorer.reduce_s(alone), scorer.opt_s(alone)
     return max(
         (
-            reduce.get(s, 0.0) + opt * scorer.slowness(g.ranks)
+            (scorer.lead(g) + reduce.get(s, 0.0)) + opt
             for s, g in enumerate(layout.replicas[d].stages)
         ),
         default=0.0,

@@ -30,10 +30,14 @@ max_s (start_s + reduce_s) + opt, added in the simulator's own order (bit for bi
 checked against it on every simulation). A pipeline timed alone (micro-batch balancing: the
 reduction of one replica) and inside its layout (the reduction of all) is simulated once.
 
-[Note: step lead] The replay is one steady-state iteration (`unbroken.parallel.simulate`): a
-slow group starts its list `opt x (slowdown - 1)` late, the rest of its previous step. A
-component with a slow group is therefore keyed with the step cost too; a healthy one is not
-(its timeline does not depend on it).
+[Note: step lead] The replay is one steady-state iteration: a rank's optimizer step runs
+after the world-wide sync and before its next compute, and a slow device steps slowly too. So
+a slow group starts its list late by its own step (its parameters x `step_s_per_param`) times
+its slowdown less one (`Scorer.lead`, `Costs.step_lead`), and every rank's closing step lasts
+the healthy `opt` of the layout: the fast replicas' compute overlaps a slow device's long step,
+and a micro-batch left on the slow device waits for it. Its own step, not the layout's largest:
+a slow stage that gives layers away steps fewer parameters. The lead is part of each group's
+cost-table entry, so of the cache key.
 
 Receive placement ([Note: receive placement] in `unbroken.plan.schedule`): a component with a
 slow link (a device below full link speed) takes the arrival placement when the simulator's
@@ -140,6 +144,15 @@ class Scorer:
             self._slow[key] = max(1.0 / self.state.device(r).speed for r in ranks)
         return self._slow[key]
 
+    def lead(self, g: StageGroup) -> float:
+        """How late group `g` starts its list in the steady state ([Note: step lead]): its own
+        optimizer step (its parameters) times its slowdown less one."""
+        slow = self.slowness(g.ranks)
+        if slow <= 1.0:
+            return 0.0
+        wl = self.state.workload
+        return (slow - 1.0) * wl.stage_params(g.layers) / g.tp * wl.step_s_per_param
+
     def compute_cost(self, layout: Layout) -> ComputeCost:
         """Seconds of group (d, s)'s forward or backward, slowdown included."""
 
@@ -212,6 +225,7 @@ class Scorer:
             reduce_grad=self.reduce_s(layout),
             opt_step=self.opt_s(layout),
             slowdown=self.state.slowdown(),
+            step_lead={r: self.lead(g) for _, g in layout.groups() for r in g.ranks},
         )
 
     # -- timing ------------------------------------------------------------------------------
@@ -293,10 +307,7 @@ class Scorer:
             ids = [m for d in comp for m in layout.skeleton.microbatch_ids(d)]
             if not ids and not targets.intersection(comp):  # [Note: empty replica]
                 idle = _idle(
-                    [
-                        opt * (max(self.slowness(layout.group(d, s).ranks) for d in comp) - 1.0)
-                        for s in range(layout.pp)
-                    ]
+                    [max(self.lead(layout.group(d, s)) for d in comp) for s in range(layout.pp)]
                 )
                 t = idle.time(reduce, opt)
                 yield idle, t, (comp, ids)
@@ -304,8 +315,6 @@ class Scorer:
                     return
                 continue
             key, table, links, arrival, slowest = self._key(layout, comp, targets)
-            if slowest > 1.0:  # its slow groups start late by the step ([Note: step lead])
-                key = (*key, opt)
             if key in self.cache:
                 t = self.cache[key].time(reduce, opt)
                 yield self.cache[key], t, (comp, ids)
@@ -338,7 +347,8 @@ class Scorer:
         if memo not in self._alone:
             stages = layout.replicas[d].stages
             table = {
-                (0, s): (*self.base_cost(g), self.slowness(g.ranks)) for s, g in enumerate(stages)
+                (0, s): (*self.base_cost(g), self.slowness(g.ranks), self.lead(g))
+                for s, g in enumerate(stages)
             }
             links = {}
             for s in range(len(stages) - 1):  # `_message_pairs` without migrations
@@ -356,7 +366,7 @@ class Scorer:
             for r in g.ranks
         )
         key = (arrival, tuple(table.items()), tuple(sorted(links.items())), *head)
-        slowest = max(slow for _, _, slow in table.values())
+        slowest = max(slow for _, _, slow, _ in table.values())
         return key, table, links, arrival, slowest
 
     def _reduced(self, layout: Layout, comp: list[int]):
@@ -372,7 +382,7 @@ class Scorer:
             stages = []
             for s, g in enumerate(layout.replicas[d].stages):
                 stages.append(StageGroup((i * pp + s,), g.layers))
-                table[(i, s)] = (*self.base_cost(g), self.slowness(g.ranks))
+                table[(i, s)] = (*self.base_cost(g), self.slowness(g.ranks), self.lead(g))
             replicas.append(Replica(tuple(stages)))
         migrations = tuple(
             Migration(renum[m.microbatch], m.stage, local[m.replica])
@@ -397,11 +407,11 @@ class Scorer:
         pp = small.pp
 
         def order_cost(g: Group, kind: ActionKind) -> float:
-            f, b, slow = table[g]
+            f, b, slow, _ = table[g]
             return (f if kind is ActionKind.F else b) * slow
 
         def compute(work: Work) -> float:
-            f, b, _ = table[(work.replica, work.stage)]
+            f, b, _, _ = table[(work.replica, work.stage)]
             return f if work.kind is ActionKind.F else b if work.kind is ActionKind.B else 0.0
 
         def link(a: Group, b: Group) -> float:
@@ -412,7 +422,8 @@ class Scorer:
             link=lambda src, dst, _bytes: links[(src, dst)],
             reduce_grad=dict(reduce),
             opt_step=opt,
-            slowdown={i * pp + s: slow for (i, s), (_, _, slow) in table.items()},
+            slowdown={i * pp + s: slow for (i, s), (_, _, slow, _) in table.items()},
+            step_lead={i * pp + s: lead for (i, s), (_, _, _, lead) in table.items()},
         )
         everyone = range(small.dp)
         actions, differs = component_actions(small, everyone, order_cost, link, safe=not arrival)

@@ -107,7 +107,11 @@ class Trainer:
             given, the rank computes its micro-batches of any shard and the gradients are
             reduced in a fixed order ([Note: ordered reduction] in `unbroken.train.ordered`),
             so any placement gives the same bits; None, the rank computes shard `shard`'s
-            micro-batches and gradients are all-reduced (the default path).
+            micro-batches and gradients are all-reduced (the default path). A placement may
+            give a rank none (an empty replica, `unbroken.plan.balance`): it joins the ordered
+            reduction with no row and steps.
+        probe_every: such a rank runs a probe micro-batch every this many iterations (`_probe`;
+            0: never).
     """
 
     def __init__(
@@ -126,6 +130,7 @@ class Trainer:
         loss_fn: LossFn = reference_loss,
         reduce_bucket: int = _REDUCE_BUCKET,
         placement: Placement | None = None,
+        probe_every: int = 0,
     ) -> None:
         if reduce_bucket < 1:
             raise ValueError(f"reduce_bucket must be >= 1 element, got {reduce_bucket}")
@@ -143,6 +148,9 @@ class Trainer:
         self.dp = dist.get_world_size(group) if group is not None else 1
         self.reduce_bucket = reduce_bucket
         self.ordered: OrderedGradients | None = None
+        self.probe_every = probe_every
+        """A rank the placement gives no micro-batch runs a probe every this many iterations
+        (0: never; `_probe`)."""
         self._tokens = 0
         self.lending = getattr(updater, "lending", None)
         """The updater's pool over its lent buffers (`unbroken.update.lending`): forward and
@@ -240,8 +248,41 @@ class Trainer:
             ordered.keep(j, loss, int(getattr(mb, "n_tokens", 0)))  # copies the loss's value
             del loss  # lent memory: nothing of the micro-batch outlives its compute phase
             lengths.append(tuple(getattr(mb, "doc_lengths", ())))
+        if not items and self.probe_every > 0 and iteration % self.probe_every == 0:
+            lengths.append(self._probe(iteration, ordered))
         ordered.reduce(self._hook, iteration)
         return 0.0, 0, tuple(lengths)
+
+    def _probe(self, iteration: int, ordered: OrderedGradients) -> tuple[int, ...]:
+        """A rank with no micro-batch: micro-batch 0 of the global batch (which another rank
+        computes for real) forward and backward as this rank's step 0 of 1, so that a slow
+        device is slow for it too, the timer (`unbroken.detect.timing.PhaseTimer`) times it
+        as the rank's one micro-batch and the fail-slow watch sees when the device runs at
+        its peers' pace again ([Note: probe micro-batch] in `unbroken.engine.probe`, the
+        same for a plan's empty replica). Nothing of it is left: its gradient is zeroed
+        (this rank adds no row to the ordered fold), its loss and tokens are not counted, the
+        RNG state is restored. Returns its segment lengths (the rank's workload this
+        iteration, `IterationResult.doc_lengths`)."""
+        shard, m = ordered.placement.key(0)
+        mb = _microbatch(self.source, iteration, shard, m)
+        rng = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        try:
+            self._hook(Phase.FORWARD, iteration, 0, 1)
+            seed_microbatch(self.cfg.seed, iteration, shard, m)
+            with self._lent():
+                with self._autocast():
+                    loss = self.loss_fn(self.model, mb, self.device)
+                with self._unlent():
+                    self._hook(Phase.BACKWARD, iteration, 0, 1)
+                loss.backward()
+            del loss
+        finally:
+            torch.set_rng_state(rng)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, self.device)
+        self.state.grads.zero_()
+        return tuple(getattr(mb, "doc_lengths", ()))
 
     def sync(self, iteration: int, local_loss: float) -> tuple[float, float, float]:
         """Global synchronization: no rank passes it before every rank has protected its

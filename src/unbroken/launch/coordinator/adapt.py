@@ -20,8 +20,10 @@ Two reports change it:
   published in the job store (`JobStore.publish_placement`) when it is predicted at least
   `adapt.min_gain` faster and the job has re-planned fewer than `adapt.max_replans` times; the
   ranks switch to it at an iteration boundary they agree on (`unbroken.launch.switch`);
-- a slow rank at full speed again (`on_recovered`, from the fail-slow watch: it keeps at least
-  one micro-batch, so its pace is measured all along): its device is healthy again and the
+- a slow rank at full speed again (`on_recovered`, from the fail-slow watch: it keeps a
+  micro-batch, or, left none by ours ([Note: empty replica] in `unbroken.plan.balance`), runs
+  a probe every `adapt.probe_every` iterations, so its pace stays measured): its device is
+  healthy again and the
   plan for that state — the launch placement when nothing else is slow — is published the same
   way, so a false alarm or a passing slowdown costs a few iterations, not the rest of the run
   (counted against `adapt.max_replans` like the fail-slow re-plans, which bounds a job that
@@ -146,10 +148,13 @@ class Adaptation:
         """device -> why it is lost."""
         self.returned: dict[int, str] = {}
         """device -> why it is usable again (lost before; not yet back in the world)."""
-        # The data-parallel trainer gives every rank a micro-batch (`_at_least_one`): no
-        # empty replica ([Note: empty replica] in `unbroken.plan.balance`) is planned for it.
+        # Ours may leave a rank no micro-batch ([Note: empty replica] in
+        # `unbroken.plan.balance`): the trainer runs it (no row in the ordered reduction, a
+        # probe every `adapt.probe_every` iterations, `unbroken.train.Trainer._probe`).
+        # Greyhound's `solve_dp` keeps one on every rank (`_at_least_one`).
         self.planner = PlannerConfig(
-            exclusion=cfg.adapt.policy != "greyhound", empty_replicas=False
+            exclusion=cfg.adapt.policy != "greyhound",
+            empty_replicas=cfg.adapt.policy == "resihp",
         )
         """The scheduler's steps: Greyhound's policy is the planner without exclusion."""
         self.healthy_s = plan_for_state(self.state, self.planner).current_s
@@ -161,10 +166,18 @@ class Adaptation:
     reshard: ParallelPlan | None = None
     """Never: a data-parallel re-plan moves no layers (`PipelineAdaptation.reshard`)."""
 
+    def _placement(self, plan: ParallelPlan, devices: tuple[int, ...]) -> DataPlacement:
+        """`plan`'s micro-batch ownership over `devices`; a rank the plan leaves none (an
+        empty replica, or a device step 1 excluded) keeps none under ours, one under a
+        policy whose planner keeps a micro-batch on every replica."""
+        placement = DataPlacement.from_plan(plan, devices, self.microbatches)
+        return placement if self.planner.empty_replicas else _at_least_one(placement)
+
     def calibrate(self, fit) -> None:
-        """Nothing to measure: a data-parallel replica is priced by its micro-batches, and the
-        trainer keeps one on every rank (`_at_least_one`), so a slow rank's optimizer step
-        stays on the iteration whatever the placement (`PipelineAdaptation.calibrate`)."""
+        """Nothing measured: a data-parallel job is priced with unit costs per micro-batch
+        and no optimizer step (the fail-slow watch fits no plan for it; its sync constant
+        mixes the step with the all-reduce). `PipelineAdaptation.calibrate` does it for
+        pipeline jobs."""
 
     def spec_fields(self) -> dict:
         """The generation spec's fields of the running placement."""
@@ -221,7 +234,7 @@ class Adaptation:
         result = plan_for_state(self.state, self.planner)
         plan = result.plan()
         devices = tuple(sorted(plan.ranks))
-        placement = _at_least_one(DataPlacement.from_plan(plan, devices, self.microbatches))
+        placement = self._placement(plan, devices)
         trigger = {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
         self._adopt(result, plan, devices, placement, trigger, before, iter_s)
         return NewWorld(devices, placement, self.epoch)
@@ -286,7 +299,7 @@ class Adaptation:
                 trigger, f"predicted gain {gain:.1%} < adapt.min_gain {self.cfg.adapt.min_gain:.0%}"
             )
         plan = result.plan()
-        placement = _at_least_one(DataPlacement.from_plan(plan, self.devices, self.microbatches))
+        placement = self._placement(plan, self.devices)
         self.replans += 1
         self._adopt(result, plan, self.devices, placement, trigger, self.placement, iter_s)
         return True
@@ -311,7 +324,7 @@ class Adaptation:
         self.state = self.state.with_healthy(device)
         result = plan_for_state(self.state, self.planner)
         plan = result.plan()
-        placement = _at_least_one(DataPlacement.from_plan(plan, self.devices, self.microbatches))
+        placement = self._placement(plan, self.devices)
         if placement == self.placement:
             return self._skip(trigger, "the plan for the healthy device is the running one")
         self.replans += 1
