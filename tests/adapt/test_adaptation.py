@@ -9,6 +9,7 @@ import json
 import torch.distributed as dist
 
 from unbroken.detect.events import DetectionEvent, DetectionKind
+from unbroken.detect.workload import DataParallelFit
 from unbroken.jobstore import JobStore
 from unbroken.launch.coordinator.adapt import Adaptation
 from unbroken.parallel import DataPlacement
@@ -135,3 +136,21 @@ def test_ours_leaves_a_rank_too_slow_for_one_micro_batch_none_and_greyhound_one(
     assert a.placement.counts() == (4, 4, 4, 4)
     grey, _, _ = _adaptation(policy="greyhound")
     assert grey.on_fail_slow(_slow(3, 10.0)) and grey.placement.counts()[3] == 1
+
+
+def test_a_measured_step_empties_a_slow_rank_at_the_slowdown_it_costs():
+    # The dp4 bench's shape (stop 44): a micro-batch ~25 ms, ~50 ms a step after the compute.
+    # At 4.45x (what the detector read in that run) unit costs keep one micro-batch on rank 3;
+    # priced with the measured step, that micro-batch waits for rank 3's own 4.45x step
+    # ([Note: step lead]), which the others' compute overlaps: it is left none.
+    unit, _, _ = _adaptation()
+    assert unit.on_fail_slow(_slow(3, 4.45)) and unit.placement.counts()[3] == 1
+    a, _, log = _adaptation()
+    a.calibrate(None)  # nothing measured yet: unit costs
+    assert not a.calibrated
+    a.calibrate(DataParallelFit(mb_s=0.025, sync_s=0.05))
+    assert a.calibrated and log.events[-1] == (
+        "replan_costs",
+        {"microbatch_s": 0.025, "step_s": 0.05},
+    )
+    assert a.on_fail_slow(_slow(3, 4.45)) and a.placement.counts() == (6, 5, 5, 0)

@@ -90,6 +90,41 @@ def test_a_recovered_rank_left_with_one_micro_batch_is_compared_like_with_like()
     assert rec.first == 50 and at == rec.last == 50 + cfg.recover_window - 1
 
 
+def _emptied(obs, rank, from_iter, probe_every):
+    """From `from_iter` on, `rank` computes nothing (an empty replica) but every
+    `probe_every`-th iteration a probe micro-batch: its timer reports the probe as its one
+    micro-batch (`unbroken.train.Trainer._probe`)."""
+    out = []
+    for o in obs:
+        if o.iteration < from_iter:
+            out.append(o)
+            continue
+        t, lengths = o.ranks[rank], list(o.doc_lengths)
+        probe = o.iteration % probe_every == 0
+        lengths[rank] = lengths[rank][:1] if probe else []
+        ranks = {**o.ranks, rank: dataclasses.replace(t, mb_s=t.mb_s[:1] if probe else ())}
+        out.append(dataclasses.replace(o, ranks=ranks, doc_lengths=lengths))
+    return out
+
+
+def test_an_emptied_rank_is_found_back_by_its_probes():
+    # [Note: empty replica], data parallel: rank 2, 8x slow from 30, left no micro-batch from
+    # 40; its probes (every 4th iteration) are timed like its peers' first micro-batches, and
+    # once its slowdown ends at 50 the window of probes after it reads it whole.
+    cfg = DetectorConfig()
+    det = FailSlowDetector(cfg, sink=ListSink())
+    obs = series(iterations=90, world=4, slow_rank=2, slow_iter=30, slow_until=50, factor=8.0)
+    found = []
+    for o in _emptied(obs, rank=2, from_iter=40, probe_every=4):
+        det.observe(o)
+        found += [(r, o.iteration) for r in det.take_recovered()]
+    ((rec, at),) = found
+    assert rec.report.rank == 2 and rec.factor == pytest.approx(1.0, abs=0.05)
+    # The first window of `recover_window` (8) iterations whose probes all ran at full speed:
+    # 49..56 (probes at 52 and 56; 48's was slow).
+    assert cfg.recover_window == 8 and (rec.first, rec.last, at) == (49, 56, 56)
+
+
 def _blocks(it, rng):
     # Workload regimes: cheap multi-document micro-batches, and after warm-up every 12
     # iterations a run of 3 with expensive single-document ones: the iteration time jumps up

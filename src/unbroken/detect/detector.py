@@ -66,7 +66,12 @@ from unbroken.detect.bocpd import Bocpd, BocpdConfig, BocpdState, ChangePoint
 from unbroken.detect.events import DetectionEvent, DetectionKind, DetectionSink
 from unbroken.detect.pipeline import LayerPace, PlanFit, fit_plan
 from unbroken.detect.timing import RankTiming, StageTiming
-from unbroken.detect.workload import WorkloadPredictor, sum_sq
+from unbroken.detect.workload import (
+    DataParallelFit,
+    DataParallelSchedule,
+    WorkloadPredictor,
+    sum_sq,
+)
 from unbroken.parallel import ParallelPlan
 
 __all__ = [
@@ -317,6 +322,19 @@ class FailSlowDetector:
     def plan_fit(self) -> PlanFit | None:
         """A plan job's warm-up fit (None before the warm-up ends, or data parallel)."""
         return self._plan_fit
+
+    @property
+    def data_parallel_fit(self) -> DataParallelFit | None:
+        """A data-parallel job's warm-up costs (None before the warm-up ends, or a plan)."""
+        if self.plan is not None or self.predictor is None or not self._fitted:
+            return None
+        schedule = self.predictor.schedule
+        samples = mb_samples(self._fitted)
+        if not samples or not isinstance(schedule, DataParallelSchedule):
+            return None
+        return DataParallelFit(
+            mb_s=statistics.median(s for _, s in samples), sync_s=max(schedule.sync_s, 0.0)
+        )
 
     def carry_reports(self, other: FailSlowDetector) -> None:
         """Take over `other`'s open compute reports: a job that switched plans live around a

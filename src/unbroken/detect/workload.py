@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 
 __all__ = [
+    "DataParallelFit",
     "DataParallelSchedule",
     "MicroBatchModel",
     "ScheduleModel",
@@ -119,6 +120,18 @@ class DataParallelSchedule:
 
     def iteration_time(self, mb_times: Sequence[Sequence[float]]) -> float:
         return max((sum(r) for r in mb_times), default=0.0) + self.sync_s
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallelFit:
+    """What a data-parallel job's warm-up measured, for the scheduler
+    (`Adaptation.calibrate`): a typical micro-batch's forward + backward (`mb_s`, the median
+    of the warm-up's timed micro-batches) and the per-iteration constant after the compute
+    (`sync_s`: all-reduce, sync, optimizer step, boundary — the step is most of it on the
+    tiny CPU model, and a slow device stretches all but the all-reduce)."""
+
+    mb_s: float
+    sync_s: float
 
 
 @dataclass(frozen=True, slots=True)

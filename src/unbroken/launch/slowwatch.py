@@ -29,6 +29,7 @@ from unbroken.detect import (
 )
 from unbroken.detect.pipeline import PlanFit
 from unbroken.detect.timing import StageTiming
+from unbroken.detect.workload import DataParallelFit
 from unbroken.metrics.log import JsonlLog
 from unbroken.parallel import ParallelPlan
 
@@ -70,10 +71,10 @@ class SlowWatch:
         back to the plan."""
 
     @property
-    def plan_fit(self) -> PlanFit | None:
-        """The current detector's fit of a plan job's warm-up (None: not fitted yet, or data
-        parallel): what the coordinator prices re-plans with (`PipelineAdaptation.calibrate`)."""
-        return self.detector.plan_fit
+    def fit(self) -> PlanFit | DataParallelFit | None:
+        """The current detector's warm-up fit — a plan job's, or a data-parallel job's costs
+        (None: not fitted yet): what the coordinator prices re-plans with (`calibrate`)."""
+        return self.detector.plan_fit or self.detector.data_parallel_fit
 
     def reset(
         self, world_size: int, plan: ParallelPlan | None = None, *, same_ranks: bool = False

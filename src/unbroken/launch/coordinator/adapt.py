@@ -46,6 +46,8 @@ from dataclasses import dataclass, replace
 
 from unbroken.config import JobConfig
 from unbroken.detect.events import DetectionEvent
+from unbroken.detect.pipeline import PlanFit
+from unbroken.detect.workload import DataParallelFit
 from unbroken.jobstore import JobStore
 from unbroken.metrics.log import JsonlLog
 from unbroken.parallel import DataPlacement, ParallelPlan, make_plan
@@ -152,6 +154,8 @@ class Adaptation:
         # `unbroken.plan.balance`): the trainer runs it (no row in the ordered reduction, a
         # probe every `adapt.probe_every` iterations, `unbroken.train.Trainer._probe`).
         # Greyhound's `solve_dp` keeps one on every rank (`_at_least_one`).
+        self.calibrated = False
+        """Whether the scheduler prices with the job's measured costs (`calibrate`)."""
         self.planner = PlannerConfig(
             exclusion=cfg.adapt.policy != "greyhound",
             empty_replicas=cfg.adapt.policy == "resihp",
@@ -173,11 +177,26 @@ class Adaptation:
         placement = DataPlacement.from_plan(plan, devices, self.microbatches)
         return placement if self.planner.empty_replicas else _at_least_one(placement)
 
-    def calibrate(self, fit) -> None:
-        """Nothing measured: a data-parallel job is priced with unit costs per micro-batch
-        and no optimizer step (the fail-slow watch fits no plan for it; its sync constant
-        mixes the step with the all-reduce). `PipelineAdaptation.calibrate` does it for
-        pipeline jobs."""
+    def calibrate(self, fit: PlanFit | DataParallelFit | None) -> None:
+        """Price re-plans with the job's measured costs from now on, once (the first fit the
+        fail-slow watch has: the launch placement's healthy warm-up): a micro-batch's
+        forward + backward as the one layer's cost, and the per-iteration constant after the
+        compute (`DataParallelFit.sync_s`) as each rank's optimizer step, which a slow
+        device stretches and which a micro-batch left on it waits for ([Note: step lead] in
+        `unbroken.plan.score`). An approximation: the constant holds the all-reduce and the
+        sync too, which a slow device does not stretch. Logs `replan_costs`."""
+        if self.calibrated or not isinstance(fit, DataParallelFit) or fit.mb_s <= 0:
+            return
+        self.calibrated = True
+        workload = replace(
+            self.state.workload,
+            alpha_s=fit.mb_s / (1.0 + self.state.workload.backward_ratio),
+            step_s_per_param=fit.sync_s,  # one layer of one unit of parameters
+        )
+        self.state = self.state.with_workload(workload)
+        healthy = dp_cluster(self.cfg.parallel.dp, self.microbatches).with_workload(workload)
+        self.healthy_s = plan_for_state(healthy, self.planner).current_s
+        self.events.emit("replan_costs", microbatch_s=fit.mb_s, step_s=fit.sync_s)
 
     def spec_fields(self) -> dict:
         """The generation spec's fields of the running placement."""

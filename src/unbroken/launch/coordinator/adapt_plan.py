@@ -53,6 +53,7 @@ from typing import Any
 from unbroken.config import AdaptConfig
 from unbroken.detect.events import DetectionEvent
 from unbroken.detect.pipeline import PlanFit
+from unbroken.detect.workload import DataParallelFit
 from unbroken.jobstore import JobStore
 from unbroken.launch.coordinator.adapt import NewWorld, fail_slow_trigger
 from unbroken.metrics.log import JsonlLog
@@ -165,11 +166,11 @@ class PipelineAdaptation:
         failure): the world grows back, or a re-plan moves layers."""
         return self.grows or self._moving is not None
 
-    def calibrate(self, fit: PlanFit | None) -> None:
+    def calibrate(self, fit: PlanFit | DataParallelFit | None) -> None:
         """Price re-plans with the job's measured costs (`measured_workload`) from now on:
         once, from the first fit the fail-slow watch has (the launch plan's healthy warm-up;
         a later one may have been fitted with a slow device in it). Logs `replan_costs`."""
-        if self.calibrated or fit is None:
+        if self.calibrated or not isinstance(fit, PlanFit):
             return
         workload = measured_workload(self.plan, fit)
         if workload is None:

@@ -514,7 +514,7 @@ class CoordinatorCore:
         if event.kind is DetectionKind.FAIL_STOP:
             self._log_fail_stop(event, progressed, phase)
         elif self.adapt is not None and self.fsm.state is RecoveryState.RUNNING:
-            self.adapt.calibrate(self.monitor.slow_watch.plan_fit)
+            self.adapt.calibrate(self.monitor.slow_watch.fit)
             acted = self.adapt.on_fail_slow(event, self._healthy_iter_s(event.iteration))
             if acted and self.adapt.restarts:  # layers move: at a planned stop
                 self._grow_pending = True
