@@ -90,6 +90,21 @@ def test_a_recovered_rank_left_with_one_micro_batch_is_compared_like_with_like()
     assert rec.first == 50 and at == rec.last == 50 + cfg.recover_window - 1
 
 
+def test_a_data_parallel_warm_up_measures_a_micro_batch_and_the_constant_after_it():
+    # What the coordinator prices re-plans with (`Adaptation.calibrate`): synth's micro-batches
+    # are ~41-45 ms (one 2,048-token document mostly), its constant after the slowest rank's
+    # compute 12 ms (2 ms all-reduce + 10 ms sync); none before the warm-up ends.
+    det = FailSlowDetector(DetectorConfig(), sink=ListSink())
+    obs = series(iterations=20, noise=0.0)
+    assert det.data_parallel_fit is None
+    for o in obs:
+        det.observe(o)
+    fit = det.data_parallel_fit
+    assert fit is not None and det.plan_fit is None
+    assert fit.mb_s == pytest.approx(mb_time((N,)), rel=0.1)
+    assert fit.sync_s == pytest.approx(0.012, rel=0.05)
+
+
 def _emptied(obs, rank, from_iter, probe_every):
     """From `from_iter` on, `rank` computes nothing (an empty replica) but every
     `probe_every`-th iteration a probe micro-batch: its timer reports the probe as its one
