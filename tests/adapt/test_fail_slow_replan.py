@@ -39,7 +39,8 @@ def test_a_slow_rank_loses_micro_batches_at_a_boundary_and_the_run_stays_bit_exa
     assert (trigger["kind"], trigger["rank"], trigger["device"]) == ("fail_slow", 3, 3)
     assert trigger["factor"] == pytest.approx(report["factor"])
     counts = replan["counts_after"]
-    assert sum(counts) == 16 and counts[3] < 4 and min(counts) >= 1
+    # Rank 3 keeps fewer, or none (then it probes: [Note: empty replica]); the others more.
+    assert sum(counts) == 16 and counts[3] < 4 and min(counts[:3]) >= 4
     assert replan["predicted_after"] < replan["predicted_before"]
     (applied,) = events_of(events, "plan_applied")
     assert applied["epoch"] == 1 and applied["counts"] == counts
@@ -60,25 +61,27 @@ def test_a_slow_rank_loses_micro_batches_at_a_boundary_and_gets_them_back_when_h
     assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
     events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
     (report,) = [f for f in s["fail_slow"] if f["rank"] == 3]
-    slow, back = events_of(events, "replan")
+    # (A rank falsely reported slow on the loaded machine after the return is re-planned around
+    # and back like any other: cheap and reversible, issue 18 item 6; not rank 3's business.)
+    slow, back, *later = events_of(events, "replan")
+    assert all(e["trigger"]["rank"] != 3 for e in later)
     trigger = slow["trigger"]
     assert (trigger["kind"], trigger["rank"], trigger["device"]) == ("fail_slow", 3, 3)
     assert trigger["factor"] == pytest.approx(report["factor"])
     counts = slow["counts_after"]
-    assert sum(counts) == 16 and counts[3] < 4 and min(counts) >= 1
+    assert sum(counts) == 16 and counts[3] < 4 and min(counts[:3]) >= 4
     assert slow["predicted_after"] < slow["predicted_before"]
     (ended,) = events_of(events, "slow_ended")
-    # (A rank falsely reported slow on the loaded machine may also recover: not re-planned.)
     (recovered,) = [e for e in events_of(events, "speed_recovered") if e["rank"] == 3]
     # Found once the device is healthy (its window may still hold a slow iteration or two:
     # a ratio of sums; on this shared machine a rank with one micro-batch computes it fast).
     assert recovered["rank"] == 3 and recovered["detected_at"] > ended["iter"] == 32
     assert (back["trigger"]["kind"], back["trigger"]["device"]) == ("speed_recovered", 3)
     assert back["counts_after"] == [4, 4, 4, 4]
-    first, second = events_of(events, "plan_applied")
+    first, second, *_ = events_of(events, "plan_applied")
     assert (first["epoch"], first["counts"]) == (1, counts)
     assert (second["epoch"], second["counts"]) == (2, [4, 4, 4, 4])
     assert report["detected_at"] < first["iter"] < second["iter"] < 50
     assert recovered["detected_at"] < second["iter"]
-    assert not s["recoveries"]  # no restart: the same generation switched twice
-    assert [r["iter"] for r in s["replans"]] == [first["iter"], second["iter"]]
+    assert not s["recoveries"]  # no restart: the same generation switched
+    assert [r["iter"] for r in s["replans"]][:2] == [first["iter"], second["iter"]]

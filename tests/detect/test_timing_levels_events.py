@@ -39,6 +39,35 @@ def test_phase_timer_splits_micro_batches_and_reduce():
     assert timer.records == [rec]
 
 
+def test_phase_timer_records_an_iteration_without_micro_batches():
+    # A rank the placement left none (an empty replica, `Trainer._probe`): its iteration starts
+    # at the ordered reduction's first hook; the record has no micro-batch, its reduction and
+    # wait for the others (2 s) and the step up to PROTECT. Its next iteration's probe is timed
+    # as its one micro-batch.
+    clock = FakeClock()
+    got = []
+    timer = PhaseTimer(rank=3, on_record=got.append, clock=clock)
+    timer(Phase.ALLREDUCE, 8, 0, 2)
+    clock.now += 2.0
+    timer(Phase.ALLREDUCE, 8, 1, 2)
+    clock.now += 0.5
+    timer(Phase.REDUCED, 8, 0, 1)
+    clock.now += 0.25
+    timer(Phase.PROTECT, 8, 0, 1)
+    timer(Phase.FORWARD, 9, 0, 1)
+    clock.now += 1.0
+    timer(Phase.BACKWARD, 9, 0, 1)
+    clock.now += 2.0
+    timer(Phase.ALLREDUCE, 9, 0, 2)
+    clock.now += 0.5
+    timer(Phase.REDUCED, 9, 0, 1)
+    timer(Phase.PROTECT, 9, 0, 1)
+    empty, probe = got
+    assert (empty.iteration, empty.mb_s, empty.forward_s, empty.compute_s) == (8, (), (), 0.0)
+    assert empty.reduce_s == 2.75 and empty.comm_s == 2.5
+    assert (probe.iteration, probe.mb_s, probe.forward_s) == (9, (3.0,), (1.0,))
+
+
 class FakeGpu:
     """A stream whose work lags the host: an event's time is when the GPU reaches it."""
 

@@ -6,6 +6,8 @@ communication times tell the slow one apart. `PhaseTimer` is a `Trainer` hook
 (`unbroken.train.phases.PhaseHook`) that stamps the start of each forward/backward micro-batch,
 the first ALLREDUCE bucket, REDUCED and PROTECT, which yields:
 
+- (a rank that computes no micro-batch — an empty replica, `unbroken.train.Trainer._probe` —
+  gets a record from its first ALLREDUCE on: no `mb_s`, `compute_s` 0, its reduction and wait;)
 - `mb_s`: forward+backward of every micro-batch (FORWARD m -> FORWARD m+1; the last one ends at
   the first ALLREDUCE hook). Without that hook (one replica, or a loop that does not fire it)
   the last micro-batch is left out: its end is not stamped before PROTECT, and the all-reduce
@@ -242,11 +244,15 @@ class PhaseTimer:
         elif phase is Phase.BACKWARD:
             self._bwd.append(now)
         elif phase is Phase.ALLREDUCE and step == 0:
+            if iteration != self._iteration:  # no micro-batch this iteration: an empty replica
+                self.flush()
+                self._fwd, self._bwd, self._comm, self._cpu = [], [], [], []
+                self._iteration = iteration
             self._comm.append(now)
             self._cpu.append(self.cpu_clock())
         elif phase is Phase.REDUCED:
             self._comm.append(now)
-        elif phase is Phase.PROTECT and iteration == self._iteration and self._bwd:
+        elif phase is Phase.PROTECT and iteration == self._iteration and (self._bwd or self._comm):
             self._finish(now)
 
     def _finish(self, now) -> None:
@@ -267,8 +273,8 @@ class PhaseTimer:
             iteration=iteration,
             mb_s=tuple(dt(s, e) for s, e in zip(f, ends, strict=False)),
             forward_s=tuple(dt(f[m], b[m]) for m in range(n)),
-            compute_s=dt(f[0], b[n - 1]),
-            reduce_s=dt(b[n - 1], now),
+            compute_s=dt(f[0], b[n - 1]) if n else 0.0,
+            reduce_s=dt(b[n - 1] if n else c[0], now),
             comm_s=dt(c[0], c[-1]) if c else 0.0,
             mb_cpu_s=tuple(b - a for a, b in itertools.pairwise(cpu)),
         )
