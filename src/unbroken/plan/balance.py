@@ -9,8 +9,9 @@ by timed single moves — pipeline fill and drain are not proportional to the co
 variance objective ignores).
 
 [Note: empty replica] `balance_simulated` may give a replica 0 micro-batches (issue 18): its
-time is then only its reduction and optimizer step (`idle_s`; after its devices' step lead, [Note: step lead] in `unbroken.plan.score`), and it gets 0 exactly when its
-time with one micro-batch is above what the others reach with that micro-batch too. At least
+time is then only its reduction and optimizer step (`idle_s`; after its devices' step lead,
+[Note: step lead] in `unbroken.plan.score`), and it gets 0 exactly when its time with one
+micro-batch is above what the others reach with that micro-batch too. At least
 one replica keeps work (the counts sum to the batch, which is >= 1). An empty replica still
 holds a copy of the state: it joins the ordered reduction with no addend and steps
 (`unbroken.engine.ordered_plan`), and its devices are watched by a probe micro-batch
@@ -36,9 +37,9 @@ def _alone(layout: Layout, d: int, count: int) -> Layout:
 
 
 def idle_s(scorer: Scorer, layout: Layout, d: int) -> float:
-    """Replica `d`'s simulated time alone with no micro-batch: per stage its gradient
-    reduction and its optimizer step, the step as slow as the stage's devices ([Note: empty
-    replica])."""
+    """Replica `d`'s simulated time alone with no micro-batch: per stage its step lead (a
+    slow group's longer step of the iteration before, `Scorer.lead`), its gradient reduction
+    and its optimizer step ([Note: empty replica])."""
     alone = _alone(layout, d, 1)
     reduce, opt = scorer.reduce_s(alone), scorer.opt_s(alone)
     return max(

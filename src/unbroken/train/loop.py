@@ -233,18 +233,8 @@ class Trainer:
         items = ordered.items
         lengths = []
         for j, k in enumerate(items):
-            shard, m = ordered.placement.key(k)
-            mb = _microbatch(self.source, iteration, shard, m)
-            self._hook(Phase.FORWARD, iteration, j, len(items))
-            seed_microbatch(self.cfg.seed, iteration, shard, m)
-            with self._lent():
-                with self._autocast():
-                    loss = (
-                        self.loss_fn(self.model, mb, self.device) / ordered.placement.microbatches
-                    )
-                with self._unlent():
-                    self._hook(Phase.BACKWARD, iteration, j, len(items))
-                loss.backward()
+            mb = _microbatch(self.source, iteration, *ordered.placement.key(k))
+            loss = self._forward_backward(iteration, j, len(items), ordered, k, mb)
             ordered.keep(j, loss, int(getattr(mb, "n_tokens", 0)))  # copies the loss's value
             del loss  # lent memory: nothing of the micro-batch outlives its compute phase
             lengths.append(tuple(getattr(mb, "doc_lengths", ())))
@@ -253,9 +243,27 @@ class Trainer:
         ordered.reduce(self._hook, iteration)
         return 0.0, 0, tuple(lengths)
 
+    def _forward_backward(
+        self, iteration: int, step: int, n_steps: int, ordered: OrderedGradients, k: int, mb
+    ) -> torch.Tensor:
+        """Global micro-batch `k` (data `mb`) forward and backward as this rank's phase step
+        `step` of `n_steps`, torch's generators seeded from its logical (shard, index); returns
+        its loss over the placement's micro-batches per shard (the ordered path's scale)."""
+        shard, m = ordered.placement.key(k)
+        self._hook(Phase.FORWARD, iteration, step, n_steps)
+        seed_microbatch(self.cfg.seed, iteration, shard, m)
+        with self._lent():
+            with self._autocast():
+                loss = self.loss_fn(self.model, mb, self.device) / ordered.placement.microbatches
+            with self._unlent():
+                self._hook(Phase.BACKWARD, iteration, step, n_steps)
+            loss.backward()
+        return loss
+
     def _probe(self, iteration: int, ordered: OrderedGradients) -> tuple[int, ...]:
         """A rank with no micro-batch: micro-batch 0 of the global batch (which another rank
-        computes for real) forward and backward as this rank's step 0 of 1, so that a slow
+        computes for real) forward and backward as this rank's step 0 of 1 (the same work as
+        that rank's, `_forward_backward`), so that a slow
         device is slow for it too, the timer (`unbroken.detect.timing.PhaseTimer`) times it
         as the rank's one micro-batch and the fail-slow watch sees when the device runs at
         its peers' pace again ([Note: probe micro-batch] in `unbroken.engine.probe`, the
@@ -263,20 +271,11 @@ class Trainer:
         (this rank adds no row to the ordered fold), its loss and tokens are not counted, the
         RNG state is restored. Returns its segment lengths (the rank's workload this
         iteration, `IterationResult.doc_lengths`)."""
-        shard, m = ordered.placement.key(0)
-        mb = _microbatch(self.source, iteration, shard, m)
+        mb = _microbatch(self.source, iteration, *ordered.placement.key(0))
         rng = torch.get_rng_state()
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         try:
-            self._hook(Phase.FORWARD, iteration, 0, 1)
-            seed_microbatch(self.cfg.seed, iteration, shard, m)
-            with self._lent():
-                with self._autocast():
-                    loss = self.loss_fn(self.model, mb, self.device)
-                with self._unlent():
-                    self._hook(Phase.BACKWARD, iteration, 0, 1)
-                loss.backward()
-            del loss
+            self._forward_backward(iteration, 0, 1, ordered, 0, mb)  # its loss is dropped
         finally:
             torch.set_rng_state(rng)
             if cuda is not None:
