@@ -9,7 +9,8 @@ Three boundaries carry them:
   them;
 - node-local datagrams from trainers and shadows to their agent (Unix sockets): `RankBeat` on
   the heartbeat socket, `ReclaimRequest` on the reclamation socket, `ReclaimAnswer` back;
-- the promotion of a parked shadow: `Promote`, one line on its stdin.
+- the agent to a parked shadow, one line each on its stdin: `MapRetained` (map the device's
+  retained state now), then `Promote`.
 
 Wire form: a JSON object `{"op": <the type's OP>, <field>: <value>, ...}`. `decode` accepts
 only the types the receiver names, requires every field without a default, rejects unknown
@@ -37,6 +38,7 @@ from typing import Any, ClassVar
 __all__ = [
     "MEMORY_EVENTS",
     "Hello",
+    "MapRetained",
     "MemoryReport",
     "Message",
     "MessageError",
@@ -299,6 +301,15 @@ class ReclaimAnswer(Message):
     reclaimed: int
     level_to: int | None = None
     wait_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MapRetained(Message):
+    """To a parked shadow: the trainer it would replace has completed an iteration (its retained
+    regions are made and will not be re-created before the next generation), so map them now;
+    promoted, it finds them mapped (`unbroken.state.client.RetainedClient.premap`)."""
+
+    OP: ClassVar[str] = "map_retained"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 
 from unbroken.launch.heartbeat import Heartbeat
-from unbroken.messages import Promote, decode_json
+from unbroken.messages import MapRetained, Promote, decode_json
 from unbroken.shadow.client import ReclaimClient
 
 BEAT_S = 0.1
@@ -67,7 +67,9 @@ def main() -> int:
     if args.shadow:
         hb.shadow_ready(args.shadow, {args.shadow: 1 << 20})
         hb.start()
-        promote = decode_json(sys.stdin.readline(), (Promote,))
+        promote = decode_json(sys.stdin.readline(), (Promote, MapRetained))
+        while isinstance(promote, MapRetained):  # (it keeps nothing to map)
+            promote = decode_json(sys.stdin.readline(), (Promote, MapRetained))
         assert isinstance(promote, Promote)
         spec = json.loads(Path(promote.spec).read_text())
         hb.promoted(spec["generation"])

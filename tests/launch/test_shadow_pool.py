@@ -212,3 +212,41 @@ def test_the_coordinators_set_number_is_used_on_every_node_and_a_relaunch_gets_i
     pool.reclaim()
     pool.relaunch(2, 5, [0, 1])
     assert sup.spawned[2:] == [(0, 5, 2, 1_000_001), (1, 5, 2, 1_000_001)]
+
+
+def test_a_parked_shadow_is_told_to_map_the_retained_state_once_its_trainer_has_trained():
+    """`MapRetained` goes to a parked shadow whose rank's trainer of the generation before has
+    completed an iteration (not before: that trainer may still remake its regions), once."""
+    import io
+
+    from unbroken.messages import MapRetained, decode_json
+
+    sup = FakeSupervisor()
+    pool = ShadowPool(sup)  # type: ignore[arg-type]
+    pool.prepare(_plan(), level=3)  # shadows of generation 5 beside trainers of generation 4
+    stdins = {r: io.BytesIO() for r in pool.shadows}
+    for r, t in pool.shadows.items():
+        t.proc.stdin = stdins[r]  # type: ignore[attr-defined]
+    trainers = {
+        r: RankProc(r, 4, FakeProc(2000 + r), Liveness(spawned=0.0))  # type: ignore[arg-type]
+        for r in (0, 1)
+    }
+
+    def told() -> dict[int, list]:
+        return {
+            r: [decode_json(line, (MapRetained,)) for line in s.getvalue().decode().splitlines()]
+            for r, s in stdins.items()
+        }
+
+    trainers[0].beat = _beat(0, 0)  # training, nothing completed yet
+    trainers[1].beat = dataclasses.replace(_beat(1, 1), completed=0)
+    pool.premap(trainers)
+    assert told() == {0: [], 1: []}  # neither shadow parked yet
+    for r, t in pool.shadows.items():
+        t.beat = dataclasses.replace(_beat(r, -1), status=RankStatus.SHADOW_READY, level=3)
+    pool.premap(trainers)
+    assert told() == {0: [], 1: [MapRetained()]}  # rank 0's trainer has completed nothing
+    trainers[0].beat = dataclasses.replace(_beat(0, 1), completed=0)
+    pool.premap(trainers)
+    pool.premap(trainers)
+    assert told() == {0: [MapRetained()], 1: [MapRetained()]}  # once each

@@ -94,6 +94,73 @@ def test_a_lost_gpu_page_is_localized_and_remapped_alone(manager):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_premapped_gpu_region_drops_a_page_lost_since_and_maps_its_new_memory(manager):
+    """A shadow premaps; the trainer then loses page 1 (both its references dropped). The
+    shadow's mapping alone holds that memory: promoted, its `allocate` unmaps the page (the
+    memory is gone), localization finds it lost, the remap maps a new page there; the other
+    pages are the same mappings, the trainer's bytes in them."""
+    pattern = torch.arange(4 * MIB2, device="cuda", dtype=torch.int64).to(torch.uint8)
+    with RetainedClient(manager[1], generation=0) as trainer, RetainedClient(manager[1]) as shadow:
+        region = trainer.allocate("model", 4 * MIB2, page_bytes=MIB2, protected=True, device=0)
+        region.tensor.copy_(pattern)
+        torch.cuda.synchronize()
+        (premapped,) = shadow.premap()
+        assert premapped.mapped_pages() == [0, 1, 2, 3]
+        trainer.discard("model", [1])
+        region.unmap_pages([1])
+        shadow.generation = 1
+        taken = shadow.allocate("model", 4 * MIB2, page_bytes=MIB2, protected=True, device=0)
+        assert taken is premapped and taken.mapped_pages() == [0, 2, 3]
+        assert shadow.localize().lost == {"model": [1]}
+        shadow.remap("model", [1])
+        assert taken.mapped_pages() == [0, 1, 2, 3]
+        keep = torch.ones(4 * MIB2, dtype=torch.bool, device="cuda")
+        keep[MIB2 : 2 * MIB2] = False
+        assert torch.equal(taken.tensor[keep], pattern[keep])
+        taken.page(1).fill_(7)
+        torch.cuda.synchronize()
+    # A mapping made before that remap holds the lost page's old allocation: a client that
+    # premapped then is given the region mapped anew, with the new page.
+    with RetainedClient(manager[1]) as late:
+        region = late.attach("model")
+        assert int((region.page(1) == 7).sum()) == MIB2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_premapping_made_before_a_remap_is_not_reused(manager):
+    with RetainedClient(manager[1]) as trainer, RetainedClient(manager[1]) as shadow:
+        region = trainer.allocate("model", 2 * MIB2, page_bytes=MIB2, protected=True, device=0)
+        (premapped,) = shadow.premap()
+        trainer.discard("model", [0])
+        region.unmap_pages([0])
+        trainer.remap("model", [0])  # (a trainer repaired it after the shadow had mapped)
+        region.page(0).fill_(3)
+        torch.cuda.synchronize()
+        taken = shadow.attach("model")
+        assert taken is not premapped and int((taken.page(0) == 3).sum()) == MIB2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_premapped_region_of_most_of_the_gpu_can_be_replaced(manager):
+    """A promoted shadow restarting under another plan replaces a premapped region: its
+    mapping goes before the manager makes the new one, or the GPU would hold both (here 60 %
+    of its free memory each: the new one could not be made)."""
+    free, _ = torch.cuda.mem_get_info()
+    pages = int(free * 0.6) // MIB2
+    with RetainedClient(manager[1]) as trainer, RetainedClient(manager[1]) as shadow:
+        trainer.allocate("model", pages * MIB2, page_bytes=MIB2, protected=True, device=0)
+        trainer.close()
+        (old,) = shadow.premap()
+        new = shadow.allocate(
+            "model", (pages - 1) * MIB2, page_bytes=MIB2, protected=True, device=0, replace=True
+        )
+        assert new is not old and new.fresh and new.n_pages == pages - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_page_size_off_the_granularity_is_refused(client):
     with pytest.raises(RetainedStateError, match="granularity"):
         client.allocate("model", 3 * 65536, page_bytes=65536, protected=True, device=0)

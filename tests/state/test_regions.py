@@ -118,3 +118,37 @@ def test_a_client_of_an_older_generation_is_refused_once_a_newer_one_was_served(
             old.free("model")
         assert new.localize().lost == {"model": []}  # the successor is still served
         assert [r["name"] for r in agent.list()] == ["model"]  # no generation: served
+
+
+def test_a_premapped_region_is_the_one_its_next_trainer_allocates(manager):
+    """A parked shadow maps the regions while the trainer works (no generation: the trainer is
+    still served), then, promoted, allocates them: the same mappings, no new one, the trainer's
+    bytes in them, and the old trainer fenced from here."""
+    with (
+        RetainedClient(manager[1], generation=0) as trainer,
+        RetainedClient(manager[1]) as shadow,
+    ):
+        model = trainer.allocate("model", 4 * PAGE, page_bytes=PAGE, protected=True)
+        trainer.allocate("marker", PAGE, page_bytes=PAGE, protected=True)
+        premapped = {r.name: r for r in shadow.premap()}
+        assert set(premapped) == {"model", "marker"} and shadow.mapped() == premapped
+        assert trainer.localize().lost == {"model": [], "marker": []}  # not fenced by it
+        model.page(2).fill_(9)  # the trainer writes on after the shadow mapped
+        shadow.generation = 1
+        taken = shadow.allocate("model", 4 * PAGE, page_bytes=PAGE, protected=True)
+        assert taken is premapped["model"] and not taken.fresh
+        assert bool((taken.page(2) == 9).all())
+        with pytest.raises(RetainedStateError, match="stale generation 0"):
+            trainer.localize()
+
+
+def test_replacing_a_premapped_region_maps_the_new_one_and_drops_the_old(manager):
+    """(That the old is unmapped before the manager makes the new one shows on a GPU: a region
+    of most of its memory replaced, `test_gpu_regions`.)"""
+    with RetainedClient(manager[1]) as trainer, RetainedClient(manager[1]) as shadow:
+        trainer.allocate("model", 2 * PAGE, page_bytes=PAGE, protected=True)
+        (old,) = shadow.premap()
+        new = shadow.allocate("model", 3 * PAGE, page_bytes=PAGE, protected=True, replace=True)
+        assert new is not old and new.fresh and new.nbytes == 3 * PAGE
+        assert old.tensor is None
+        assert shadow.mapped() == {"model": new}

@@ -446,6 +446,10 @@ class RecoveryConfig:
     shadow_start: Literal["fork", "exec"] = "fork"
     """How shadows start: fork = from the node's pre-imported fork server (L1 at once, see
     unbroken.shadow.forkserver); exec = a fresh interpreter each (every import paid again)."""
+    premap: bool = True
+    """Shadows at level 2 or 3 map their device's retained regions once the trainer they would
+    replace is training, so a promoted one finds them mapped (on a GPU: every 2 MiB page's
+    import and mapping, about 0.1 ms each, paid before the failure, not in recovery)."""
     memory_budget_mb: int = 0
     """Memory the job may use on a node (trainers, shadows, state managers), MiB; 0 = no
     budget. Enforced by the kernel through a cgroup-v1 memory controller (Linux, root):

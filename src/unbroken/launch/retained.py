@@ -20,6 +20,7 @@ repair (beyond parity tolerance, lost undo buffer …) makes every rank exit wit
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,11 @@ class RetainedState:
     """The trainer does not resume from these regions (a checkpoint restart): a region whose
     geometry differs from this layout's — the device ran another plan before — is freed and
     made again, instead of refused."""
+    map_s: float = 0.0
+    """Seconds `allocate` took: mapping the regions (or finding them premapped), localizing
+    and remapping lost pages."""
+    premapped: int = 0
+    """Regions `allocate` found already mapped by this client (a promoted shadow's premapping)."""
 
     def allocate(
         self, layout: FlatLayout, geometry: StateGeometry, device: torch.device
@@ -73,6 +79,8 @@ class RetainedState:
         written after every operation and read first on recovery, and the model's parity
         (`RetainedLayout.host_regions`) stay in host memory, which the updater registers with
         CUDA."""
+        t0 = time.perf_counter()
+        before = self.client.mapped()
         specs = RetainedLayout.of(geometry, self.cfg.protection).regions()
         self.regions = {
             s.name: self.client.allocate(
@@ -93,6 +101,8 @@ class RetainedState:
             self.lost = {k: v for k, v in report.lost.items() if v}
             for name, pages in self.lost.items():
                 self.remap_ms += self.client.remap(name, pages)
+        self.premapped = sum(before.get(n) is r for n, r in self.regions.items())
+        self.map_s = time.perf_counter() - t0
         tensors = {name: r.tensor for name, r in self.regions.items()}
         return state_from_regions(layout, geometry, tensors), self.fresh
 

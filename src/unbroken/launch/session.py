@@ -95,6 +95,9 @@ class RankSession:
     """The generation's rendezvous store (`JobStore.generation_store`)."""
     t_group: float = 0.0
     retained: Any = None
+    premapped: Any = None
+    """A parked shadow's connection to its device's state manager with every region mapped
+    (`MapRetained`), taken over by `attach` when it is the promoted rank's manager."""
     injector: Any = None
     executor: Any = None
     checkpoints: Any = None
@@ -235,15 +238,15 @@ class RankSession:
             from unbroken.launch.retained import RetainedState
             from unbroken.state.client import RetainedClient
 
-            client = RetainedClient(
-                spec.state_sockets[str(rank)], timeout_s=60, generation=spec.generation
-            )
+            client = self._premapped_client(spec.state_sockets[str(rank)])
+            if client is None:
+                client = RetainedClient(spec.state_sockets[str(rank)], timeout_s=60)
+            client.generation = spec.generation
             # A generation that restarts from a checkpoint may run another plan than the one
             # this device's regions were made for: they take the new geometry. One that moves
             # the state (RESHARD) attaches them as they are first (`restore`).
             relayout = spec.restore not in (RestoreMode.IN_PLACE, RestoreMode.RESHARD)
             self.retained = RetainedState(cfg, client, relayout=relayout)
-        self.steps["mapped"] = time.time()
         job_t0 = self.store.job_t0(time.time() if rank == 0 else None)
         faults = [parse_fault(f) for f in cfg.inject]
         # Faults name devices (the ranks at launch): after a device is lost the survivors run
@@ -358,7 +361,10 @@ class RankSession:
                 # Attaching the retained state (mapping its regions; the executor built on
                 # them, the updater's page tables and lending pool included), then restoring.
                 attach_s=round(st["attached"] - st["attach"], 4),
-                map_s=round(st["mapped"] - st["attach"], 4),
+                # Of it: the regions mapped (found premapped by the shadow: `premapped` of
+                # them), lost pages localized and remapped.
+                map_s=round(self.retained.map_s, 4) if self.retained else 0.0,
+                premapped=self.retained.premapped if self.retained else 0,
                 restore_s=round(time.time() - st["attached"], 4),
                 build_s=self.executor.build_s,
             )
@@ -498,8 +504,6 @@ class RankSession:
     def _await_promotion(self, level: int) -> GenerationSpec:
         """A shadow parks here, pre-initialized to `level`, until the agent promotes it with
         the final spec of its generation (Leto §6: in-place preinitialization)."""
-        from unbroken.messages import Promote, decode_json
-
         spec = self.spec
         # What this shadow held at each level it passed (what reclaiming it at that level would
         # return): the agent's reclamation controller chooses levels by these.
@@ -519,14 +523,9 @@ class RankSession:
             },
             footprint_mb={lv: round(b / (1 << 20), 2) for lv, b in footprint.items()},
         )
-        line = sys.stdin.readline()
-        if not line:
-            raise SystemExit(0)  # the agent let the shadow go
-        t_promoted = time.time()
+        promote, t_promoted = self._read_promotion(level)
         # Its priority is the job's again: the agent set it before promoting (`ShadowPool.promote`,
         # the job's niceness, not 0 — a job under `nice` keeps one priority for every rank).
-        promote = decode_json(line, (Promote,))
-        assert isinstance(promote, Promote)
         final = GenerationSpec.from_json(Path(promote.spec).read_text())
         if final.generation != spec.generation:
             raise RuntimeError(
@@ -554,6 +553,65 @@ class RankSession:
             t_promoted=t_promoted,
         )
         return final
+
+    def _read_promotion(self, level: int) -> tuple[Any, float]:
+        """The agent's lines on stdin until its `Promote` (and when it came); `MapRetained`
+        before it maps the retained state meanwhile."""
+        from unbroken.messages import MapRetained, Promote, decode_json
+
+        while True:
+            line = sys.stdin.readline()
+            if not line:
+                raise SystemExit(0)  # the agent let the shadow go
+            t = time.time()
+            msg = decode_json(line, (Promote, MapRetained))
+            if isinstance(msg, Promote):
+                return msg, t
+            self._premap(level)
+
+    def _premap(self, level: int) -> None:
+        """`MapRetained`: map every retained region of this shadow's device now (level 2 or 3:
+        its device runtime exists), so the promoted trainer's `attach` finds them mapped. A
+        failure here costs nothing but the time: the promoted trainer maps them itself."""
+        from unbroken.state.client import RetainedClient, RetainedStateError
+
+        spec = self.spec
+        if level < 2 or not spec.retains_state or not self.cfg.recovery.premap:
+            return
+        if self.premapped is not None:
+            self.premapped.close()
+        t0 = time.time()
+        client = None
+        try:
+            # No generation: the manager keeps serving the trainer still at work.
+            client = RetainedClient(spec.state_sockets[str(self.rank)], timeout_s=60)
+            regions = client.premap()
+        except (RetainedStateError, OSError, RuntimeError) as exc:
+            if client is not None:
+                client.close()
+            self.events.emit(
+                "retained_premap_failed", rank=self.rank, generation=spec.generation, error=str(exc)
+            )
+            return
+        self.premapped = client
+        self.events.emit(
+            "retained_premapped",
+            rank=self.rank,
+            generation=spec.generation,
+            regions=len(regions),
+            pages=sum(len(r.mapped_pages()) for r in regions),
+            gb=round(sum(r.nbytes for r in regions) / 1e9, 3),
+            s=round(time.time() - t0, 4),
+        )
+
+    def _premapped_client(self, socket_path: str) -> Any:
+        """The premapped connection if it is to `socket_path`'s manager (a shadow promoted
+        under another rank of the same device keeps it), else None (closed)."""
+        client, self.premapped = self.premapped, None
+        if client is not None and client.socket_path != str(socket_path):
+            client.close()
+            return None
+        return client
 
 
 def _device(cfg) -> Any:

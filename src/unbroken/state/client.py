@@ -80,6 +80,7 @@ class RetainedRegion:
         self.fresh: bool = info["fresh"]
         self.device: int | None = info.get("device")
         self.serial: int = info.get("serial", 0)
+        self.remaps: int = info.get("remaps", 0)
         self._mmap = self._gpu = None
         if self.device is None:
             (fd,) = fds
@@ -122,6 +123,13 @@ class RetainedRegion:
         (after a remap)."""
         assert self._gpu is not None, "host regions are remapped in place by the manager"
         self._gpu.map_pages(pages, handles)
+
+    def mapped_pages(self) -> list[int]:
+        """GPU regions: the pages this process maps an allocation at (host regions: every
+        page, the memfd's)."""
+        if self._gpu is None:
+            return list(range(self.n_pages))
+        return self._gpu.mapped_pages()
 
     def unmap_pages(self, pages: list[int]) -> None:
         """GPU regions: drop this process's mapping of `pages` (page-loss injection: with the
@@ -200,6 +208,19 @@ class RetainedClient:
         fields: dict[str, Any] = {"device": device} if device is not None else {}
         if replace:
             fields["replace"] = True
+            old = self._regions.get(name)
+            size = -(-nbytes // page_bytes) * page_bytes
+            if old is not None and (old.nbytes, old.page_bytes, old.protected, old.device) != (
+                size,
+                page_bytes,
+                protected,
+                device,
+            ):
+                # The manager frees it and makes it anew: unmapped first, so the old memory
+                # is gone before the new is created (a premapped region of a whole GPU's size
+                # would otherwise be held twice for a moment).
+                del self._regions[name]
+                old.close()
         info, fds = self._call(
             "allocate",
             name=name,
@@ -222,6 +243,21 @@ class RetainedClient:
     def list(self) -> list[dict[str, Any]]:
         """Descriptions ({name, nbytes, page_bytes, protected}) of all regions of the rank."""
         return self._call("list")[0]["regions"]
+
+    def mapped(self) -> dict[str, RetainedRegion]:
+        """The regions this client maps now, by name."""
+        return dict(self._regions)
+
+    def premap(self) -> list[RetainedRegion]:
+        """Map every region the manager holds now, ahead of need (a parked shadow, before its
+        promotion: `unbroken.launch.session`). A later `allocate` or `attach` of the same
+        region returns the mapping made here if the manager has not re-created the region or
+        remapped pages of it since; pages it reports missing by then are unmapped.
+
+        Raises:
+            RetainedStateError: the manager refused or a page could not be imported.
+        """
+        return [self.attach(r["name"]) for r in self.list()]
 
     def localize(self, names: list[str] | None = None) -> LocalizationReport:
         """Ask the manager which pages are missing (all regions, or `names`)."""
@@ -273,10 +309,22 @@ class RetainedClient:
                 f"expected {0 if gpu else 1} fd(s) for {info.get('name')!r}, got {len(fds)}"
             )
         old = self._regions.get(info["name"])
-        if old is not None and old.serial == info.get("serial", 0) and _same_file(old, fds):
+        if (
+            old is not None
+            and old.serial == info.get("serial", 0)
+            and old.remaps == info.get("remaps", 0)
+            and _same_file(old, fds)
+        ):
             for fd in fds:
                 os.close(fd)  # map once per region: keep the existing mapping
             old.fresh = info["fresh"]
+            if old.device is not None:
+                # Mapped before pages were lost (a shadow's premapping): this process's
+                # mapping alone keeps their memory; dropped, it is gone as the manager says.
+                held = set(old.mapped_pages())
+                stale = [p for p in info.get("missing", ()) if p in held]
+                if stale:
+                    old.unmap_pages(stale)
             return old
         if old is not None:
             old.close()  # the manager freed and re-created it: the old mapping is stale

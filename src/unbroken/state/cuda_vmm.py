@@ -258,6 +258,10 @@ class DeviceMapping:
             size = count * self.page_bytes
             _check(drv, "cuMemSetAccess", drv.cuMemSetAccess(at, size, [access], 1))
 
+    def mapped_pages(self) -> list[int]:
+        """The pages this mapping holds an allocation for, ascending."""
+        return sorted(self._handles)
+
     def unmap_pages(self, pages: list[int]) -> None:
         """Unmap `pages` and drop this process's reference to their memory (with the
         manager's dropped too, the driver frees it: a lost page; an access then faults)."""

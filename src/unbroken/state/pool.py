@@ -70,6 +70,9 @@ class Region:
         serial: this pool's creation number, so a client can tell a re-created region from
             the one it already maps.
         page_handles: GPU regions: the allocation handle of each page, None where it was lost.
+        remaps: GPU regions: how many times lost pages were given new allocations. A client
+            that mapped the region before (a shadow's premapping) holds the old allocation of
+            a remapped page: it maps again unless this number is the one it mapped at.
     """
 
     name: str
@@ -80,6 +83,7 @@ class Region:
     device: int | None = None
     serial: int = 0
     page_handles: list[Any] | None = None
+    remaps: int = 0
     cached_fds: dict[int, int] = field(default_factory=dict)
     """GPU regions: exported fds kept for reuse, by page (within the pool's fd budget)."""
 
@@ -95,6 +99,7 @@ class Region:
         }
         if self.page_handles is not None:
             info["missing"] = self.missing_pages()
+            info["remaps"] = self.remaps
         return info
 
     def fds(self) -> list[int]:
@@ -293,6 +298,7 @@ class RetainedPool:
             (region.page_handles[p],) = self._create_device(
                 name, 1, region.page_bytes, region.device
             )
+        region.remaps += 1
         return (time.perf_counter() - start) * 1e3
 
     def export(self, name: str, pages: list[int]) -> tuple[list[int], list[int]]:

@@ -9,6 +9,9 @@ Life of a set of shadows, for generation N+1 while generation N trains:
 - live / ready: every rank has a live shadow for the generation (`alive_for`; it need not have
   reached its level: a promoted shadow finishes its pre-initialization first, which still beats
   starting a process from nothing); ready ones have reported SHADOW_READY (`ready_count`).
+- premapped: a parked shadow whose rank's trainer of generation N has completed an iteration
+  is told to map the device's retained state (`premap`, `MapRetained`): the regions are made
+  by then, and nothing re-creates them before generation N+1 starts.
 - promoted: generation N+1 starts from them (`promote`): full CPU priority again, the final
   spec as a `Promote` line on stdin; they become the generation's trainers.
 - reclaimed: killed all at once and waited for (`reclaim`): their memory returns together.
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 from unbroken.launch.agent.procs import RankProc
 from unbroken.launch.agent.supervisor import ProcessSupervisor
 from unbroken.messages import (
+    MapRetained,
     Promote,
     RankBeat,
     RankStatus,
@@ -202,6 +206,30 @@ class ShadowPool:
                 self.plan, generation, level, tuple(sorted(ranks)), relaunch=True
             )
             self.spawn_pending()
+
+    def premap(self, trainers: dict[int, RankProc]) -> None:
+        """Tell each parked shadow whose rank's trainer of the generation before has completed
+        an iteration to map the retained state now (once per shadow). Not sooner: until then
+        that trainer may still make its regions anew (a restart under another plan, a state
+        moved to another layout), and a shadow mapping the old ones would keep their memory."""
+        for rank, t in self.shadows.items():
+            trainer = trainers.get(rank)
+            if (
+                t.premap_sent
+                or not _parked(t)
+                or trainer is None
+                or trainer.generation != t.generation - 1
+                or trainer.beat is None
+                or trainer.beat.status is not RankStatus.TRAINING
+                or trainer.beat.completed < 0
+                or not t.alive()
+            ):
+                continue
+            t.premap_sent = True
+            assert t.proc.stdin is not None
+            with contextlib.suppress(OSError):  # it died meanwhile: its exit is reported
+                t.proc.stdin.write(encode_json(MapRetained()) + b"\n")
+                t.proc.stdin.flush()
 
     def on_beat(self, beat: RankBeat, ranks: Collection[int]) -> None:
         """A heartbeat arrived: relaunch for `ranks` if it is the one `relaunch_after` waits
