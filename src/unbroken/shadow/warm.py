@@ -173,9 +173,11 @@ def warm_cuda(cfg: JobConfig, device: torch.device) -> float:
             _warm_marker(device)
             _warm_transaction(p, geometry, device)
             if p.lend_activations:  # the lending pool's allocator: built and loaded
-                from unbroken.update.lending import library
+                from unbroken.update.lending import library, mark_warmed
 
                 library()
+                if not cfg.model.factory:  # the model's kernels ran: its lasting buffers exist
+                    mark_warmed()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # keep the loaded code and handles, not the scratch pages
     return time.perf_counter() - t0

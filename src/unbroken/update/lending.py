@@ -26,7 +26,9 @@ inside a lent region would be overwritten by the update, so that raises `LentMem
 (naming the blocks) instead. The first compute phase of a process runs unlent: it creates the
 process's lasting buffers (cuBLAS workspaces per thread and stream, compiled kernels' state),
 which must not land in the pool; the default pool's cache is emptied when the second begins,
-so the first phase's activations are not held twice.
+so the first phase's activations are not held twice. A process whose shadow warm-up made them
+already (`mark_warmed`) lends from its first phase: a promoted trainer's first iteration then
+makes no unlent allocations that its second frees again.
 
 Not lent: the CUDA-graph step of the bench's ``graphs`` mode (Inductor's graph trees allocate
 from their own private pool), and the hybrid-parallel engine's stages (their compute phase is
@@ -50,7 +52,7 @@ import torch
 
 from unbroken.native import build_shared
 
-__all__ = ["LendingPool", "LendingStats", "LentMemoryInUse", "library"]
+__all__ = ["LendingPool", "LendingStats", "LentMemoryInUse", "library", "mark_warmed"]
 
 _SOURCE = Path(__file__).with_name("_lend_alloc.c")
 _STATS = 8
@@ -62,6 +64,17 @@ would replace that key: the region's own free then aborts ("invalid device point
 the H200)."""
 _CURRENT: LendingPool | None = None
 """The process's lending pool (one at a time: the raw allocator's ranges are the library's)."""
+_WARMED = False
+"""This process's lasting buffers exist already (a shadow's warm-up ran the model's forward and
+backward on the device: `unbroken.shadow.warm`), so its first compute phase may lend too."""
+
+
+def mark_warmed() -> None:
+    """Record that this process ran the model's kernels once on the device (its cuBLAS
+    workspaces, per thread and stream, are made): a lending pool lends from its first compute
+    phase on, with no unlent phase whose driver allocations the next one frees again."""
+    global _WARMED
+    _WARMED = True
 
 
 class LentMemoryInUse(RuntimeError):
@@ -181,7 +194,7 @@ class LendingPool:
     def compute(self) -> Iterator[None]:
         """Route every allocation on the device to the pool (any thread) while entered."""
         self.phases += 1
-        if self.retired or self.phases == 1:
+        if self.retired or (self.phases == 1 and not _WARMED):
             yield
             return
         if not self._lending:
