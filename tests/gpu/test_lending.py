@@ -88,3 +88,54 @@ def test_a_tensor_kept_from_the_compute_phase_is_refused_at_the_update(determini
     del kept
     upd.inner.protect(2)  # released: the buffers are the updater's again
     tr.lending.retire()
+
+
+WARMED_FIRST_PHASE = """
+import os, sys, torch
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+torch.use_deterministic_algorithms(True)
+sys.path.insert(0, sys.argv[1])
+from tests.gpu.test_lending import CFG, _run, _trainer
+from unbroken.shadow.warm import warm_cuda
+from unbroken.update import lending
+
+warm_cuda(CFG, torch.device("cuda", 0))  # as a shadow does before its promotion
+_, _, built, _, _ = _trainer(lend=False)
+init = built.state.params.clone()
+del built
+lending.stats(reset_peaks=True)
+tr, upd, regions = _run(True, init, iterations=1)
+first = tr.lending.phases, tr.lending.lent_phases, lending.stats().lent_peak
+lent = regions["model"].clone()
+tr.lending.retire()
+del tr, upd, regions
+torch.cuda.empty_cache()
+unlent = _run(False, init, iterations=1)[2]["model"]
+print("phases", *first, "equal", bool(torch.equal(lent, unlent)))
+"""
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_warmed_process_lends_from_its_first_compute_phase_and_keeps_the_bits():
+    """A promoted shadow's process (its warm-up made the lasting buffers) lends from its first
+    micro-batch on (`lending.mark_warmed`): one iteration of 2 micro-batches, both lent, and
+    the bits of the same iteration unlent. A fresh process: its own interpreter."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**__import__("os").environ, "PYTHONPATH": f"{root / 'src'}:{root}"}
+    proc = subprocess.run(
+        [sys.executable, "-c", WARMED_FIRST_PHASE, str(root)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    _, phases, lent_phases, peak, _, equal = line.split()
+    assert int(phases) == int(lent_phases) == CFG.data.microbatches and int(peak) > 0, line
+    assert equal == "True", line

@@ -38,3 +38,23 @@ def test_the_harness_runs_end_to_end_on_the_cpu(capsys, tmp_path):
     extra = out["rmu_update_ms"] - out["plain_update_ms"] + out["rmu_protect_ms"]
     plain_s = out["overhead"]["plain_iteration_s"]
     assert out["overhead_pct_phases"] == pytest.approx(100 * extra / (plain_s * 1e3))
+
+
+def test_the_jobs_report_each_takeovers_attach_and_first_iteration(tmp_path):
+    import json
+
+    from unbroken.bench.gpu import _takeovers
+
+    ready = [
+        {"kind": "trainer_ready", "generation": g, "attach_s": a, "map_s": 0.01, "premapped": p}
+        for g, a, p in ((0, 9.0, 0), (1, 0.2, 7), (2, 0.1, 7))
+    ]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ready))
+    rows = [(0, 0, 2.5), (0, 1, 1.0), (0, 2, 1.1), (1, 3, 1.4), (1, 4, 0.9), (2, 5, 1.2)]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"generation": g, "iter": i, "iter_s": s}) + "\n" for g, i, s in rows)
+    )
+    got = _takeovers(tmp_path)
+    assert got["attach_s"] == [0.2, 0.1] and [r["premapped"] for r in got["attach"]] == [7, 7]
+    assert got["first_iteration_s"] == [1.4, 1.2]  # each recovered generation's first
+    assert got["steady_iteration_s"] == 1.0  # median of 1.0, 1.1, 0.9: no generation's first

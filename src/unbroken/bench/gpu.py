@@ -273,6 +273,7 @@ def _jobs(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "recoveries": recs,
             "repairs": _repairs(out / name),
             "lent_peak": _lent_peak(out / name),
+            **_takeovers(out / name),
             "wall_s": time.time() - t0,
         }
         _say(  # logged per job: a call's time limit may cut the next one and the JSON
@@ -285,6 +286,37 @@ def _jobs(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         for ckpt in sorted((out / name).rglob("checkpoints")):
             shutil.rmtree(ckpt, ignore_errors=True)
     return res
+
+
+def _takeovers(run_dir: Path) -> dict[str, Any]:
+    """Per recovered generation: its attach (`trainer_ready`: `attach_s`, `map_s`, regions
+    found `premapped`, `build_s`) and its first iteration's time beside the job's steady one
+    (the median of every iteration but each generation's first)."""
+    import statistics
+
+    from unbroken.metrics.log import read_jsonl
+
+    events = run_dir / "events.jsonl"
+    metrics = run_dir / "metrics.jsonl"
+    if not events.exists() or not metrics.exists():
+        return {}
+    keys = ("generation", "attach_s", "map_s", "premapped", "restore_s", "build_s")
+    ready = [
+        {k: e.get(k) for k in keys}
+        for e in read_jsonl(events)
+        if e["kind"] == "trainer_ready" and e["generation"] > 0
+    ]
+    rows = read_jsonl(metrics)
+    first: dict[int, dict] = {}
+    for r in rows:
+        first.setdefault(r["generation"], r)
+    later = [r["iter_s"] for r in rows if first[r["generation"]] is not r]
+    return {
+        "attach": ready,
+        "attach_s": [r["attach_s"] for r in ready],
+        "first_iteration_s": [first[g]["iter_s"] for g in sorted(first) if g > 0],
+        "steady_iteration_s": statistics.median(later) if later else None,
+    }
 
 
 def _lent_peak(run_dir: Path) -> list[int]:
@@ -881,6 +913,9 @@ _HEADLINE = (
     "hbm_overhead_pct",
     "ckpt_save_blocking_s",
     "l3_recovery_s",
+    "l3_attach_s",
+    "l3_first_iteration_s",
+    "l3_steady_iteration_s",
     "ckpt_restart_s",
     "trials",
     "exact",
@@ -926,6 +961,8 @@ def run(args: argparse.Namespace) -> int:
         result["jobs"] = _jobs(args, jobs_out)
         for name, key in (("L3", "l3_recovery_s"), ("ckpt_restart", "ckpt_restart_s")):
             result[key] = result["jobs"][name]["recovery_s"]
+        for key in ("attach_s", "first_iteration_s", "steady_iteration_s"):
+            result[f"l3_{key}"] = result["jobs"]["L3"].get(key)
     if args.kill_trials:
         result["kills"] = _kills(args)
         result["trials"], result["exact"] = result["kills"]["trials"], result["kills"]["exact"]

@@ -189,6 +189,8 @@ class LendingPool:
         self._routing = False
         self.phases = 0
         """Compute phases entered (lent or not)."""
+        self.lent_phases = 0
+        """Compute phases that lent (all but a process's first, unless it was warmed)."""
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
@@ -203,6 +205,7 @@ class LendingPool:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self._lending = True
+        self.lent_phases += 1
         self._route(True)
         try:
             yield
