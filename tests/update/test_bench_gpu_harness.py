@@ -1,6 +1,7 @@
 """`unbroken bench gpu`'s harness, run on the CPU (`--device cpu` smoke-tests it; the figures
 are for the H200 only): one run prints every headline key with a value, the resumable update
-and the checkpoint round trip included. Slow tier (about 20 s): a benchmark's harness."""
+and the checkpoint round trip included (slow tier, about 20 s: a benchmark's harness); the
+jobs' takeover figures from a run's logs (CI)."""
 
 from __future__ import annotations
 
@@ -50,11 +51,17 @@ def test_the_jobs_report_each_takeovers_attach_and_first_iteration(tmp_path):
         for g, a, p in ((0, 9.0, 0), (1, 0.2, 7), (2, 0.1, 7))
     ]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ready))
-    rows = [(0, 0, 2.5), (0, 1, 1.0), (0, 2, 1.1), (1, 3, 1.4), (1, 4, 0.9), (2, 5, 1.2)]
+    rows = [(0, 0, 2.5, 0), (0, 1, 1.0, 0), (0, 2, 3.1, 2), (1, 3, 1.4, 0), (1, 4, 0.9, 0)]
+    rows.append((2, 5, 9.2, 8))  # its first iteration saved a checkpoint (8 s blocked)
     (tmp_path / "metrics.jsonl").write_text(
-        "".join(json.dumps({"generation": g, "iter": i, "iter_s": s}) + "\n" for g, i, s in rows)
+        "".join(
+            json.dumps({"generation": g, "iter": i, "iter_s": s, "ckpt_s": c}) + "\n"
+            for g, i, s, c in rows
+        )
     )
     got = _takeovers(tmp_path)
     assert got["attach_s"] == [0.2, 0.1] and [r["premapped"] for r in got["attach"]] == [7, 7]
-    assert got["first_iteration_s"] == [1.4, 1.2]  # each recovered generation's first
-    assert got["steady_iteration_s"] == 1.0  # median of 1.0, 1.1, 0.9: no generation's first
+    # Each recovered generation's first, without a checkpoint's blocked time.
+    assert got["first_iteration_s"] == pytest.approx([1.4, 1.2])
+    assert got["first_iteration_saved"] == [False, True]
+    assert got["steady_iteration_s"] == pytest.approx(1.0)  # of 1.0, 1.1, 0.9: no first

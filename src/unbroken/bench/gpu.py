@@ -291,7 +291,9 @@ def _jobs(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 def _takeovers(run_dir: Path) -> dict[str, Any]:
     """Per recovered generation: its attach (`trainer_ready`: `attach_s`, `map_s`, regions
     found `premapped`, `build_s`) and its first iteration's time beside the job's steady one
-    (the median of every iteration but each generation's first)."""
+    (the median of every iteration but each generation's first), both without the blocked
+    time of a checkpoint saved in the iteration (`ckpt_s`); `first_iteration_saved` says
+    which first iterations saved one (the rest of a save's cost is still in them)."""
     import statistics
 
     from unbroken.metrics.log import read_jsonl
@@ -310,11 +312,17 @@ def _takeovers(run_dir: Path) -> dict[str, Any]:
     first: dict[int, dict] = {}
     for r in rows:
         first.setdefault(r["generation"], r)
-    later = [r["iter_s"] for r in rows if first[r["generation"]] is not r]
+
+    def net(r: dict) -> float:
+        return r["iter_s"] - r.get("ckpt_s", 0.0)
+
+    later = [net(r) for r in rows if first[r["generation"]] is not r]
+    recovered = [first[g] for g in sorted(first) if g > 0]
     return {
         "attach": ready,
         "attach_s": [r["attach_s"] for r in ready],
-        "first_iteration_s": [first[g]["iter_s"] for g in sorted(first) if g > 0],
+        "first_iteration_s": [net(r) for r in recovered],
+        "first_iteration_saved": [r.get("ckpt_s", 0.0) > 0 for r in recovered],
         "steady_iteration_s": statistics.median(later) if later else None,
     }
 
