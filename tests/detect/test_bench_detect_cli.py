@@ -19,6 +19,7 @@ def _bench(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # 16 s: a benchmark's harness (CI keeps its argument errors and the detectors)
 def test_two_jobs_run_and_score_with_the_issue_keys(tmp_path):
     out = tmp_path / "logs"
     run = _bench(

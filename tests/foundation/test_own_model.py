@@ -11,6 +11,7 @@ from unbroken.config import JobConfig, load_config
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_model" / "config.toml"
 
 
+@pytest.mark.slow  # 25 s: CI time; CI keeps own models' in-place recovery (dropout, tied)
 def test_own_model_example_recovers_bit_exact(tmp_path):
     cfg = load_config(JobConfig, EXAMPLE)
     cfg = dataclasses.replace(

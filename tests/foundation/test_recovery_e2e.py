@@ -110,7 +110,7 @@ def test_young_interval_and_a_wall_clock_fault(tmp_path):
     # interval = 0: rank 0 measures the checkpoint cost and the iteration time and decides the
     # interval with Young's formula; the kill fires by wall time (at=), whatever iteration
     # that is, and the restart reloads a checkpoint taken at that interval.
-    cfg = tiny_job(iterations=60, inject=["kill:rank=1,at=1"], interval=0, mode="ckpt_restart")
+    cfg = tiny_job(iterations=40, inject=["kill:rank=1,at=1"], interval=0, mode="ckpt_restart")
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, mttf_s=2.0))
     s = run_job(cfg, tmp_path, reference=True, quiet=True)
     assert s["failures_injected"] == s["failures_recovered"] == 1
@@ -120,7 +120,7 @@ def test_young_interval_and_a_wall_clock_fault(tmp_path):
     chosen = {e["interval"] for e in decided}
     assert len(chosen) == 1  # one decision, shared by every rank and generation
     e = decided[0]
-    assert e["interval"] == young_interval(e["ckpt_cost_s"], 2.0, e["iter_s"], 60)
+    assert e["interval"] == young_interval(e["ckpt_cost_s"], 2.0, e["iter_s"], 40)
     assert s["ckpt_interval"] == e["interval"]
     (injected,) = [x for x in events if x["kind"] == "failure_injected"]
     assert injected["spec"] == "kill:rank=1,at=1"
@@ -136,7 +136,6 @@ def test_a_fault_scheduled_past_the_end_is_reported_as_never_fired(tmp_path):
     cfg.write_text(
         '[model]\npreset = "tiny"\n[data]\ntokens_per_microbatch = 64\nmicrobatches = 2\n'
         "max_documents = 200\n[train]\niterations = 3\n[parallel]\nworld_size = 2\n"
-        '[recovery]\nmode = "ckpt_restart"\n'
     )
     out = tmp_path / "out"
     rc = main(
@@ -149,15 +148,13 @@ def test_a_fault_scheduled_past_the_end_is_reported_as_never_fired(tmp_path):
             "--quiet",
             "--no-reference",
             "--inject",
-            "kill:rank=1,iter=2,phase=update",
-            "--inject",
             "kill:rank=0,iter=9",
         ]
     )
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["failures_recovered"] == summary["failures_injected"] == 1
+    assert summary["failures_recovered"] == summary["failures_injected"] == 0
     assert summary["faults_not_fired"] == ["kill:rank=0,iter=9,phase=forward"]
-    assert rc == 1
+    assert summary["state"] == "done" and rc == 1  # done, but not as scheduled
 
 
 def test_in_place_recovery_takes_the_checkpoint_the_failure_interrupted(tmp_path):
@@ -175,6 +172,7 @@ def test_in_place_recovery_takes_the_checkpoint_the_failure_interrupted(tmp_path
     assert verify_checkpoint(CheckpointInfo(path, 8)) is None
 
 
+@pytest.mark.slow  # 23 s: CI time; CI compares every iteration's hash across its recoveries
 def test_state_hashes_every_n_iterations_still_compare_exactly(tmp_path):
     cfg = tiny_job(iterations=8, inject=["kill:rank=0,iter=5,phase=backward"], mode="ckpt_restart")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, hash_every=3))

@@ -55,6 +55,7 @@ def _pids(pattern: str) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # 19 s: CI time; CI keeps the L3 takeover in tests/recovery/test_premap.py
 def test_l3_shadows_take_over_a_crash_exactly(tmp_path):
     faults = ["kill:rank=1,iter=9,phase=update"]
     cfg = tiny_job(iterations=14, inject=faults, interval=0)
