@@ -114,6 +114,7 @@ def test_a_premapped_gpu_region_drops_a_page_lost_since_and_maps_its_new_memory(
         assert shadow.localize().lost == {"model": [1]}
         shadow.remap("model", [1])
         assert taken.mapped_pages() == [0, 1, 2, 3]
+        assert shadow.attach("model") is taken  # its own remap: its mapping has the new page
         keep = torch.ones(4 * MIB2, dtype=torch.bool, device="cuda")
         keep[MIB2 : 2 * MIB2] = False
         assert torch.equal(taken.tensor[keep], pattern[keep])

@@ -273,6 +273,7 @@ class RetainedClient:
         region = self._regions.get(name)
         if region is not None and region.device is not None:
             region.map_pages(pages, self._import_pages(name, pages))
+            region.remaps += 1  # as the manager counts: this mapping has the new pages
         return reply["ms"]
 
     def discard(self, name: str, pages: list[int]) -> None:
