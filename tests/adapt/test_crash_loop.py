@@ -68,6 +68,7 @@ def test_a_crash_looping_device_is_lost_and_planned_around_bit_exact(tmp_path):
     assert (tmp_path / "devices").exists()
 
 
+@pytest.mark.slow  # 18 s: CI time; CI keeps the crash-loop decision without processes (above)
 @pytest.mark.timeout(900)
 def test_without_replanning_the_same_device_ends_the_job_as_a_crash_loop(tmp_path):
     cfg = adapt_job(world_size=4, iterations=10, inject=FLAKY)

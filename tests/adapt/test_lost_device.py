@@ -13,6 +13,8 @@ from unbroken.metrics.log import read_jsonl
 from .conftest import adapt_job, events_of
 
 
+@pytest.mark.slow  # 28 s: CI time; CI keeps a lost device of a DP x PP job (test_lost_replica)
+# and a data-parallel node lost and planned around (tests/launch/test_multinode.py)
 @pytest.mark.timeout(900)
 def test_a_lost_device_is_planned_around_in_place_and_stays_bit_exact(tmp_path):
     cfg = adapt_job(inject=["lose:rank=1,iter=3,phase=update"])

@@ -83,6 +83,7 @@ def test_hang_and_exception_are_detected_and_recovered(tmp_path):
     assert any("exited with status 1" in e["reason"] for e in detected)
 
 
+@pytest.mark.slow  # 33 s: CI time; CI keeps the corrupt and incomplete fallback in test_checkpoint.py
 def test_a_corrupt_newest_checkpoint_is_skipped_and_the_one_before_restores_exactly(tmp_path):
     # Checkpoints before iterations 0, 3 and 6; at iteration 7 the newest (6) gets one byte
     # flipped on disk and the trainer dies: the restart must refuse 6 and redo from 3.
@@ -157,6 +158,7 @@ def test_a_fault_scheduled_past_the_end_is_reported_as_never_fired(tmp_path):
     assert summary["state"] == "done" and rc == 1  # done, but not as scheduled
 
 
+@pytest.mark.slow  # 18 s: CI time (an edge of the missed checkpoint; CI recovers in place widely)
 def test_in_place_recovery_takes_the_checkpoint_the_failure_interrupted(tmp_path):
     # Checkpoints every 4 iterations. The kill lands in iteration 7's update: the in-place
     # recovery finishes that update and resumes at 8, whose checkpoint was due at the end of

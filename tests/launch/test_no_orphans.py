@@ -64,7 +64,15 @@ def _shadows_ready(out: Path) -> bool:
 
 @pytest.mark.timeout(240)
 # All three ends in the CI tier (issue 21 asks for each): a normal end costs about 18 s.
-@pytest.mark.parametrize("end", ["normal", "sigterm", "sigkill"])
+@pytest.mark.parametrize(
+    "end",
+    [
+        # Slow tier for CI time (10-12 s each): CI keeps the SIGKILLed coordinator, the hardest.
+        pytest.param("normal", marks=pytest.mark.slow),
+        pytest.param("sigterm", marks=pytest.mark.slow),
+        "sigkill",
+    ],
+)
 def test_no_process_of_the_job_outlives_it(tmp_path, end):
     config = tmp_path / "job.toml"
     config.write_text(_CONFIG.format(iterations=60 if end == "normal" else 100_000))

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from unbroken.api import run_job
 from unbroken.jobstore import PLANS_KEPT, JobStore
 from unbroken.metrics.log import read_jsonl
@@ -44,6 +46,7 @@ def _unparked_at_end(out, world: int) -> int:
     return 0 if len(ready) == world else world
 
 
+@pytest.mark.slow  # 22 s: CI time; the soak checks the store per recovery, CI the plans kept
 def test_recoveries_leave_no_rendezvous_keys_behind(tmp_path):
     faults = [f"kill:rank={i % 2},iter={3 + 3 * i},phase=backward" for i in range(3)]
     base = tiny_job(iterations=14, interval=1000)

@@ -87,6 +87,7 @@ def test_without_reclamation_the_same_spike_is_an_oom_kill(measured, tmp_path):
     assert s["state"] == "done" and s["final_state_hash"] == measured["hash"]
 
 
+@pytest.mark.slow  # 25 s: CI time; CI keeps the budget's reclamation and its OOM negative
 def test_an_allocation_failure_is_retried_after_the_shadows_are_reclaimed(tmp_path):
     """The allocator's OOM (an injected `oom`: what CUDA's caching allocator raises when the
     device is full) makes the trainer ask its agent for the shadows' memory and compute the
