@@ -162,6 +162,7 @@ def test_two_ranks_save_asynchronously_beside_their_collectives_and_load_back(tm
 
 
 @pytest.mark.ci_required
+@pytest.mark.slow  # 19 s: CI time; CI keeps two ranks saving asynchronously and loading back
 def test_a_job_with_asynchronous_checkpoints_restarts_from_them_bit_exact(tmp_path):
     """`checkpoint.asynchronous` in a real job (2 ranks, gloo): every save is staged and sealed
     in the background, the generation waits for the last one before it exits, and the

@@ -398,10 +398,10 @@ def test_a_spare_node_takes_the_place_of_a_lost_one(job_of):
 @pytest.mark.parametrize(
     "degrees",
     [
-        # Slow tier for CI time (~30 s): TP2 x DP2 below runs the same node loss of a plan
-        # job in CI, and PP2 x DP2's dissolve runs on one host in tests/adapt/test_lost_replica.py.
+        # Slow tier for CI time (30-46 s each): CI keeps PP2 x DP2's dissolve on one host
+        # (tests/adapt/test_lost_replica.py) and a data-parallel job's node loss above.
         pytest.param({"pp": 2}, marks=pytest.mark.slow),
-        {"tp": 2},
+        pytest.param({"tp": 2}, marks=pytest.mark.slow),
     ],
     ids=["pp2xdp2", "tp2xdp2"],
 )
@@ -427,7 +427,7 @@ def test_a_plan_job_that_loses_node_1_continues_in_place_on_node_0(job_of, degre
     assert [e["mode"] for e in job.kinds("recovery_start")] == ["inplace"]
 
 
-@pytest.mark.slow  # ~60 s; CI: the data-parallel return above, the pipeline's loss before
+@pytest.mark.slow  # ~60 s; CI: the data-parallel return above, the DP x PP dissolve on one host
 @pytest.mark.timeout(400)
 def test_a_dp_x_pp_job_grows_back_in_place_when_node_1_returns(job_of):
     """PP=2 x DP=2: node 1 (replica 1) dies, replica 0 continues alone; node 1 comes back, the
