@@ -5,10 +5,8 @@ mapping any, and the job resumes exactly."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import signal
-import threading
 
 import pytest
 
@@ -16,7 +14,7 @@ from unbroken.api import run_job
 from unbroken.metrics.log import read_jsonl
 
 from ..foundation.conftest import tiny_job
-from .test_shadows import _pids, _wait_for
+from .test_shadows import _pids, _reference_then_background_run, _wait_for
 
 
 def test_a_promoted_shadow_finds_the_retained_state_premapped_and_resumes_exactly(tmp_path):
@@ -25,16 +23,7 @@ def test_a_promoted_shadow_finds_the_retained_state_premapped_and_resumes_exactl
     next beat sends `MapRetained`, which a parked shadow handles before any `Promote`; once both
     shadows report `retained_premapped`, a trainer is killed (the other resumes; the agent may
     also find the stopped pair hung first: the same takeover)."""
-    cfg = tiny_job(iterations=30, interval=0)
-    ref = run_job(
-        dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, shadow_level=0)),
-        tmp_path / "ref",
-        quiet=True,
-    )
-    out = tmp_path / "run"
-    result: dict = {}
-    job = threading.Thread(target=lambda: result.update(run_job(cfg, out, quiet=True)))
-    job.start()
+    ref, out, result, job = _reference_then_background_run(tmp_path, iterations=30)
 
     def events(kind: str, generation: int | None = 1) -> list[dict]:
         """`kind` events of `generation` (None: of any)."""

@@ -69,11 +69,11 @@ def test_l3_shadows_take_over_a_crash_exactly(tmp_path):
     assert not [e for e in events if e["kind"] == "checkpoint_loaded"]
 
 
-def _reference_then_background_run(tmp_path):
-    """A 150-iteration job: its fault-free reference without shadows (run to the end), then
+def _reference_then_background_run(tmp_path, iterations: int = 150):
+    """A job of `iterations`: its fault-free reference without shadows (run to the end), then
     the job itself with shadows, started in a thread for the test to act on.
     Returns (reference summary, run dir, the run's summary once joined, its thread)."""
-    cfg = tiny_job(iterations=150, interval=0)
+    cfg = tiny_job(iterations=iterations, interval=0)
     ref = run_job(
         dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, shadow_level=0)),
         tmp_path / "ref",
