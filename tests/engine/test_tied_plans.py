@@ -4,10 +4,15 @@ stage holds a copy; their gradients are summed across the stages (`unbroken.engi
 the copy is left out of the global gradient norm. The result matches the single-process tied
 model, whose one parameter gets the sum of both uses' gradients from autograd.
 
-"Matches": to within the tolerances of `test_worker_equivalence` for TP > 1 — with a tie even
-TP-1 pipelines sum in another order (per stage over the micro-batches, then across the stages;
-the single-process model sums both uses per micro-batch), so the gradients agree to ~1e-7, not
-bit for bit. The two copies themselves are bit-identical, and so are replicas.
+"Matches": with a tie even TP-1 pipelines sum in another order (per stage over the
+micro-batches, then across the stages; the single-process model sums both uses per
+micro-batch), so the gradients agree to rounding, not bit for bit. Each gradient is compared
+relative to its own largest entry (`GRAD_RTOL`): the tied embedding's gradient is ~20x larger
+than the layers' (0.33 against 0.016-0.047), and so is its rounding — on an AVX-512 Xeon
+(stop 46) TP 2 differed from the single process by 1.9e-6 there (5.6e-6 relative) and by up to
+2.6e-5 relative in the attention weights, past the 1e-6 absolute bound of
+`test_worker_equivalence`, which held on the machines before. The two copies themselves are
+bit-identical, and so are replicas.
 """
 
 from __future__ import annotations
@@ -16,10 +21,19 @@ import dataclasses
 
 import pytest
 
-from tests.engine.harness import Case, bit_equal, engine_job, max_abs_diff, reference, run_plans
+from tests.engine.harness import (
+    Case,
+    bit_equal,
+    engine_job,
+    max_abs_diff,
+    max_rel_diff,
+    reference,
+    run_plans,
+)
 from unbroken.parallel import make_plan
 
-GRAD_ATOL = 1e-6
+GRAD_RTOL = 1e-4
+"""fp32 sums of a few hundred terms in another order: ~n x 1.2e-7 of the largest term."""
 PARAM_ATOL = 2e-5
 
 
@@ -78,7 +92,7 @@ def test_a_tied_model_on_a_plan_matches_the_single_process_model(outcomes, ref, 
     # the copy is not counted twice in the global norm (that would be off by far more)
     assert got.grad_norms == pytest.approx(expected.grad_norms, rel=1e-5)
     for grads, params in zip(got.grads, got.params, strict=True):
-        assert max_abs_diff(grads, expected.grads[0]) <= GRAD_ATOL
+        assert max_rel_diff(grads, expected.grads[0]) <= GRAD_RTOL
         assert max_abs_diff(params, expected.params[0]) <= PARAM_ATOL
         # the embedding and its copy on the last stage: summed and updated alike
         assert bit_equal({"w": grads["head.weight"]}, {"w": grads["embed.weight"]})
@@ -86,3 +100,16 @@ def test_a_tied_model_on_a_plan_matches_the_single_process_model(outcomes, ref, 
         assert float(grads["embed.weight"].abs().max()) > 0
     for params in got.params[1:]:
         assert bit_equal(params, got.params[0]), "replicas diverged"
+
+
+def test_the_relative_comparison_catches_a_wrong_element_of_a_small_gradient(outcomes, ref):
+    """Negative control: relative to its own tensor, one element of a layer's gradient off by
+    1e-5 (~6e-4 of that tensor's largest entry, ~25x the drift measured) fails the bound; the
+    tied embedding's larger scale does not loosen the layers' check."""
+    import copy
+
+    case = CASES[-2]  # tied-tp2
+    got, expected = copy.deepcopy(outcomes[case.name]), ref(case)
+    g = got.grads[0]["layers.0.attn.wo.weight"]
+    g[0, 0] += 1e-5
+    assert max_rel_diff(got.grads[0], expected.grads[0]) > GRAD_RTOL

@@ -110,8 +110,9 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_the_one_before_restores_exac
 def test_young_interval_and_a_wall_clock_fault(tmp_path):
     # interval = 0: rank 0 measures the checkpoint cost and the iteration time and decides the
     # interval with Young's formula; the kill fires by wall time (at=), whatever iteration
-    # that is, and the restart reloads a checkpoint taken at that interval.
-    cfg = tiny_job(iterations=40, inject=["kill:rank=1,at=1"], interval=0, mode="ckpt_restart")
+    # that is, and the restart reloads a checkpoint taken at that interval. 80 iterations: the
+    # job must outlast the fault's 0.5 s (40 ran 0.9 s on an AVX-512 Xeon, so at=1 never fired).
+    cfg = tiny_job(iterations=80, inject=["kill:rank=1,at=0.5"], interval=0, mode="ckpt_restart")
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, mttf_s=2.0))
     s = run_job(cfg, tmp_path, reference=True, quiet=True)
     assert s["failures_injected"] == s["failures_recovered"] == 1
@@ -121,10 +122,10 @@ def test_young_interval_and_a_wall_clock_fault(tmp_path):
     chosen = {e["interval"] for e in decided}
     assert len(chosen) == 1  # one decision, shared by every rank and generation
     e = decided[0]
-    assert e["interval"] == young_interval(e["ckpt_cost_s"], 2.0, e["iter_s"], 40)
+    assert e["interval"] == young_interval(e["ckpt_cost_s"], 2.0, e["iter_s"], 80)
     assert s["ckpt_interval"] == e["interval"]
     (injected,) = [x for x in events if x["kind"] == "failure_injected"]
-    assert injected["spec"] == "kill:rank=1,at=1"
+    assert injected["spec"] == "kill:rank=1,at=0.5"
     (rec,) = s["recoveries"]
     # The newest checkpoint before the fault's iteration, on the decided interval.
     assert rec["restored_iter"] == injected["iter"] // e["interval"] * e["interval"]
