@@ -9,8 +9,8 @@ Three boundaries carry them:
   them;
 - node-local datagrams from trainers and shadows to their agent (Unix sockets): `RankBeat` on
   the heartbeat socket, `ReclaimRequest` on the reclamation socket, `ReclaimAnswer` back;
-- the agent to a parked shadow, one line each on its stdin: `MapRetained` (map the device's
-  retained state now), then `Promote`.
+- the agent to a shadow, one line each on its stdin: `WarmUp` (run the GPU warm-up now),
+  `MapRetained` (parked: map the device's retained state now), then `Promote`.
 
 Wire form: a JSON object `{"op": <the type's OP>, <field>: <value>, ...}`. `decode` accepts
 only the types the receiver names, requires every field without a default, rejects unknown
@@ -57,6 +57,7 @@ __all__ = [
     "Started",
     "StopGeneration",
     "Stopped",
+    "WarmUp",
     "decode",
     "decode_json",
     "encode",
@@ -301,6 +302,15 @@ class ReclaimAnswer(Message):
     reclaimed: int
     level_to: int | None = None
     wait_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WarmUp(Message):
+    """To a shadow: the trainer it would replace has completed an iteration, so its GPU warm-up
+    (`unbroken.shadow.warm`) no longer competes with that trainer's first one — a promoted
+    trainer's first iteration after a recovery among them (`recovery.shadow_warmup`)."""
+
+    OP: ClassVar[str] = "warm_up"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

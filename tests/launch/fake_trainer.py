@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 
 from unbroken.launch.heartbeat import Heartbeat
-from unbroken.messages import MapRetained, Promote, decode_json
+from unbroken.launch.inbox import ShadowInbox
 from unbroken.shadow.client import ReclaimClient
 
 BEAT_S = 0.1
@@ -67,10 +67,8 @@ def main() -> int:
     if args.shadow:
         hb.shadow_ready(args.shadow, {args.shadow: 1 << 20})
         hb.start()
-        promote = decode_json(sys.stdin.readline(), (Promote, MapRetained))
-        while isinstance(promote, MapRetained):  # (it keeps nothing to map)
-            promote = decode_json(sys.stdin.readline(), (Promote, MapRetained))
-        assert isinstance(promote, Promote)
+        # The shadows' own inbox: it keeps nothing to map and warms nothing up.
+        promote, _ = ShadowInbox(sys.stdin).await_promotion(lambda: None)
         spec = json.loads(Path(promote.spec).read_text())
         hb.promoted(spec["generation"])
     act = spec["ranks"][str(args.rank)]

@@ -214,12 +214,14 @@ def test_the_coordinators_set_number_is_used_on_every_node_and_a_relaunch_gets_i
     assert sup.spawned[2:] == [(0, 5, 2, 1_000_001), (1, 5, 2, 1_000_001)]
 
 
-def test_a_parked_shadow_is_told_to_map_the_retained_state_once_its_trainer_has_trained():
-    """`MapRetained` goes to a parked shadow whose rank's trainer of the generation before has
-    completed an iteration (not before: that trainer may still remake its regions), once."""
+def test_shadows_are_told_to_warm_up_and_then_map_the_state_once_their_trainer_has_trained():
+    """`WarmUp` goes to a shadow whose rank's trainer of the generation before has completed
+    an iteration (parked or not: a GPU shadow waits for it before its warm-up); `MapRetained`
+    to such a shadow once it is parked (not before the trainer has trained: it may still
+    remake its regions). Each once."""
     import io
 
-    from unbroken.messages import MapRetained, decode_json
+    from unbroken.messages import MapRetained, WarmUp, decode_json
 
     sup = FakeSupervisor()
     pool = ShadowPool(sup)  # type: ignore[arg-type]
@@ -234,19 +236,22 @@ def test_a_parked_shadow_is_told_to_map_the_retained_state_once_its_trainer_has_
 
     def told() -> dict[int, list]:
         return {
-            r: [decode_json(line, (MapRetained,)) for line in s.getvalue().decode().splitlines()]
+            r: [
+                decode_json(line, (MapRetained, WarmUp))
+                for line in s.getvalue().decode().splitlines()
+            ]
             for r, s in stdins.items()
         }
 
     trainers[0].beat = _beat(0, 0)  # training, nothing completed yet
     trainers[1].beat = dataclasses.replace(_beat(1, 1), completed=0)
-    pool.premap(trainers)
-    assert told() == {0: [], 1: []}  # neither shadow parked yet
+    pool.tell(trainers)
+    assert told() == {0: [], 1: [WarmUp()]}  # neither parked; rank 0's trainer has not trained
     for r, t in pool.shadows.items():
         t.beat = dataclasses.replace(_beat(r, -1), status=RankStatus.SHADOW_READY, level=3)
-    pool.premap(trainers)
-    assert told() == {0: [], 1: [MapRetained()]}  # rank 0's trainer has completed nothing
+    pool.tell(trainers)
+    assert told() == {0: [], 1: [WarmUp(), MapRetained()]}
     trainers[0].beat = dataclasses.replace(_beat(0, 1), completed=0)
-    pool.premap(trainers)
-    pool.premap(trainers)
-    assert told() == {0: [MapRetained()], 1: [MapRetained()]}  # once each
+    pool.tell(trainers)
+    pool.tell(trainers)
+    assert told() == {0: [WarmUp(), MapRetained()], 1: [WarmUp(), MapRetained()]}  # once each

@@ -64,4 +64,5 @@ def test_the_jobs_report_each_takeovers_attach_and_first_iteration(tmp_path):
     # Each recovered generation's first, without a checkpoint's blocked time.
     assert got["first_iteration_s"] == pytest.approx([1.4, 1.2])
     assert got["first_iteration_saved"] == [False, True]
+    assert got["second_iteration_s"] == pytest.approx([0.9])  # generation 2 ran only one
     assert got["steady_iteration_s"] == pytest.approx(1.0)  # of 1.0, 1.1, 0.9: no first

@@ -118,6 +118,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--jobs-out", default=None, help="run dirs of --jobs (default: a temp dir)")
     p.add_argument(
+        "--jobs-modes",
+        default="L3,ckpt_restart",
+        help="the --jobs to run, comma-separated: L3 (in place, L3 shadow), ckpt_restart",
+    )
+    p.add_argument(
+        "--shadow-warmup",
+        default="after_trainer",
+        choices=("after_trainer", "at_start"),
+        help="recovery.shadow_warmup of the L3 job: a shadow's GPU warm-up after its trainer's "
+        "first iteration (default) or at once",
+    )
+    p.add_argument(
         "--kill-trials",
         type=int,
         default=0,
@@ -256,10 +268,20 @@ def _jobs(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         train=dataclasses.replace(base.train, iterations=8),
         checkpoint=CheckpointConfig(interval=3, keep=2),
     )
-    res: dict[str, Any] = {"kills": list(_KILLS), "iterations": 8, "checkpoint_interval": 3}
+    res: dict[str, Any] = {
+        "kills": list(_KILLS),
+        "iterations": 8,
+        "checkpoint_interval": 3,
+        "shadow_warmup": args.shadow_warmup,
+    }
     ref_hash = None
-    for name, mode, level in (("L3", "inplace", 3), ("ckpt_restart", "ckpt_restart", 0)):
-        rec = RecoveryConfig(mode=mode, shadow_level=level)
+    modes = {"L3": ("inplace", 3), "ckpt_restart": ("ckpt_restart", 0)}
+    wanted = [m.strip() for m in args.jobs_modes.split(",") if m.strip()]
+    if unknown := [m for m in wanted if m not in modes]:
+        raise SystemExit(f"--jobs-modes: unknown {unknown} (choose from {sorted(modes)})")
+    for name in wanted:
+        mode, level = modes[name]
+        rec = RecoveryConfig(mode=mode, shadow_level=level, shadow_warmup=args.shadow_warmup)
         cfg = dataclasses.replace(base, recovery=rec, inject=list(_KILLS))
         t0 = time.time()
         _say(f"job {name}")
@@ -318,10 +340,16 @@ def _takeovers(run_dir: Path) -> dict[str, Any]:
 
     later = [net(r) for r in rows if first[r["generation"]] is not r]
     recovered = [first[g] for g in sorted(first) if g > 0]
+    second = {}
+    for r in rows:
+        if r["generation"] > 0 and first[r["generation"]] is not r:
+            second.setdefault(r["generation"], r)
     return {
         "attach": ready,
         "attach_s": [r["attach_s"] for r in ready],
         "first_iteration_s": [net(r) for r in recovered],
+        # The one after it: where the successor shadows' warm-up goes (recovery.shadow_warmup).
+        "second_iteration_s": [net(second[g]) for g in sorted(second)],
         "first_iteration_saved": [r.get("ckpt_s", 0.0) > 0 for r in recovered],
         "steady_iteration_s": statistics.median(later) if later else None,
     }
@@ -923,6 +951,7 @@ _HEADLINE = (
     "l3_recovery_s",
     "l3_attach_s",
     "l3_first_iteration_s",
+    "l3_second_iteration_s",
     "l3_steady_iteration_s",
     "ckpt_restart_s",
     "trials",
@@ -968,9 +997,10 @@ def run(args: argparse.Namespace) -> int:
         jobs_out = Path(args.jobs_out or tempfile.mkdtemp(prefix="unbroken-jobs-"))
         result["jobs"] = _jobs(args, jobs_out)
         for name, key in (("L3", "l3_recovery_s"), ("ckpt_restart", "ckpt_restart_s")):
-            result[key] = result["jobs"][name]["recovery_s"]
-        for key in ("attach_s", "first_iteration_s", "steady_iteration_s"):
-            result[f"l3_{key}"] = result["jobs"]["L3"].get(key)
+            if name in result["jobs"]:
+                result[key] = result["jobs"][name]["recovery_s"]
+        for key in ("attach_s", "first_iteration_s", "second_iteration_s", "steady_iteration_s"):
+            result[f"l3_{key}"] = result["jobs"].get("L3", {}).get(key)
     if args.kill_trials:
         result["kills"] = _kills(args)
         result["trials"], result["exact"] = result["kills"]["trials"], result["kills"]["exact"]

@@ -446,6 +446,11 @@ class RecoveryConfig:
     shadow_start: Literal["fork", "exec"] = "fork"
     """How shadows start: fork = from the node's pre-imported fork server (L1 at once, see
     unbroken.shadow.forkserver); exec = a fresh interpreter each (every import paid again)."""
+    shadow_warmup: Literal["after_trainer", "at_start"] = "after_trainer"
+    """When a GPU shadow (level 2 or 3) runs its kernel warm-up (`unbroken.shadow.warm`):
+    after_trainer = once the trainer it would replace has completed an iteration (the agent's
+    `WarmUp`), so the successor shadows of a recovery do not compete for the GPU with the
+    promoted trainer's first iteration; at_start = as soon as it starts."""
     premap: bool = True
     """Shadows at level 2 or 3 map their device's retained regions once the trainer they would
     replace is training, so a promoted one finds them mapped (on a GPU: every 2 MiB page's
@@ -490,6 +495,8 @@ class RecoveryConfig:
             raise ValueError("recovery.memory_budget_mb must be >= 0 (0 = no budget)")
         if self.shadow_start not in ("fork", "exec"):
             raise ValueError("recovery.shadow_start must be 'fork' or 'exec'")
+        if self.shadow_warmup not in ("after_trainer", "at_start"):
+            raise ValueError("recovery.shadow_warmup must be 'after_trainer' or 'at_start'")
 
 
 @dataclass(kw_only=True, slots=True)

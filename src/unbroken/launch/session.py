@@ -13,19 +13,20 @@
 
 A shadow trainer (`level` L > 0, Leto §6) runs the stages up to level L, then parks until the
 agent promotes it with the final spec of its generation (`Promote` on stdin), and continues from
-where it parked. Each stage may be entered only from the one before it (`IllegalStage`).
+where it parked. On a GPU its kernel warm-up (L2) first waits for the agent's `WarmUp`: the
+trainer it would replace has completed an iteration (`ShadowInbox`). Each stage may be entered only from the one before it (`IllegalStage`).
 """
 
 from __future__ import annotations
 
 import enum
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unbroken.launch.inbox import ShadowInbox
 from unbroken.launch.spec import GenerationSpec
 
 __all__ = ["WORK", "IllegalStage", "RankArgs", "RankSession", "SessionStage"]
@@ -101,6 +102,8 @@ class RankSession:
     injector: Any = None
     executor: Any = None
     checkpoints: Any = None
+    inbox: ShadowInbox = field(default_factory=ShadowInbox)
+    """A shadow's lines from its agent (`WarmUp`, `MapRetained`, `Promote`)."""
 
     @property
     def rank(self) -> int:
@@ -181,6 +184,9 @@ class RankSession:
         if self.args.shadow >= 2 and device.type == "cuda" and self.spec.retains_state:
             from unbroken.shadow.warm import warm_cuda
 
+            if cfg.recovery.shadow_warmup == "after_trainer":
+                self.inbox.await_warm_up()  # not beside the first iteration of its trainer
+                self.steps["warm_go"] = time.time()
             warm_cuda(cfg, device)  # library handles and codec kernels, loaded before promotion
             self.steps["warm"] = time.time()
         self.steps["runtime"] = time.time()
@@ -523,7 +529,7 @@ class RankSession:
             },
             footprint_mb={lv: round(b / (1 << 20), 2) for lv, b in footprint.items()},
         )
-        promote, t_promoted = self._read_promotion(level)
+        promote, t_promoted = self.inbox.await_promotion(lambda: self._premap(level))
         # Its priority is the job's again: the agent set it before promoting (`ShadowPool.promote`,
         # the job's niceness, not 0 — a job under `nice` keeps one priority for every rank).
         final = GenerationSpec.from_json(Path(promote.spec).read_text())
@@ -553,21 +559,6 @@ class RankSession:
             t_promoted=t_promoted,
         )
         return final
-
-    def _read_promotion(self, level: int) -> tuple[Any, float]:
-        """The agent's lines on stdin until its `Promote` (and when it came); `MapRetained`
-        before it maps the retained state meanwhile."""
-        from unbroken.messages import MapRetained, Promote, decode_json
-
-        while True:
-            line = sys.stdin.readline()
-            if not line:
-                raise SystemExit(0)  # the agent let the shadow go
-            t = time.time()
-            msg = decode_json(line, (Promote, MapRetained))
-            if isinstance(msg, Promote):
-                return msg, t
-            self._premap(level)
 
     def _premap(self, level: int) -> None:
         """`MapRetained`: map every retained region of this shadow's device now (level 2 or 3:

@@ -234,7 +234,7 @@ class Agent:
             t.beat = beat
             t.liveness = t.liveness.beat(time.time(), beat.status)
         self.pool.on_beat(beat, self.trainers.keys())
-        self.pool.premap(self.trainers)
+        self.pool.tell(self.trainers)
 
     def on_reclaim_request(self, req: ReclaimRequest) -> None:
         answer = self.reclaimer.on_request(req, self.trainers.keys())

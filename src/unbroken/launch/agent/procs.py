@@ -30,6 +30,8 @@ class RankProc:
     """Its last heartbeat."""
     reported: bool = False
     """Its exit or hang went to the coordinator (nothing more is said about it)."""
+    warm_sent: bool = False
+    """A shadow: it was told to run its GPU warm-up (`WarmUp`)."""
     premap_sent: bool = False
     """A shadow: it was told to map its device's retained state (`MapRetained`)."""
 

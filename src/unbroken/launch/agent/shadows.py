@@ -9,8 +9,11 @@ Life of a set of shadows, for generation N+1 while generation N trains:
 - live / ready: every rank has a live shadow for the generation (`alive_for`; it need not have
   reached its level: a promoted shadow finishes its pre-initialization first, which still beats
   starting a process from nothing); ready ones have reported SHADOW_READY (`ready_count`).
+- warmed: once its rank's trainer of generation N has completed an iteration, a shadow is told
+  to run its GPU warm-up (`tell`, `WarmUp`): a recovery's successor shadows warm up after the
+  promoted trainer's first iteration, not beside it.
 - premapped: a parked shadow whose rank's trainer of generation N has completed an iteration
-  is told to map the device's retained state (`premap`, `MapRetained`): the regions are made
+  is told to map the device's retained state (`tell`, `MapRetained`): the regions are made
   by then, and nothing re-creates them before generation N+1 starts.
 - promoted: generation N+1 starts from them (`promote`): full CPU priority again, the final
   spec as a `Promote` line on stdin; they become the generation's trainers.
@@ -39,6 +42,7 @@ from unbroken.messages import (
     RankStatus,
     ShadowLaunch,
     StartGeneration,
+    WarmUp,
     encode_json,
 )
 
@@ -207,29 +211,22 @@ class ShadowPool:
             )
             self.spawn_pending()
 
-    def premap(self, trainers: dict[int, RankProc]) -> None:
-        """Tell each parked shadow whose rank's trainer of the generation before has completed
-        an iteration to map the retained state now (once per shadow). Not sooner: until then
-        that trainer may still make its regions anew (a restart under another plan, a state
-        moved to another layout), and a shadow mapping the old ones would keep their memory."""
+    def tell(self, trainers: dict[int, RankProc]) -> None:
+        """Each shadow whose rank's trainer of the generation before has completed an
+        iteration is told, once each: `WarmUp` (its GPU warm-up no longer competes with that
+        trainer's first iteration, `recovery.shadow_warmup`) and, once parked, `MapRetained`
+        (map the retained state now). Not sooner for the mapping: until then that trainer may
+        still make its regions anew (a restart under another plan, a state moved to another
+        layout), and a shadow mapping the old ones would keep their memory."""
         for rank, t in self.shadows.items():
-            trainer = trainers.get(rank)
-            if (
-                t.premap_sent
-                or not _parked(t)
-                or trainer is None
-                or trainer.generation != t.generation - 1
-                or trainer.beat is None
-                or trainer.beat.status is not RankStatus.TRAINING
-                or trainer.beat.completed < 0
-                or not t.alive()
-            ):
+            if not _trained(trainers.get(rank), t.generation - 1) or not t.alive():
                 continue
-            t.premap_sent = True
-            assert t.proc.stdin is not None
-            with contextlib.suppress(OSError):  # it died meanwhile: its exit is reported
-                t.proc.stdin.write(encode_json(MapRetained()) + b"\n")
-                t.proc.stdin.flush()
+            if not t.warm_sent:
+                t.warm_sent = True
+                _tell(t, WarmUp())
+            if not t.premap_sent and _parked(t):
+                t.premap_sent = True
+                _tell(t, MapRetained())
 
     def on_beat(self, beat: RankBeat, ranks: Collection[int]) -> None:
         """A heartbeat arrived: relaunch for `ranks` if it is the one `relaunch_after` waits
@@ -239,6 +236,25 @@ class ShadowPool:
             return
         self.relaunch_after = None
         self.relaunch(after.level, after.generation, ranks)
+
+
+def _trained(trainer: RankProc | None, generation: int) -> bool:
+    """`trainer` is of `generation` and has completed an iteration of it (its last beat)."""
+    return (
+        trainer is not None
+        and trainer.generation == generation
+        and trainer.beat is not None
+        and trainer.beat.status is RankStatus.TRAINING
+        and trainer.beat.completed >= 0
+    )
+
+
+def _tell(t: RankProc, msg: WarmUp | MapRetained) -> None:
+    """One line on the shadow's stdin."""
+    assert t.proc.stdin is not None
+    with contextlib.suppress(OSError):  # it died meanwhile: its exit is reported
+        t.proc.stdin.write(encode_json(msg) + b"\n")
+        t.proc.stdin.flush()
 
 
 def _parked(t: RankProc) -> bool:
