@@ -1,5 +1,5 @@
-"""On a GPU, a shadow's kernel warm-up waits until the trainer it would replace has completed an
-iteration (`recovery.shadow_warmup = "after_trainer"`, the agent's `WarmUp`): after a
+"""On a GPU with `recovery.shadow_warmup = "after_trainer"`, a shadow's kernel warm-up waits until
+the trainer it would replace has completed an iteration (the agent's `WarmUp`): after a
 takeover, the successor shadows warm up after the promoted trainer's first iteration, not beside
 it; the job still recovers both kills through shadows, bit-exact."""
 
@@ -37,7 +37,7 @@ def test_successor_shadows_warm_up_after_the_promoted_trainers_first_iteration(t
         train=TrainConfig(iterations=10, lr=1e-3, device="cuda", precision="bf16"),
         parallel=ParallelConfig(world_size=1),
         checkpoint=CheckpointConfig(interval=0),
-        recovery=RecoveryConfig(mode="inplace", shadow_level=3),
+        recovery=RecoveryConfig(mode="inplace", shadow_level=3, shadow_warmup="after_trainer"),
         inject=["kill:rank=0,iter=3,phase=update", "kill:rank=0,iter=6,phase=backward"],
     )
     s = run_job(cfg, tmp_path, reference=True, quiet=True)

@@ -124,10 +124,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--shadow-warmup",
-        default="after_trainer",
+        default="at_start",
         choices=("after_trainer", "at_start"),
-        help="recovery.shadow_warmup of the L3 job: a shadow's GPU warm-up after its trainer's "
-        "first iteration (default) or at once",
+        help="recovery.shadow_warmup of the L3 job: a shadow's GPU warm-up at once (default, "
+        "as the config's) or after its trainer's first iteration",
     )
     p.add_argument(
         "--kill-trials",

@@ -446,11 +446,12 @@ class RecoveryConfig:
     shadow_start: Literal["fork", "exec"] = "fork"
     """How shadows start: fork = from the node's pre-imported fork server (L1 at once, see
     unbroken.shadow.forkserver); exec = a fresh interpreter each (every import paid again)."""
-    shadow_warmup: Literal["after_trainer", "at_start"] = "after_trainer"
+    shadow_warmup: Literal["after_trainer", "at_start"] = "at_start"
     """When a GPU shadow (level 2 or 3) runs its kernel warm-up (`unbroken.shadow.warm`):
-    after_trainer = once the trainer it would replace has completed an iteration (the agent's
-    `WarmUp`), so the successor shadows of a recovery do not compete for the GPU with the
-    promoted trainer's first iteration; at_start = as soon as it starts."""
+    at_start = as soon as it starts; after_trainer = once the trainer it would replace has
+    completed an iteration (the agent's `WarmUp`), so the successor shadows of a recovery do
+    not compete for the GPU with the promoted trainer's first iteration. Not yet measured on a
+    GPU (the stop-46 run was cut when the machine went away), hence not the default."""
     premap: bool = True
     """Shadows at level 2 or 3 map their device's retained regions once the trainer they would
     replace is training, so a promoted one finds them mapped (on a GPU: every 2 MiB page's
