@@ -145,7 +145,7 @@ def test_a_measured_step_empties_a_slow_rank_at_the_slowdown_it_costs():
     # ([Note: step lead]), which the others' compute overlaps: it is left none.
     unit, _, _ = _adaptation()
     assert unit.on_fail_slow(_slow(3, 4.45)) and unit.placement.counts()[3] == 1
-    a, _, log = _adaptation()
+    a, _, log = _adaptation(readmit_after=0)  # kept in the world (the test below excludes it)
     a.calibrate(None)  # nothing measured yet: unit costs
     assert not a.calibrated
     a.calibrate(DataParallelFit(mb_s=0.025, sync_s=0.05))
@@ -154,3 +154,77 @@ def test_a_measured_step_empties_a_slow_rank_at_the_slowdown_it_costs():
         {"microbatch_s": 0.025, "step_s": 0.05},
     )
     assert a.on_fail_slow(_slow(3, 4.45)) and a.placement.counts() == (6, 5, 5, 0)
+
+
+def _measured(**adapt) -> tuple[Adaptation, JobStore, Log]:
+    """The dp4 bench's shape (stop 46 on this VM: a micro-batch ~8 ms, a ~40 ms step)."""
+    a, store, log = _adaptation(**adapt)
+    a.calibrate(DataParallelFit(mb_s=0.008, sync_s=0.04))
+    return a, store, log
+
+
+def test_a_device_whose_own_step_bounds_the_iteration_leaves_the_world_in_place():
+    """[Note: slow device excluded]: at 5x, emptied of micro-batches, rank 3's step alone
+    (5 x 40 ms) outlasts the others' iteration (6 x 8 + 40 ms); without it the job runs
+    [6, 5, 5] on three devices. The decision waits for the next generation (`restarts`),
+    which `next_world` plans without the device: its trigger is the fail-slow report."""
+    a, _, log = _measured()
+    assert a.on_fail_slow(_slow(3, 5.0), iter_s=0.1)
+    kind, fields = log.events[-1]
+    assert kind == "device_excluded" and fields["device"] == 3
+    assert fields["predicted_without"] < fields["predicted_with"]
+    assert fields["readmit_at"] == 9 + 50  # the report's iteration + adapt.readmit_after
+    assert a.restarts and a.excluding and a.devices == (0, 1, 2, 3)
+    world = a.next_world()
+    assert world is not None and world.devices == (0, 1, 2)
+    assert world.placement is not None and world.placement.counts() == (6, 5, 5)
+    kind, fields = log.events[-1]
+    assert kind == "replan" and fields["trigger"]["kind"] == "fail_slow"
+    assert fields["trigger"]["excluded"] and fields["devices_after"] == [0, 1, 2]
+    assert not a.restarts and a.next_world() is None
+    # A mild slow-down is planned around in the world; so is any under Greyhound's policy,
+    # without retained state (a new world would load a checkpoint), or with readmit_after 0.
+    mild, _, _ = _measured()
+    assert mild.on_fail_slow(_slow(3, 1.8)) and not mild.excluded
+    for kept, _, _ in (
+        _measured(policy="greyhound"),
+        _measured(readmit_after=0),
+    ):
+        assert kept.on_fail_slow(_slow(3, 5.0)) and not kept.excluded and not kept.restarts
+    ckpt = _adaptation_mode("ckpt_restart")
+    ckpt.calibrate(DataParallelFit(mb_s=0.008, sync_s=0.04))
+    assert ckpt.on_fail_slow(_slow(3, 5.0)) and not ckpt.excluded
+
+
+def _adaptation_mode(mode: str) -> Adaptation:
+    import dataclasses
+
+    cfg = adapt_job(microbatches=4)
+    cfg = dataclasses.replace(cfg, recovery=dataclasses.replace(cfg.recovery, mode=mode))
+    return Adaptation(cfg, JobStore(dist.HashStore()), Log(), lambda _: None)
+
+
+def test_an_excluded_device_is_readmitted_on_trial_and_waits_twice_as_long_after_the_next():
+    a, _, log = _measured(max_replans=3)
+    assert a.on_fail_slow(_slow(3, 5.0))
+    a.next_world()
+    assert not a.readmit_due(58)  # excluded at 9, re-admitted after 9 + 50
+    assert a.readmit_due(59) and a.trial and a.grows and a.restarts
+    assert log.events[-1][0] == "device_readmitted"
+    world = a.next_world()  # the launch world again; the returned rank is filled in place
+    assert world is not None and world.devices == (0, 1, 2, 3)
+    assert world.placement is not None and world.placement.counts() == (4, 4, 4, 4)
+    # Still slow: reported again on the trial world, excluded again, and it waits 100.
+    slow_again = DetectionEvent(
+        kind=DetectionKind.FAIL_SLOW, rank=3, factor=5.0, cause="compute", iteration=70
+    )
+    assert a.on_fail_slow(slow_again)
+    assert log.events[-1][1]["readmit_at"] == 170
+    a.next_world()
+    assert a.readmit_due(170)
+    a.next_world()
+    # Three exclusions would reach max_replans = 3: the third happens, and no trial after it
+    # (the job could not take the device out once more).
+    assert a.on_fail_slow(slow_again) and a.replans == 3
+    a.next_world()
+    assert not a.readmit_due(10_000) and a.excluded

@@ -28,7 +28,11 @@ from .conftest import adapt_job, events_of
 def test_a_slow_rank_loses_micro_batches_at_a_boundary_and_the_run_stays_bit_exact(tmp_path):
     # Four micro-batches per shard: fine enough to move work off a slow rank. A large factor,
     # so that the detector's measured factor on a loaded 2-core machine still clears min_gain.
-    cfg = adapt_job(iterations=26, microbatches=4, inject=["slow:rank=3,iter=15,factor=6"])
+    # In the world (readmit_after 0): at 6x ours would take the device out instead
+    # (test_slow_device_exclusion.py).
+    cfg = adapt_job(
+        iterations=26, microbatches=4, inject=["slow:rank=3,iter=15,factor=6"], readmit_after=0
+    )
     s = run_job(cfg, tmp_path, reference=True, quiet=True)
     assert s["state"] == "done", s["reason"]
     assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
@@ -55,7 +59,12 @@ def test_a_slow_rank_loses_micro_batches_at_a_boundary_and_gets_them_back_when_h
     # Four micro-batches per shard: fine enough to move work off a slow rank. A large factor,
     # so that the detector's measured factor on a loaded 2-core machine still clears min_gain.
     # The device is healthy again from iteration 32 (`until`).
-    cfg = adapt_job(iterations=50, microbatches=4, inject=["slow:rank=3,iter=15,factor=6,until=32"])
+    cfg = adapt_job(
+        iterations=50,
+        microbatches=4,
+        inject=["slow:rank=3,iter=15,factor=6,until=32"],
+        readmit_after=0,  # in the world: at 6x ours would take the device out instead
+    )
     s = run_job(cfg, tmp_path, reference=True, quiet=True)
     assert s["state"] == "done", s["reason"]
     assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []

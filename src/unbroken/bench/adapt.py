@@ -11,9 +11,9 @@ reference bit for bit), then per scenario one run per policy:
   that costs the level's unmitigated throughput loss on this machine: ResiHP §8.3 defines the
   levels by that loss, 55 % and 70 %; see "Severity" below), `slowlink` (rank 3's link: its
   gradient all-reduce stalls, `what=comm,level=medium`), `lost` (device 1 lost for good at
-  iteration I), `mixed` (device 1 lost at I, then rank 3's severe slow-down 3 iterations later:
-  a `slow` fault lives as long as its trainer process, and the re-plan around a lost device
-  starts new trainers, so a slow-down before the loss would end with it),
+  iteration I), `mixed` (device 1 lost at I, then rank 3's severe slow-down 3 iterations later),
+  every slow-down the device's to the end of the run (`until` past the last iteration: it
+  stays through the restarts a re-plan may make, [Note: slow-fault]),
   `load` (no fault; one process spins on a core for the whole run: what re-planning costs when
   the detector fires on a loaded machine's noise — issue 18's target is a loss of at most 2 %
   against no mitigation);
@@ -149,7 +149,13 @@ def _job(args: argparse.Namespace, inject: list[str], policy: str, plan: str = "
 
 def _scenarios(args: argparse.Namespace, factors: dict[str, float]) -> dict[str, list[str]]:
     """Each scenario's faults; `factors`: the compute slow-down of each level."""
-    slow = {lvl: f"slow:rank=3,iter={args.at},factor={f:.3g}" for lvl, f in factors.items()}
+    # The device's slow-down, not its process's: `until` past the end keeps it on the device
+    # through restarts ([Note: slow-fault]), so a device re-admitted on trial is slow again.
+    until = args.iterations + 1
+    slow = {
+        lvl: f"slow:rank=3,iter={args.at},factor={f:.3g},until={until}"
+        for lvl, f in factors.items()
+    }
     lost = f"lose:rank=1,iter={args.at},phase=update"
     return {
         "medium": [slow["medium"]],

@@ -556,9 +556,20 @@ class AdaptConfig:
     speed again and the job gives them their work back (`unbroken.engine.probe`). 0: never
     (such a device then stays out until the job restarts)."""
 
+    readmit_after: int = 50
+    """A data-parallel job that retains its state (recovery.mode = "inplace") under "resihp":
+    a slow device whose own work would still bound the iteration with no micro-batch left on it
+    (its optimizer step) is taken out of the world instead, in place like a lost one, when that
+    is predicted `min_gain` faster; it waits as a standby and is re-admitted on trial after
+    this many iterations (the detector reports it again if it is still slow; each new
+    exclusion doubles the wait), while `max_replans` leaves room to exclude it again. 0: slow
+    devices are never excluded (emptied and probed in the world instead)."""
+
     def __post_init__(self) -> None:
         if self.max_replans < 0:
             raise ValueError("adapt.max_replans must be >= 0")
+        if self.readmit_after < 0:
+            raise ValueError("adapt.readmit_after must be >= 0")
         if self.probe_every < 0:
             raise ValueError("adapt.probe_every must be >= 0")
         if not 0 <= self.min_gain < 1:

@@ -16,6 +16,7 @@ workloads together from all ranks' records and the detector simulates the plan.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,8 @@ from unbroken.parallel import ParallelPlan
 __all__ = ["GRACE_ITERS", "SlowWatch"]
 
 GRACE_ITERS = 3
+TRIAL_WARMUP = 4
+"""Warm-up iterations of the detector of a world with a device re-admitted on trial (`reset`)."""
 
 
 _NO_LENGTHS = "the data source reports no document lengths (T_MB = aN + b sum l^2)"
@@ -77,19 +80,31 @@ class SlowWatch:
         return self.detector.plan_fit or self.detector.data_parallel_fit
 
     def reset(
-        self, world_size: int, plan: ParallelPlan | None = None, *, same_ranks: bool = False
+        self,
+        world_size: int,
+        plan: ParallelPlan | None = None,
+        *,
+        same_ranks: bool = False,
+        trial: bool = False,
     ) -> None:
         """The job continues on a world of `world_size` ranks (a lost device was planned
         around, issue 18) and, for a pipeline job, under `plan`: a fresh detector learns the
         new world (it warms up again); reports go to the same sink. `same_ranks`: a live
         switch that kept every rank (a slow device planned around) — the open reports carry
         over, so the slow rank's return to speed is still watched (`on_recovered`); else ranks
-        are renumbered and the reports start over."""
+        are renumbered and the reports start over. `trial`: the world holds a slow device
+        re-admitted on trial ([Note: slow device excluded] in
+        `unbroken.launch.coordinator.adapt`): the detector warms up on `TRIAL_WARMUP`
+        iterations, the fewest it fits on, so a device still slow is reported (against its
+        peers through the warm-up) after a few iterations rather than a full warm-up's."""
         old = self.detector
         self.world_size = world_size
         if plan is not None:
             self.plan = plan
-        self.detector = FailSlowDetector(old.cfg, plan=self.plan, sink=old.sink)
+        cfg = old.cfg
+        if trial:
+            cfg = dataclasses.replace(cfg, skip_iters=1, warmup_iters=TRIAL_WARMUP)
+        self.detector = FailSlowDetector(cfg, plan=self.plan, sink=old.sink)
         if same_ranks:
             self.detector.carry_reports(old)
         self._timings.clear()

@@ -16,7 +16,9 @@ A re-plan that moves layers (`restore` "reshard") is split the same way from the
 the coordinator ordered when it decided it: stop, start (up to `trainer_ready`, the move
 included), move (the slowest rank's copy out of retained memory, build of the new plan's
 executor, exchange and parity, `state_moved`) and `reconfig_s` to the first iteration on the
-new plan.
+new plan. So is one that changes the world at a planned stop without moving layers — a slow
+device taken out of a data-parallel world, or devices back in it (a re-admission: its start
+includes filling the returned rank from a replica) — without the move.
 
 The fault-free reference does not replay the plan changes: a job that re-plans reduces its
 gradients in micro-batch order ([Note: ordered reduction] in `unbroken.train.ordered`), so
@@ -117,6 +119,12 @@ def _moved(
     }
 
 
+def _planned_stop(trigger: dict[str, Any]) -> bool:
+    """A re-plan the coordinator made at a planned stop without moving layers: a slow device
+    taken out of the world, or devices back in it."""
+    return bool(trigger.get("excluded")) or trigger["kind"] == "devices_returned"
+
+
 def replan_records(
     events: list[dict[str, Any]], metrics: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -147,7 +155,7 @@ def replan_records(
             row["measured_after"] = _measure(rows, range(it + 1, it + 1 + WINDOW))
         if r["trigger"]["kind"] == "device_lost":
             row.update(_reconfig(events, metrics, r))
-        elif r.get("restore") == "reshard":
+        elif r.get("restore") == "reshard" or _planned_stop(r["trigger"]):
             row.update(_moved(events, metrics, r))
         out.append(row)
     return out

@@ -20,6 +20,11 @@ Two reports change it:
   published in the job store (`JobStore.publish_placement`) when it is predicted at least
   `adapt.min_gain` faster and the job has re-planned fewer than `adapt.max_replans` times; the
   ranks switch to it at an iteration boundary they agree on (`unbroken.launch.switch`);
+- a slow device whose own work bounds the iteration even with no micro-batch on it (its
+  optimizer step, stretched like its compute): taken out of the world, in place like a lost
+  one, when that is predicted `adapt.min_gain` faster than the best plan that keeps it
+  ([Note: slow device excluded]); it waits as a standby and is re-admitted on trial
+  (`readmit_due`) `adapt.readmit_after` iterations later, doubling at each new exclusion;
 - a slow rank at full speed again (`on_recovered`, from the fail-slow watch: it keeps a
   micro-batch, or, left none by ours ([Note: empty replica] in `unbroken.plan.balance`), runs
   a probe every `adapt.probe_every` iterations, so its pace stays measured): its device is
@@ -28,6 +33,23 @@ Two reports change it:
   way, so a false alarm or a passing slowdown costs a few iterations, not the rest of the run
   (counted against `adapt.max_replans` like the fail-slow re-plans, which bounds a job that
   switches back and forth).
+
+[Note: slow device excluded] Emptied of micro-batches, a slow data-parallel rank still joins
+the reduction and steps its whole replica, F x slower: with a step of a few micro-batches'
+compute (the CPU bench model: 34 ms against 8 ms) a 6x device's step alone takes longer than
+the other replicas' whole iteration, and the job runs at its pace (stop 46, `bench adapt`
+DP = 4 severe: [6, 5, 5, 0] at 0.14-0.19 s an iteration against 0.07 s without the device). A
+device outside the world costs nothing per iteration, but it cannot be probed there: it is
+re-admitted on trial instead, as a device that came back (`note_returned`: the launch world
+again, its rank filled from a replica, `RankAction.FILL`), and a device still slow is found
+by the fail-slow watch (through its warm-up: `_slow_through_warmup`) and excluded again, its
+wait doubled. Each exclusion counts against `adapt.max_replans`; a trial is made only while
+the cap leaves room to exclude the device again, so a job never re-admits a slow device it
+may not take out once more. Both moves are generation changes (a planned stop, in place, no
+checkpoint), which the per-iteration prediction does not price; a job whose iterations are
+short against a restart pays them in wall time, which `bench adapt` reports as reconfiguration
+seconds. Only a job that retains its state (`recovery.mode = "inplace"`) under "resihp"
+excludes; Greyhound's policy and evict-and-restart do not (the latter evicts for good).
 
 Each decision is a `replan` event (trigger, placement before and after, the planner's
 prediction before and after, its seconds) or a `replan_skipped` event with the reason. The
@@ -62,7 +84,7 @@ from unbroken.plan import (
     plan_for_state,
 )
 
-__all__ = ["Adaptation", "NewWorld", "dp_cluster", "fail_slow_trigger"]
+__all__ = ["Adaptation", "Exclusion", "NewWorld", "dp_cluster", "fail_slow_trigger"]
 
 _UNIT_S = 1e-3
 """The planner's forward time of one micro-batch (a unit: only ratios are used)."""
@@ -96,6 +118,18 @@ class NewWorld:
     placement: DataPlacement | None
     """Who computes which micro-batch (data-parallel jobs; None for a pipeline job's plan)."""
     epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Exclusion:
+    """A slow device out of the world ([Note: slow device excluded])."""
+
+    trigger: dict
+    """The fail-slow report's `replan` trigger."""
+    since: int
+    """The iteration its report was validated at."""
+    readmit_at: int
+    """The first iteration after which it is re-admitted on trial."""
 
 
 def fail_slow_trigger(event: DetectionEvent, devices: tuple[int, ...]) -> tuple[dict, int | None]:
@@ -150,6 +184,13 @@ class Adaptation:
         """device -> why it is lost."""
         self.returned: dict[int, str] = {}
         """device -> why it is usable again (lost before; not yet back in the world)."""
+        self.excluded: dict[int, Exclusion] = {}
+        """device -> a slow device taken out of the world ([Note: slow device excluded])."""
+        self.trial = False
+        """The next world re-admits a slow device on trial (its detector warms up quickly:
+        `SlowWatch.reset`); the coordinator clears it once that world is set up."""
+        self._wait: dict[int, int] = {}
+        """device -> iterations its next exclusion waits before the trial re-admission."""
         # Ours may leave a rank no micro-batch ([Note: empty replica] in
         # `unbroken.plan.balance`): the trainer runs it (no row in the ordered reduction, a
         # probe every `adapt.probe_every` iterations, `unbroken.train.Trainer._probe`).
@@ -232,12 +273,18 @@ class Adaptation:
     def grows(self) -> bool:
         """Whether the next world will be larger: every launch device is usable again and some
         of them are outside the running world."""
-        return bool(self.returned) and not self.lost
+        return bool(self.returned) and not self.lost and not self.excluded
 
     @property
     def restarts(self) -> bool:
-        """Whether the running generation should stop for the next (the world grows back)."""
-        return self.grows
+        """Whether the running generation should stop for the next: the world grows back, or
+        a slow device leaves it."""
+        return self.grows or self.excluding
+
+    @property
+    def excluding(self) -> bool:
+        """Whether a slow device of the running world is to leave it at the next generation."""
+        return any(d in self.excluded for d in self.devices)
 
     def next_world(self, iter_s: float | None = None) -> NewWorld | None:
         """At a generation start: the world without the lost devices, or the launch world once
@@ -246,7 +293,7 @@ class Adaptation:
         Raises:
             NoPlanError: no device is left.
         """
-        gone = [d for d in self.devices if d in self.lost]
+        gone = [d for d in self.devices if d in self.lost or d in self.excluded]
         if not gone:
             return self._grow() if self.grows else None
         before = self.placement
@@ -254,7 +301,11 @@ class Adaptation:
         plan = result.plan()
         devices = tuple(sorted(plan.ranks))
         placement = self._placement(plan, devices)
-        trigger = {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
+        lost = [d for d in gone if d in self.lost]
+        if lost:
+            trigger = {"kind": "device_lost", "devices": lost, "reason": self.lost[lost[0]]}
+        else:  # a slow device leaves the world ([Note: slow device excluded])
+            trigger = self.excluded[gone[0]].trigger
         self._adopt(result, plan, devices, placement, trigger, before, iter_s)
         return NewWorld(devices, placement, self.epoch)
 
@@ -312,6 +363,8 @@ class Adaptation:
             result = plan_for_state(self.state, self.planner)
         except NoPlanError as exc:  # pragma: no cover - a slow device never empties the plan
             return self._skip(trigger, str(exc))
+        if self._exclude(device, result, trigger, event.iteration):
+            return True
         gain = 1.0 - result.predicted_s / result.current_s
         if result.kept_current or gain < self.cfg.adapt.min_gain:
             return self._skip(
@@ -348,6 +401,76 @@ class Adaptation:
             return self._skip(trigger, "the plan for the healthy device is the running one")
         self.replans += 1
         self._adopt(result, plan, self.devices, placement, trigger, self.placement, iter_s)
+        return True
+
+    @property
+    def excludes(self) -> bool:
+        """Whether a slow device may leave the world ([Note: slow device excluded])."""
+        adapt = self.cfg.adapt
+        return (
+            adapt.policy == "resihp"
+            and adapt.readmit_after > 0
+            and self.cfg.recovery.mode == "inplace"
+        )
+
+    def _exclude(self, device: int, kept: PlanResult, trigger: dict, iteration: int) -> bool:
+        """Take slow `device` out of the world when that is predicted `adapt.min_gain` faster
+        than `kept` (the best plan with it); the next generation runs without it (`restarts`,
+        `next_world`). Returns whether it did."""
+        alive = [d for d in self.devices if d not in self.lost and d not in self.excluded]
+        if not self.excludes or len(alive) < 2:
+            return False
+        without = self.state.with_lost(device)
+        try:
+            result = plan_for_state(without, self.planner)
+        except NoPlanError:  # pragma: no cover - another device is left
+            return False
+        if result.predicted_s > kept.predicted_s * (1.0 - self.cfg.adapt.min_gain):
+            return False
+        wait = self._wait.get(device, self.cfg.adapt.readmit_after)
+        self._wait[device] = 2 * wait
+        self.replans += 1
+        trigger = {**trigger, "excluded": True}
+        self.excluded[device] = Exclusion(trigger, iteration, iteration + wait)
+        self.state = without
+        scale = self.healthy_s
+        self.events.emit(
+            "device_excluded",
+            device=device,
+            trigger=trigger,
+            predicted_with=_finite(kept.predicted_s / scale),
+            predicted_without=result.predicted_s / scale,
+            readmit_at=iteration + wait,
+        )
+        self.say(
+            f"exclude device {device} (slow {trigger['factor']:.2f}x): predicted iteration "
+            f"{result.predicted_s / scale:.2f}x the fault-free one without it, "
+            f"{kept.predicted_s / scale:.2f}x with it; re-admitted on trial after iteration "
+            f"{iteration + wait}"
+        )
+        return True
+
+    def readmit_due(self, iteration: int) -> bool:
+        """After `iteration`: re-admit, on trial, excluded devices whose wait is over, while
+        `adapt.max_replans` leaves room to exclude one again ([Note: slow device excluded]).
+        Returns whether one was (the caller stops the running generation: `restarts`)."""
+        if self.replans >= self.cfg.adapt.max_replans:
+            return False
+        due = [
+            d
+            for d, x in self.excluded.items()
+            if iteration >= x.readmit_at and d not in self.devices
+        ]
+        if not due:
+            return False
+        for d in due:
+            x = self.excluded.pop(d)
+            reason = f"re-admitted on trial ({iteration - x.since} iterations after its exclusion)"
+            self.returned[d] = reason
+            self.events.emit("device_readmitted", device=d, iteration=iteration, reason=reason)
+            self.say(f"device {d} {reason}")
+        self.state = self.state.with_healthy(*due)
+        self.trial = True
         return True
 
     def _evict(self, device: int, trigger: dict) -> bool:

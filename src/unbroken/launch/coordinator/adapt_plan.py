@@ -300,6 +300,16 @@ class PipelineAdaptation:
             f"{result.current_s / self.healthy_s:.2f}x (planned in {result.planning_s * 1e3:.0f} ms)"
         )
 
+    excluding = False
+    """Never: a pipeline job keeps a slow device in the world."""
+    trial = False
+    """Never: nothing is re-admitted on trial (`Adaptation.trial`)."""
+
+    def readmit_due(self, iteration: int) -> bool:
+        """Never: a pipeline job keeps a slow device in the world (`Adaptation.readmit_due`
+        re-admits the data-parallel job's excluded ones)."""
+        return False
+
     def on_recovered(self, rank: int, factor: float, iter_s: float | None = None) -> bool:
         """Rank `rank`, planned around as slow, runs at `factor` x the pace of its stages'
         holders in the other replicas again (`PlanFit.pace`): it is healthy in the cluster

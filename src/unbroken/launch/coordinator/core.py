@@ -333,7 +333,9 @@ class CoordinatorCore:
         if not self._grow_pending:
             return
         reason = "devices returned: re-plan onto the larger world"
-        if self.adapt is not None and not self.adapt.grows:
+        if self.adapt is not None and self.adapt.excluding:
+            reason = "a slow device leaves the world: the next generation runs without it"
+        elif self.adapt is not None and not self.adapt.grows:
             reason = "re-plan moves layers: the next generation moves the state"
         action = self.fsm.on_grow(reason)
         if action is not None:
@@ -410,8 +412,10 @@ class CoordinatorCore:
             self.tick(float("inf"))
 
     def tick(self, now: float) -> None:
-        """Release the held start-up failures once every rank failed or the window passed:
-        the same error on every rank fails the job at once; else the first is recovered."""
+        """Re-admit excluded slow devices whose wait is over (`_readmit`); release the held
+        start-up failures once every rank failed or the window passed: the same error on
+        every rank fails the job at once; else the first is recovered."""
+        self._readmit()
         if self._held_until is None or (
             now < self._held_until and len(self._held) < self.layout.world_size
         ):
@@ -431,6 +435,17 @@ class CoordinatorCore:
             self._fail_stop_exit(node, first, startup=reason)
         else:
             self._fail_stop_exit(node, first)
+
+    def _readmit(self) -> None:
+        """A slow device excluded for long enough is re-admitted on trial: a planned stop,
+        then the launch world ([Note: slow device excluded] in `unbroken.launch.coordinator.
+        adapt`)."""
+        if self.adapt is None or self.fsm.state is not RecoveryState.RUNNING:
+            return
+        rows = self.monitor.rows
+        if rows and self.adapt.readmit_due(int(rows[-1]["iter"])):
+            self._grow_pending = True
+            self._grow()
 
     def _fail_stop_exit(self, node: int, msg: RankExited, startup: str = "") -> None:
         if msg.traceback and self.debug:
@@ -687,7 +702,10 @@ class CoordinatorCore:
         self.devices = world.devices
         self.layout = NodeLayout.for_devices(world.devices, self.node_of_device)
         self.fsm.resize(len(world.devices))
-        self.monitor.slow_watch.reset(len(world.devices), self.adapt.plan, same_ranks=same_ranks)
+        self.monitor.slow_watch.reset(
+            len(world.devices), self.adapt.plan, same_ranks=same_ranks, trial=self.adapt.trial
+        )
+        self.adapt.trial = False
         return True
 
     def _restore_for(self, action: Start, changed: bool) -> tuple[Start, dict | None]:
