@@ -66,3 +66,22 @@ def test_the_jobs_report_each_takeovers_attach_and_first_iteration(tmp_path):
     assert got["first_iteration_saved"] == [False, True]
     assert got["second_iteration_s"] == pytest.approx([0.9])  # generation 2 ran only one
     assert got["steady_iteration_s"] == pytest.approx(1.0)  # of 1.0, 1.1, 0.9: no first
+
+
+def test_the_kill_campaigns_job_saves_synchronously_unless_asked_otherwise():
+    """`--kill-async-ckpt`: with synchronous saves most uniformly drawn kills land inside a
+    save (stop 46, 28 of 30), whose redo then dominates each recovery."""
+    import argparse
+
+    from unbroken.bench.gpu import add_arguments, kill_config
+
+    def cfg(*extra: str):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return kill_config(p.parse_args(["--kill-preset", "tiny", "--kills-per-run", "3", *extra]))
+
+    sync, asyn = cfg(), cfg("--kill-async-ckpt")
+    assert (sync.checkpoint.interval, sync.checkpoint.asynchronous) == (4, False)
+    assert (asyn.checkpoint.interval, asyn.checkpoint.asynchronous) == (4, True)
+    assert sync.recovery.mode == "inplace" and sync.recovery.shadow_level == 3
+    assert sync.train.iterations == 12 + 6 * 2 and sync.model.preset == "tiny"
