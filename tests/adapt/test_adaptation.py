@@ -181,6 +181,8 @@ def test_a_device_whose_own_step_bounds_the_iteration_leaves_the_world_in_place(
     kind, fields = log.events[-1]
     assert kind == "replan" and fields["trigger"]["kind"] == "fail_slow"
     assert fields["trigger"]["excluded"] and fields["devices_after"] == [0, 1, 2]
+    # Priced against the best plan that kept the device (the running one cannot be, without it).
+    assert fields["predicted_before"] > fields["predicted_after"]
     assert not a.restarts and a.next_world() is None
     # A mild slow-down is planned around in the world; so is any under Greyhound's policy,
     # without retained state (a new world would load a checkpoint), or with readmit_after 0.

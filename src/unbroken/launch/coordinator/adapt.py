@@ -130,6 +130,9 @@ class Exclusion:
     """The iteration its report was validated at."""
     readmit_at: int
     """The first iteration after which it is re-admitted on trial."""
+    predicted_with: float
+    """The planner's iteration with the device kept in the world (its units): the `replan`
+    event's `predicted_before` (the running plan cannot be priced once the device is out)."""
 
 
 def fail_slow_trigger(event: DetectionEvent, devices: tuple[int, ...]) -> tuple[dict, int | None]:
@@ -306,6 +309,7 @@ class Adaptation:
             trigger = {"kind": "device_lost", "devices": lost, "reason": self.lost[lost[0]]}
         else:  # a slow device leaves the world ([Note: slow device excluded])
             trigger = self.excluded[gone[0]].trigger
+            result = replace(result, current_s=self.excluded[gone[0]].predicted_with)
         self._adopt(result, plan, devices, placement, trigger, before, iter_s)
         return NewWorld(devices, placement, self.epoch)
 
@@ -431,7 +435,7 @@ class Adaptation:
         self._wait[device] = 2 * wait
         self.replans += 1
         trigger = {**trigger, "excluded": True}
-        self.excluded[device] = Exclusion(trigger, iteration, iteration + wait)
+        self.excluded[device] = Exclusion(trigger, iteration, iteration + wait, kept.predicted_s)
         self.state = without
         scale = self.healthy_s
         self.events.emit(
