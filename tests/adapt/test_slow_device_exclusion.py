@@ -69,3 +69,25 @@ def test_a_device_healthy_again_by_its_trial_stays_in_the_world(tmp_path):
     _exclusion(out, 3)
     assert back["devices_after"] == [0, 1, 2, 3] and back["counts_after"] == [4, 4, 4, 4]
     assert len([f for f in s["fail_slow"] if f["rank"] == 3]) == 1  # not reported again
+
+
+@pytest.mark.slow  # ~30 s; CI runs the exclusion and the trial without a crash
+@pytest.mark.timeout(600)
+def test_a_crash_right_after_the_exclusion_is_recovered_in_the_smaller_world(tmp_path):
+    """Device 0's trainer is killed a few iterations after device 3 left (the exclusion came at
+    iteration 15-17 in every run so far): the three-device world recovers in place, device 3
+    stays out until its trial, and the run is still bit-exact with no checkpoint load."""
+    faults = ["slow:rank=3,iter=14,factor=8,until=41", "kill:rank=0,iter=20,phase=update"]
+    cfg = adapt_job(iterations=30, microbatches=4, inject=faults, readmit_after=50)
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    assert not events_of(events, "checkpoint_loaded")
+    (out,) = events_of(events, "replan")
+    _exclusion(out, 3)
+    (failure,) = [r for r in s["recoveries"] if r.get("fault") == "kill"]
+    assert failure["mode"] == "inplace"
+    # The crash came in the three-device world: the generation it failed in ran without 3.
+    started = {e["generation"]: e for e in events_of(events, "plan_applied")}
+    assert started[1]["devices"] == [0, 1, 2] and started[2]["devices"] == [0, 1, 2]
