@@ -185,16 +185,21 @@ class Coordinator:
         self.monitor.start()
         try:
             while not core.fsm.over:
-                for item in self.server.poll(timeout=0.05):
+                items = self.server.poll(timeout=0.05)
+                # The run's logs before the nodes' messages of the same turn: what the ranks
+                # wrote was written before any failure those messages report (progress, then
+                # the failure), so observers and the live page see them in that order — on a
+                # fast machine a failure's report and several iterations' rows arrive in one turn.
+                t = time.perf_counter()
+                self.monitor.poll()
+                self.load.polled(time.perf_counter() - t)
+                for item in items:
                     t = time.perf_counter()
                     self._dispatch(core, item)
                     self.load.handled(time.perf_counter() - t)
                 # Liveness right after reading what the nodes sent: a node is judged on the
                 # beats that arrived, even if this loop was busy elsewhere since its last turn.
                 self._check_nodes(core, t_hello)
-                t = time.perf_counter()
-                self.monitor.poll()
-                self.load.polled(time.perf_counter() - t)
                 core.tick(time.time())
                 self.load.tick()
             self.monitor.poll()
