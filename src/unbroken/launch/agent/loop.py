@@ -165,7 +165,8 @@ class Agent:
     def _promote_into_new_world(self, msg: StartGeneration) -> bool:
         """The world changed (devices lost or back): each rank whose device has a live shadow
         gets it, under its new rank number, regrouping with the new world (its imports, device
-        runtime and warm-up are kept); the others start fresh. Returns whether any shadow was
+        runtime and warm-up are kept); the others start fresh — forked from the node's fork
+        server (its imports done) when the job runs shadows. Returns whether any shadow was
         promoted."""
         shadow_of = self.pool.by_device(msg.generation)
         mine = {r: shadow_of.get(msg.devices.get(str(r), r)) for r in msg.ranks}
@@ -174,8 +175,10 @@ class Agent:
                 self.trainers[r] = self.pool.promote(old, msg.spec, time.time(), as_rank=r)
         self.pool.reclaim()  # the shadows of devices no longer in the world
         for r, old in mine.items():
-            if old is None:
-                self.trainers[r] = self.supervisor.spawn(msg, r, msg.generation, msg.spec)
+            if old is None:  # a device back in the world (re-admitted): from the fork server
+                self.trainers[r] = self.supervisor.spawn(
+                    msg, r, msg.generation, msg.spec, fork=msg.shadows is not None
+                )
         return any(old is not None for old in mine.values())
 
     def _refuse(self, msg: StartGeneration) -> bool:

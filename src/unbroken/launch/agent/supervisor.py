@@ -133,9 +133,13 @@ class ProcessSupervisor:
         spec: str,
         shadow_level: int = 0,
         attempt: int = 0,
+        *,
+        fork: bool = False,
     ) -> RankProc:
         """Start `rank`'s trainer of `generation` from `spec` (a shadow at `shadow_level` > 0,
-        for its `attempt`-th set of shadows), its log in `msg.log_dir`."""
+        for its `attempt`-th set of shadows), its log in `msg.log_dir`. Shadows, and a trainer
+        with `fork`, start from the node's fork server when it is ready (every import done);
+        other trainers are new interpreters (a restart without shadows pays its imports)."""
         args = ["--spec", spec, "--rank", str(rank)]
         args += ["--heartbeat", self.heartbeat_addr, "--reclaim", self.reclaim_addr]
         if rank in msg.ranks:  # one GPU per local device on a multi-GPU node
@@ -152,7 +156,7 @@ class ProcessSupervisor:
             os.makedirs(msg.log_dir, exist_ok=True)
             kind = "shadow" if shadow_level else "gen"
             log_path = os.path.join(msg.log_dir, f"{kind}{generation}-rank{rank}.log")
-        if shadow_level and self.forkserver_ready():
+        if (shadow_level or fork) and self.forkserver_ready():
             assert self.forkserver is not None
             proc = self.forkserver.spawn(
                 args, log_path, nice, entry=self.trainer_entry, cgroup_procs=self.cgroup_procs
