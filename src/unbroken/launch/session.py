@@ -13,8 +13,9 @@
 
 A shadow trainer (`level` L > 0, Leto §6) runs the stages up to level L, then parks until the
 agent promotes it with the final spec of its generation (`Promote` on stdin), and continues from
-where it parked. On a GPU its kernel warm-up (L2) first waits for the agent's `WarmUp`: the
-trainer it would replace has completed an iteration (`ShadowInbox`). Each stage may be entered only from the one before it (`IllegalStage`).
+where it parked. With `recovery.shadow_warmup = "after_trainer"` its GPU kernel warm-up (L2)
+first waits for the agent's `WarmUp`: the trainer it would replace has completed an iteration
+(`ShadowInbox`). Each stage may be entered only from the one before it (`IllegalStage`).
 """
 
 from __future__ import annotations

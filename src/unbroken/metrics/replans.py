@@ -93,7 +93,8 @@ def _reconfig(
 def _moved(
     events: list[dict[str, Any]], metrics: list[dict[str, Any]], replan: dict[str, Any]
 ) -> dict[str, float | None]:
-    """Seconds of a re-plan that moved layers, by step (see the module docstring)."""
+    """Seconds of a re-plan at a planned stop (layers moved, or the world changed without a
+    move), by step (see the module docstring)."""
     stops = [
         e
         for e in events

@@ -118,6 +118,9 @@ class NewWorld:
     placement: DataPlacement | None
     """Who computes which micro-batch (data-parallel jobs; None for a pipeline job's plan)."""
     epoch: int
+    trial: bool = False
+    """It re-admits a slow device on trial ([Note: slow device excluded]): its fail-slow
+    watch warms up quickly (`SlowWatch.reset(trial=True)`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,9 +192,8 @@ class Adaptation:
         """device -> why it is usable again (lost before; not yet back in the world)."""
         self.excluded: dict[int, Exclusion] = {}
         """device -> a slow device taken out of the world ([Note: slow device excluded])."""
-        self.trial = False
-        """The next world re-admits a slow device on trial (its detector warms up quickly:
-        `SlowWatch.reset`); the coordinator clears it once that world is set up."""
+        self._trial = False
+        """The next world grown back re-admits a slow device on trial (`NewWorld.trial`)."""
         self._wait: dict[int, int] = {}
         """device -> iterations its next exclusion waits before the trial re-admission."""
         # Ours may leave a rank no micro-batch ([Note: empty replica] in
@@ -350,7 +352,8 @@ class Adaptation:
             f"{list(self.devices)}, micro-batches per rank {list(before.counts())} -> "
             f"{list(self.placement.counts())}"
         )
-        return NewWorld(self.devices, self.placement, self.epoch)
+        trial, self._trial = self._trial, False
+        return NewWorld(self.devices, self.placement, self.epoch, trial)
 
     def on_fail_slow(self, event: DetectionEvent, iter_s: float | None = None) -> bool:
         """A validated fail-slow report (rank in the running world, measured factor): publish
@@ -474,7 +477,7 @@ class Adaptation:
             self.events.emit("device_readmitted", device=d, iteration=iteration, reason=reason)
             self.say(f"device {d} {reason}")
         self.state = self.state.with_healthy(*due)
-        self.trial = True
+        self._trial = True
         return True
 
     def _evict(self, device: int, trigger: dict) -> bool:

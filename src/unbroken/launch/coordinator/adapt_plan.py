@@ -302,8 +302,6 @@ class PipelineAdaptation:
 
     excluding = False
     """Never: a pipeline job keeps a slow device in the world."""
-    trial = False
-    """Never: nothing is re-admitted on trial (`Adaptation.trial`)."""
 
     def readmit_due(self, iteration: int) -> bool:
         """Never: a pipeline job keeps a slow device in the world (`Adaptation.readmit_due`

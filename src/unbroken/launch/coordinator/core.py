@@ -703,9 +703,8 @@ class CoordinatorCore:
         self.layout = NodeLayout.for_devices(world.devices, self.node_of_device)
         self.fsm.resize(len(world.devices))
         self.monitor.slow_watch.reset(
-            len(world.devices), self.adapt.plan, same_ranks=same_ranks, trial=self.adapt.trial
+            len(world.devices), self.adapt.plan, same_ranks=same_ranks, trial=world.trial
         )
-        self.adapt.trial = False
         return True
 
     def _restore_for(self, action: Start, changed: bool) -> tuple[Start, dict | None]:
