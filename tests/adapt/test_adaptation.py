@@ -214,7 +214,7 @@ def test_an_excluded_device_is_readmitted_on_trial_and_waits_twice_as_long_after
     assert a.readmit_due(59) and a.grows and a.restarts
     assert log.events[-1][0] == "device_readmitted"
     world = a.next_world()  # the launch world again; the returned rank is filled in place
-    assert world is not None and world.devices == (0, 1, 2, 3) and world.trial
+    assert world is not None and world.devices == (0, 1, 2, 3) and world.trial == (3,)
     assert world.placement is not None and world.placement.counts() == (4, 4, 4, 4)
     # Still slow: reported again on the trial world, excluded again, and it waits 100.
     slow_again = DetectionEvent(

@@ -380,3 +380,88 @@ def test_a_measured_step_empties_a_slow_replica_at_the_slowdown_it_costs(tmp_pat
     # Once: a later fit (a warm-up on the re-planned job, its slow device in it) changes nothing.
     adapt.calibrate(_tiny_cpu_fit(adapt.plan))
     assert len(_events(tmp_path, "replan_costs")) == 1
+
+
+def _excluding(tmp_path, name="events", **adapt):
+    plan = make_plan(2, 2, 1, 4, 4)
+    events = JsonlLog(tmp_path / f"{name}.jsonl", run="t")
+    said: list[str] = []
+    a = PipelineAdaptation(
+        plan,
+        events,
+        said.append,
+        adapt=AdaptConfig(enabled=True, readmit_after=20, **adapt),
+        moves_layers=True,
+    )
+    a.calibrate(_tiny_cpu_fit(plan))
+    return a, said
+
+
+def test_a_dp_x_pp_job_takes_a_device_too_slow_for_its_own_step_out_and_readmits_it(tmp_path):
+    # [Note: slow device excluded]: 6x, emptied of micro-batches, device 3 still steps its
+    # stage 6x slower (the measured 20 ms step: 100 ms more) and rank 1's reduction waits for
+    # it; dissolving its replica is predicted twice as fast. It leaves at a planned stop, the
+    # survivors keep their layers (in place), device 2 stands by; after `readmit_after` the
+    # launch world comes back on trial, both devices filled from replica 0.
+    adapt, said = _excluding(tmp_path)
+    assert adapt.on_fail_slow(_slow(3, 6.0), iter_s=0.1) is True
+    assert adapt.excluding and adapt.restarts and not adapt.grows
+    (ex,) = _events(tmp_path, "device_excluded")
+    assert ex["device"] == 3 and ex["readmit_at"] == 5 + 20
+    assert ex["predicted_without"] < 0.6 * ex["predicted_with"]
+    world = adapt.next_world(0.1)
+    assert world.devices == (0, 1) and not world.trial and not adapt.relayout
+    assert adapt.plan.microbatches == (8,) and not adapt.restarts
+    (replan,) = _events(tmp_path, "replan")
+    assert replan["trigger"]["excluded"] and replan["restore"] == "in_place"
+    assert replan["predicted_after"] < replan["predicted_before"]
+    assert "slow device [3] out" in said[-1] and "in place, no checkpoint" in said[-1]
+    assert adapt.readmit_due(24) is False and adapt.readmit_due(25) is True
+    assert adapt.grows and adapt.restarts
+    world = adapt.next_world(0.1)
+    assert world.devices == (0, 1, 2, 3) and world.trial == (3,) and not adapt.relayout
+    assert adapt.plan == adapt.launch and adapt.next_world() is None
+    # Still slow on trial: out again, waiting twice as long.
+    assert adapt.on_fail_slow(_slow(3, 6.0), iter_s=0.1) is True
+    assert _events(tmp_path, "device_excluded")[-1]["readmit_at"] == 5 + 40
+    assert adapt.replans == 2
+
+
+def test_a_dp_x_pp_job_keeps_a_moderately_slow_device_and_moves_its_microbatches(tmp_path):
+    # 3x: emptying the replica (the device's longer step overlapped by replica 0's eight
+    # micro-batches) is predicted as fast as dissolving it: it stays, live.
+    adapt, _ = _excluding(tmp_path)
+    assert adapt.on_fail_slow(_slow(3, 3.0), iter_s=0.1) is True
+    assert not adapt.excluding and adapt.plan.microbatches == (8, 0)
+    assert _events(tmp_path, "device_excluded") == []
+
+
+@pytest.mark.parametrize(
+    ("adapt_kw", "moves"),
+    [({"readmit_after": 0}, True), ({}, False), ({"policy": "greyhound"}, True)],
+    ids=["readmit_after=0", "no retained state", "greyhound"],
+)
+def test_a_dp_x_pp_job_excludes_only_under_ours_with_retained_state(tmp_path, adapt_kw, moves):
+    plan = make_plan(2, 2, 1, 4, 4)
+    adapt = PipelineAdaptation(
+        plan,
+        JsonlLog(tmp_path / "events.jsonl", run="t"),
+        lambda _: None,
+        adapt=AdaptConfig(enabled=True, **{"readmit_after": 20, **adapt_kw}),
+        moves_layers=moves and adapt_kw.get("policy", "resihp") == "resihp",
+    )
+    adapt.calibrate(_tiny_cpu_fit(plan))
+    assert adapt.on_fail_slow(_slow(3, 6.0)) is True  # planned around live instead
+    assert not adapt.excluding and adapt.plan.ranks == (0, 1, 2, 3)
+
+
+def test_an_excluded_device_is_not_readmitted_past_max_replans_or_while_another_is_lost(tmp_path):
+    adapt, _ = _excluding(tmp_path, max_replans=1)
+    assert adapt.on_fail_slow(_slow(3, 6.0)) is True
+    adapt.next_world()
+    assert adapt.readmit_due(100) is False  # no room to exclude it again
+    adapt, _ = _excluding(tmp_path, "lost")
+    assert adapt.on_fail_slow(_slow(3, 6.0)) is True
+    adapt.next_world()
+    adapt.note_lost(1, "device 1 lost")
+    assert adapt.readmit_due(100) is True and not adapt.grows  # waits for the lost device

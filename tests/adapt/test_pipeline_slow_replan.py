@@ -23,8 +23,12 @@ from .conftest import adapt_job, events_of
 
 def _pp2_run(tmp_path, iterations: int, inject: list[str]) -> tuple[dict, list[dict]]:
     """PP = 2 x DP = 2 on 4 ranks with `adapt.enabled` and `inject`, beside its fault-free
-    reference: the summary (done, bit for bit the reference) and the faulty run's events."""
-    cfg = adapt_job(world_size=4, iterations=iterations, microbatches=4, inject=inject)
+    reference: the summary (done, bit for bit the reference) and the faulty run's events.
+    The slow device stays in the world (`adapt.readmit_after` 0): at 6x ours would take it
+    out (tests/adapt/test_pipeline_exclusion.py)."""
+    cfg = adapt_job(
+        world_size=4, iterations=iterations, microbatches=4, inject=inject, readmit_after=0
+    )
     cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
     s = run_job(cfg, tmp_path, reference=True, quiet=True)
     assert s["state"] == "done", s["reason"]

@@ -238,9 +238,32 @@ def test_a_detector_restarted_on_a_live_plan_keeps_watching_the_slow_rank():
     assert reports == []  # the carried report is known
     ((rank, first_back, _),) = back
     assert rank == 0 and first_back >= 24
-    # Without the carried report nothing is watched: the warm-up learned the slow rank.
+    # Without the carried report nothing is watched: the warm-up learned the slow rank (no
+    # rank is on trial: `suspects`).
     fresh = FailSlowDetector(DetectorConfig(), plan=moved)
     assert _watch(fresh, obs) == ([], [])
+
+
+def test_a_plan_rank_on_trial_slow_through_the_warm_up_is_reported_at_its_end():
+    # A device re-admitted on trial while still slow shows no change point: PP2 x DP2, rank 3
+    # (on trial: `suspects`) 3x slower from iteration 0 is reported at the end of the warm-up,
+    # against rank 1 (its stage in the other replica), with about its factor. The same series
+    # without the slowdown reports nothing; a rank not on trial is not checked so (a launch's
+    # warm-up: two ranks' paces are too noisy to report on alone); a one-replica pipeline has
+    # no peers.
+    cfg = DetectorConfig()
+    plan = make_plan(2, 2, 1, 4, 4, "1f1b")
+    obs, _ = plan_series(plan, 20, seed=7, slow_rank=3, slow_iter=0, factor=3)
+    det = FailSlowDetector(cfg, plan=plan, suspects=frozenset({3}))
+    reports, _ = _watch(det, obs)
+    assert reports == [(3, cfg.skip_iters + cfg.warmup_iters - 1)]
+    assert det.reported[(3, "compute")].factor == pytest.approx(3, rel=0.2)
+    assert _watch(FailSlowDetector(cfg, plan=plan), obs)[0] == []
+    healthy, _ = plan_series(plan, 20, seed=7)
+    assert _watch(FailSlowDetector(cfg, plan=plan, suspects=frozenset({3})), healthy)[0] == []
+    one = make_plan(1, 2, 1, 4, 4, "1f1b")
+    obs, _ = plan_series(one, 20, seed=7, slow_rank=1, slow_iter=0, factor=3)
+    assert _watch(FailSlowDetector(cfg, plan=one, suspects=frozenset({1})), obs)[0] == []
 
 
 def test_a_one_replica_pipeline_rank_is_found_back_at_its_own_healthy_pace():

@@ -277,6 +277,8 @@ class FailSlowDetector:
         sink: receives each report as a `DetectionEvent`.
         plan: the hybrid-parallel plan the job runs; observations then carry `stages`. None:
             data-parallel training, observations carry `ranks`.
+        suspects: ranks of a plan checked against their peers through the warm-up
+            (`_slow_through_warmup`): devices re-admitted on trial after being found slow.
     """
 
     def __init__(
@@ -285,8 +287,10 @@ class FailSlowDetector:
         *,
         sink: DetectionSink | None = None,
         plan: ParallelPlan | None = None,
+        suspects: frozenset[int] = frozenset(),
     ) -> None:
         self.cfg = cfg or DetectorConfig()
+        self.suspects = suspects
         self.sink = sink
         self.plan = plan
         self._plan_fit: PlanFit | None = None
@@ -376,15 +380,19 @@ class FailSlowDetector:
         device lost, then another 5x slow three iterations later, never re-planned). Its peers
         are the reference instead: a rank whose observed / predicted compute over the warm-up
         exceeds its peers' median by `localize_ratio` and `slow_ratio` both (the stricter of
-        the two: no change point backs this report). Ours, data parallel, two ranks or more."""
+        the two: no change point backs this report). Ours, data parallel with two ranks or
+        more; in a plan of two replicas or more, only the `suspects` (devices re-admitted on
+        trial), held to the holders of their stages in the other replicas (`PlanFit.pace`):
+        a pace is the ratio of two ranks' few first actions, and on a fault-free PP2 x DP2
+        launch on this 2-core VM a healthy rank read 1.28x its peer over the warm-up. A
+        one-replica pipeline's ranks have no peers and no healthy pace of their own yet."""
         cfg = self.cfg
-        if cfg.baseline or self.plan is not None:
+        if cfg.baseline:
             return None
-        _, _, ratios = self._compute_ratios(self._warm)
-        if len(ratios) < 2:
+        found = self._slowest_through_warmup()
+        if found is None:
             return None
-        slow = max(ratios, key=lambda r: ratios[r])
-        factor = ratios[slow] / statistics.median(v for r, v in ratios.items() if r != slow)
+        slow, factor = found
         if factor < max(cfg.localize_ratio, cfg.slow_ratio) or (slow, "compute") in self.reported:
             return None
         first = self._warm[0].iteration
@@ -395,6 +403,25 @@ class FailSlowDetector:
             f"warm-up (iterations {first}..{iteration}): slow since before it began",
         )
         return Decision(verdict=Verdict.FAIL_SLOW, iteration=iteration, report=report)
+
+    def _slowest_through_warmup(self) -> tuple[int, float] | None:
+        """The rank whose compute over the warm-up is the slowest against its peers', and that
+        factor (`_slow_through_warmup`), or None: fewer than two ranks to compare."""
+        if self.plan is not None:
+            if self.plan.dp < 2 or self._plan_fit is None:
+                return None
+            window = [(o.doc_lengths, o.stages or {}) for o in self._warm]
+            paces = {r: self._plan_fit.pace(window, r) for r in self.suspects}
+            known = {r: p for r, p in paces.items() if p is not None}
+            if not known:
+                return None
+            slow = max(known, key=lambda r: known[r])
+            return slow, known[slow]
+        _, _, ratios = self._compute_ratios(self._warm)
+        if len(ratios) < 2:
+            return None
+        slow = max(ratios, key=lambda r: ratios[r])
+        return slow, ratios[slow] / statistics.median(v for r, v in ratios.items() if r != slow)
 
     def _x(self, obs: Observation) -> float:
         """The point BOCPD sees: the log of the iteration time over its predicted healthy time

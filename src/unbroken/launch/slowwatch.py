@@ -85,18 +85,18 @@ class SlowWatch:
         plan: ParallelPlan | None = None,
         *,
         same_ranks: bool = False,
-        trial: bool = False,
+        trial: tuple[int, ...] = (),
     ) -> None:
         """The job continues on a world of `world_size` ranks (a lost device was planned
         around, issue 18) and, for a pipeline job, under `plan`: a fresh detector learns the
         new world (it warms up again); reports go to the same sink. `same_ranks`: a live
         switch that kept every rank (a slow device planned around) — the open reports carry
         over, so the slow rank's return to speed is still watched (`on_recovered`); else ranks
-        are renumbered and the reports start over. `trial`: the world holds a slow device
-        re-admitted on trial ([Note: slow device excluded] in
-        `unbroken.launch.coordinator.adapt`): the detector warms up on `TRIAL_WARMUP`
-        iterations, the fewest it fits on, so a device still slow is reported (against its
-        peers through the warm-up) after a few iterations rather than a full warm-up's."""
+        are renumbered and the reports start over. `trial`: ranks of slow devices re-admitted
+        on trial ([Note: slow device excluded] in `unbroken.launch.coordinator.adapt`): the
+        detector warms up on `TRIAL_WARMUP` iterations, the fewest it fits on, so a device
+        still slow is reported (against its peers through the warm-up, `suspects`) after a
+        few iterations rather than a full warm-up's."""
         old = self.detector
         self.world_size = world_size
         if plan is not None:
@@ -104,7 +104,9 @@ class SlowWatch:
         cfg = old.cfg
         if trial:
             cfg = dataclasses.replace(cfg, skip_iters=1, warmup_iters=TRIAL_WARMUP)
-        self.detector = FailSlowDetector(cfg, plan=self.plan, sink=old.sink)
+        self.detector = FailSlowDetector(
+            cfg, plan=self.plan, sink=old.sink, suspects=frozenset(trial)
+        )
         if same_ranks:
             self.detector.carry_reports(old)
         self._timings.clear()

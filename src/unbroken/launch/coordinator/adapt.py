@@ -118,9 +118,10 @@ class NewWorld:
     placement: DataPlacement | None
     """Who computes which micro-batch (data-parallel jobs; None for a pipeline job's plan)."""
     epoch: int
-    trial: bool = False
-    """It re-admits a slow device on trial ([Note: slow device excluded]): its fail-slow
-    watch warms up quickly (`SlowWatch.reset(trial=True)`)."""
+    trial: tuple[int, ...] = ()
+    """The slow devices it re-admits on trial ([Note: slow device excluded]): its fail-slow
+    watch warms up quickly and holds their ranks to their peers through the warm-up
+    (`SlowWatch.reset(trial=...)`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +137,9 @@ class Exclusion:
     predicted_with: float
     """The planner's iteration with the device kept in the world (its units): the `replan`
     event's `predicted_before` (the running plan cannot be priced once the device is out)."""
+    predicted_without: float | None = None
+    """The planner's iteration without it, when the exclusion priced that plan itself (a
+    pipeline job's dissolved replica; a data-parallel job re-plans at the generation start)."""
 
 
 def fail_slow_trigger(event: DetectionEvent, devices: tuple[int, ...]) -> tuple[dict, int | None]:
@@ -192,8 +196,8 @@ class Adaptation:
         """device -> why it is usable again (lost before; not yet back in the world)."""
         self.excluded: dict[int, Exclusion] = {}
         """device -> a slow device taken out of the world ([Note: slow device excluded])."""
-        self._trial = False
-        """The next world grown back re-admits a slow device on trial (`NewWorld.trial`)."""
+        self._trial: tuple[int, ...] = ()
+        """Slow devices the next world grown back re-admits on trial (`NewWorld.trial`)."""
         self._wait: dict[int, int] = {}
         """device -> iterations its next exclusion waits before the trial re-admission."""
         # Ours may leave a rank no micro-batch ([Note: empty replica] in
@@ -352,7 +356,7 @@ class Adaptation:
             f"{list(self.devices)}, micro-batches per rank {list(before.counts())} -> "
             f"{list(self.placement.counts())}"
         )
-        trial, self._trial = self._trial, False
+        trial, self._trial = self._trial, ()
         return NewWorld(self.devices, self.placement, self.epoch, trial)
 
     def on_fail_slow(self, event: DetectionEvent, iter_s: float | None = None) -> bool:
@@ -477,7 +481,7 @@ class Adaptation:
             self.events.emit("device_readmitted", device=d, iteration=iteration, reason=reason)
             self.say(f"device {d} {reason}")
         self.state = self.state.with_healthy(*due)
-        self._trial = True
+        self._trial = tuple(sorted(due))
         return True
 
     def _evict(self, device: int, trigger: dict) -> bool:

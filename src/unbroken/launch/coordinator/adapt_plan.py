@@ -21,6 +21,15 @@ replicas. A pipeline job at TP 1 (`parallel.pp` > 1) is re-planned here:
   it; a plan predicted `adapt.min_gain` faster is published in the job store and every rank
   switches to it at the same iteration boundary (`unbroken.launch.switch`), on its own state.
 
+- **A slow device out of the world** (DP x PP, ours with retained state, `_exclude`): emptied
+  of micro-batches, a slow device still steps its stage and its stage's reduction waits for
+  it. When the plan without it — its replica dissolved as for a lost device, the survivors in
+  place — is predicted `adapt.min_gain` faster than the best live plan, it leaves at a planned
+  stop (`restarts`), stands by with its replica's other devices, and is re-admitted on trial
+  after `adapt.readmit_after` iterations (`readmit_due`: the launch world again, `_grow`), as
+  the data-parallel job does ([Note: slow device excluded] in
+  `unbroken.launch.coordinator.adapt`).
+
 - **A slow device, layers moved** (`moves_layers`: the job retains its state; a plan with
   layer repartition (ResiHP §6.2) predicted `adapt.min_gain` faster than the best plan that
   keeps every rank's layers, whose replicas share one layout — a one-replica pipeline): the plan is
@@ -55,7 +64,7 @@ from unbroken.detect.events import DetectionEvent
 from unbroken.detect.pipeline import PlanFit
 from unbroken.detect.workload import DataParallelFit
 from unbroken.jobstore import JobStore
-from unbroken.launch.coordinator.adapt import NewWorld, fail_slow_trigger
+from unbroken.launch.coordinator.adapt import Exclusion, NewWorld, fail_slow_trigger
 from unbroken.metrics.log import JsonlLog
 from unbroken.parallel import (
     ParallelPlan,
@@ -141,6 +150,13 @@ class PipelineAdaptation:
         """A fail-slow re-plan that moves layers, waiting for the planned stop."""
         self.calibrated = False
         """Whether the scheduler prices with the job's measured costs (`calibrate`)."""
+        self.excluded: dict[int, Exclusion] = {}
+        """device -> a slow device taken out of the world ([Note: slow device excluded] in
+        `unbroken.launch.coordinator.adapt`; here its replica is dissolved, `_exclude`)."""
+        self._wait: dict[int, int] = {}
+        """device -> iterations its next exclusion waits before the trial re-admission."""
+        self._trial: tuple[int, ...] = ()
+        """Slow devices the next world grown back re-admits on trial (`NewWorld.trial`)."""
 
     # -- reports ----------------------------------------------------------------------------
     def note_lost(self, device: int, reason: str) -> None:
@@ -156,15 +172,31 @@ class PipelineAdaptation:
 
     @property
     def grows(self) -> bool:
-        """Whether the next world is the launch one again: every launch device is usable and
-        some of them are outside the running world."""
-        return bool(self.returned) and not self.lost and self.devices != self.launch_devices
+        """Whether the next world is the launch one again: every launch device is usable (none
+        lost, none excluded) and some of them are outside the running world."""
+        return (
+            bool(self.returned)
+            and not self.lost
+            and not self.excluded
+            and self.devices != self.launch_devices
+        )
 
     @property
     def restarts(self) -> bool:
         """Whether the running generation should stop for the next (a planned stop, not a
-        failure): the world grows back, or a re-plan moves layers."""
-        return self.grows or self._moving is not None
+        failure): the world grows back, a re-plan moves layers, or a slow device leaves."""
+        return self.grows or self._moving is not None or self.excluding
+
+    @property
+    def excluding(self) -> bool:
+        """Whether a slow device of the running world is to leave it at the next generation."""
+        return any(d in self.excluded for d in self.devices)
+
+    @property
+    def excludes(self) -> bool:
+        """Whether a slow device may leave the world: ours with retained state (the survivors
+        restore in place; `moves_layers` says both) and `adapt.readmit_after` > 0."""
+        return self.moves_layers and self.adapt.readmit_after > 0
 
     def calibrate(self, fit: PlanFit | DataParallelFit | None) -> None:
         """Price re-plans with the job's measured costs (`measured_workload`) from now on:
@@ -207,6 +239,8 @@ class PipelineAdaptation:
             return self._skip(trigger, f"adapt.max_replans = {self.adapt.max_replans} reached")
         self.state = self.state.apply(event)
         result, moves = self._best_plan()
+        if self._exclude(event.rank, result, trigger, event.iteration):
+            return True
         gain = 1.0 - result.predicted_s / result.current_s
         if result.kept_current or gain < self.adapt.min_gain:
             return self._skip(
@@ -300,13 +334,75 @@ class PipelineAdaptation:
             f"{result.current_s / self.healthy_s:.2f}x (planned in {result.planning_s * 1e3:.0f} ms)"
         )
 
-    excluding = False
-    """Never: a pipeline job keeps a slow device in the world."""
+    def _exclude(self, rank: int, kept: PlanResult, trigger: dict, iteration: int) -> bool:
+        """Take slow `rank`'s device out of the world when that is predicted `adapt.min_gain`
+        faster than `kept` (the best plan that keeps it: emptied of micro-batches, the device
+        still steps its stage F x slower and its stage's reduction waits for it, [Note: step
+        lead] in `unbroken.plan.score`). Its replica is dissolved as for a lost device
+        (`_dissolve`): the survivors keep their layers and restore in place at the next
+        generation (`restarts`, `next_world`), no checkpoint; the replica's other devices
+        stand by. Re-admitted on trial `adapt.readmit_after` iterations later, doubling at
+        each exclusion ([Note: slow device excluded] in `unbroken.launch.coordinator.adapt`).
+        Returns whether it did."""
+        if not self.excludes or self.plan.dp < 2:
+            return False
+        device = self.devices[rank]
+        dissolved = self._dissolve([device])
+        if dissolved is None:  # pragma: no cover - dp >= 2 leaves a whole replica
+            return False
+        plan = dissolved[0]
+        without = plan_for_state(
+            _cluster(plan, self.state.workload), _planner(_LIVE, self.adapt)
+        ).current_s
+        if without > kept.predicted_s * (1.0 - self.adapt.min_gain):
+            return False
+        wait = self._wait.get(device, self.adapt.readmit_after)
+        self._wait[device] = 2 * wait
+        self.replans += 1
+        trigger = {**trigger, "excluded": True}
+        self.excluded[device] = Exclusion(
+            trigger, iteration, iteration + wait, kept.predicted_s, without
+        )
+        scale = self.healthy_s
+        self.events.emit(
+            "device_excluded",
+            device=device,
+            trigger=trigger,
+            predicted_with=kept.predicted_s / scale,
+            predicted_without=without / scale,
+            readmit_at=iteration + wait,
+        )
+        self.say(
+            f"exclude device {device} (slow {trigger['factor']:.2f}x): its replica dissolved, "
+            f"predicted iteration {without / scale:.2f}x the fault-free one without it, "
+            f"{kept.predicted_s / scale:.2f}x with it; re-admitted on trial after iteration "
+            f"{iteration + wait}"
+        )
+        return True
 
     def readmit_due(self, iteration: int) -> bool:
-        """Never: a pipeline job keeps a slow device in the world (`Adaptation.readmit_due`
-        re-admits the data-parallel job's excluded ones)."""
-        return False
+        """After `iteration`: re-admit, on trial, excluded devices whose wait is over, while
+        `adapt.max_replans` leaves room to exclude one again: the launch plan on the launch
+        devices (`_grow`), the returned device and its replica's standbys filled from the
+        other replica (`RankAction.FILL`). Returns whether one was (the caller stops the
+        running generation: `restarts`)."""
+        if self.replans >= self.adapt.max_replans:
+            return False
+        due = [
+            d
+            for d, x in self.excluded.items()
+            if iteration >= x.readmit_at and d not in self.devices
+        ]
+        if not due:
+            return False
+        for d in due:
+            x = self.excluded.pop(d)
+            reason = f"re-admitted on trial ({iteration - x.since} iterations after its exclusion)"
+            self.returned[d] = reason
+            self.events.emit("device_readmitted", device=d, iteration=iteration, reason=reason)
+            self.say(f"device {d} {reason}")
+        self._trial = tuple(sorted(due))
+        return True
 
     def on_recovered(self, rank: int, factor: float, iter_s: float | None = None) -> bool:
         """Rank `rank`, planned around as slow, runs at `factor` x the pace of its stages'
@@ -366,10 +462,11 @@ class PipelineAdaptation:
             NoPlanError: no device is left.
         """
         gone = [d for d in self.devices if d in self.lost]
-        if not gone and self._moving is not None:
+        out = [d for d in self.devices if d in self.excluded and d not in self.lost]
+        if not gone and not out and self._moving is not None:
             return self._move_layers()
         self._moving = None  # a lost device is planned around from scratch
-        if not gone:
+        if not gone and not out:
             return self._grow() if self.grows else None
         t0 = time.perf_counter()
         survivors = tuple(d for d in self.devices if d not in self.lost)
@@ -380,20 +477,49 @@ class PipelineAdaptation:
         # dissolved before, alive and outside the running world): its state is read anew.
         standbys = [d for d in self.launch_devices if d not in self.devices]
         alive = tuple(sorted(survivors + tuple(d for d in standbys if d not in self.lost)))
-        dissolved = self._dissolve(gone)
+        dissolved = self._dissolve(sorted(gone + out))
+        if dissolved is None and out:
+            self._keep(out)
+            if not gone:
+                return None
+            dissolved = self._dissolve(gone)
         plan, devices, explain = dissolved or self._shrink(alive)
-        trigger = {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
+        if gone:
+            trigger = {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
+            predicted = None
+        else:  # a slow device leaves the world ([Note: slow device excluded])
+            x = self.excluded[out[0]]
+            trigger, predicted = x.trigger, (x.predicted_with, x.predicted_without)
         # A shrunk plan starts from the checkpoint even where a survivor kept its layers: the
         # lost stage's state exists nowhere else, and every rank must start at one iteration.
-        self._adopt_world(plan, devices, trigger, explain, t0, checkpoint=dissolved is None)
+        self._adopt_world(
+            plan,
+            devices,
+            trigger,
+            explain,
+            t0,
+            checkpoint=dissolved is None,
+            predicted=predicted,
+            iter_s=iter_s,
+        )
         stages = [list(g.layers) for g in self.plan.replicas[0].stages]
         source = "from the newest checkpoint" if self.relayout else "in place, no checkpoint"
+        what = f"device lost {gone}" if gone else f"slow device {out} out"
         self.say(
-            f"re-plan (device lost {gone}): devices {list(devices_before)} -> "
+            f"re-plan ({what}): devices {list(devices_before)} -> "
             f"{list(self.devices)}, {before.dp} x {before.pp} -> {self.plan.dp} x {self.plan.pp} "
             f"(replicas x stages) stages {stages}, {source}"
         )
         return NewWorld(self.devices, None, self.epoch)
+
+    def _keep(self, out: list[int]) -> None:
+        """Excluded devices the plan cannot do without after all (a device lost since left no
+        replica whole without them): they stay in the world, their exclusion dropped."""
+        for d in out:
+            x = self.excluded.pop(d)
+            self._skip(
+                x.trigger, f"device {d} stays: no replica is left whole without it any more"
+            )
 
     def _move_layers(self) -> NewWorld:
         """The decided re-plan that moves layers, on the same devices: the next generation
@@ -414,14 +540,20 @@ class PipelineAdaptation:
         t0: float,
         *,
         checkpoint: bool = False,
+        predicted: tuple[float, float | None] | None = None,
+        iter_s: float | None = None,
     ) -> None:
         """Make `plan` on `devices` the next generation's world (ranks renumbered: the slow
-        marks start over), decide whether it restores in place (`relayout`), log `replan`."""
+        marks start over; the measured costs, `calibrate`, stay), decide whether it restores
+        in place (`relayout`), log `replan` (`predicted`: the scheduler's iteration before and
+        after, its units, when it priced the change: a slow device's exclusion)."""
         before, devices_before = self.plan, self.devices
         self.plan, self.devices = plan, devices
         self.relayout = checkpoint or not _keeps_stages(before, devices_before, plan, devices)
         self.epoch += 1
-        self.state = _cluster(plan)
+        self.state = _cluster(plan, self.state.workload)
+        was, now = predicted or (None, None)
+        scale = iter_s / self.healthy_s if iter_s and predicted else None
         self.events.emit(
             "replan",
             epoch=self.epoch,
@@ -432,10 +564,10 @@ class PipelineAdaptation:
             after=plan.stage_records(),
             counts_before=list(before.microbatches),
             counts_after=list(plan.microbatches),
-            predicted_before=None,
-            predicted_after=None,
-            predicted_before_s=None,
-            predicted_after_s=None,
+            predicted_before=was,
+            predicted_after=now,
+            predicted_before_s=was * scale if scale and was is not None else None,
+            predicted_after_s=now * scale if scale and now is not None else None,
             plan_s=time.perf_counter() - t0,
             restore="checkpoint" if self.relayout else "in_place",
             explain=explain,
@@ -463,7 +595,8 @@ class PipelineAdaptation:
             f"{list(self.devices)}, the launch plan again, "
             + ("from the newest checkpoint" if self.relayout else "in place (replicas fill)")
         )
-        return NewWorld(self.devices, None, self.epoch)
+        trial, self._trial = self._trial, ()
+        return NewWorld(self.devices, None, self.epoch, trial)
 
     def _shrink(self, survivors: tuple[int, ...]) -> tuple[ParallelPlan, tuple[int, ...], str]:
         """No replica left whole: one even pipeline on the survivors at the plan's TP degree,

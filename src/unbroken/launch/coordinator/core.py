@@ -702,8 +702,9 @@ class CoordinatorCore:
         self.devices = world.devices
         self.layout = NodeLayout.for_devices(world.devices, self.node_of_device)
         self.fsm.resize(len(world.devices))
+        trial = tuple(world.devices.index(d) for d in world.trial if d in world.devices)
         self.monitor.slow_watch.reset(
-            len(world.devices), self.adapt.plan, same_ranks=same_ranks, trial=world.trial
+            len(world.devices), self.adapt.plan, same_ranks=same_ranks, trial=trial
         )
         return True
 

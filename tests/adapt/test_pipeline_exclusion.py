@@ -1,0 +1,66 @@
+"""A device of a PP x DP job too slow for its own optimizer step leaves the world in place
+(issue 18; [Note: slow device excluded] in `unbroken.launch.coordinator.adapt`,
+`PipelineAdaptation._exclude`): its replica is dissolved as for a lost device, the other
+replica's ranks keep their layers and computes every micro-batch from their retained state (no
+checkpoint), and the dissolved replica's devices stand by. `adapt.readmit_after` iterations
+later the launch world comes back on trial (both standbys filled from the other replica);
+still slow, the device is found through the trial detector's short warm-up — against its
+stage's holder in the other replica (`FailSlowDetector._slow_through_warmup`) — and excluded
+again with twice the wait. Bit-exact against the fault-free launch plan (the ordered
+reduction)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from unbroken.api import run_job
+from unbroken.config import ParallelConfig
+from unbroken.metrics.log import read_jsonl
+
+from .conftest import adapt_job, events_of
+
+
+def _exclusion(replan: dict, device: int) -> None:
+    trigger = replan["trigger"]
+    assert (trigger["kind"], trigger["device"], trigger["excluded"]) == ("fail_slow", device, True)
+    assert replan["devices_after"] == [0, 1] and replan["counts_after"] == [8]
+    assert replan["restore"] == "in_place"
+    assert replan["predicted_after"] < replan["predicted_before"]
+
+
+@pytest.mark.timeout(600)
+def test_a_slow_device_of_a_dp_x_pp_job_leaves_comes_back_on_trial_and_leaves_again(tmp_path):
+    cfg = adapt_job(
+        world_size=4,
+        iterations=40,
+        microbatches=4,
+        inject=["slow:rank=3,iter=14,factor=8,until=41"],
+        readmit_after=8,
+    )
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    assert not events_of(events, "checkpoint_loaded")  # in place, every time
+    first, second = events_of(events, "device_excluded")[:2]
+    assert first["device"] == second["device"] == 3
+    assert first["readmit_at"] - first["trigger"]["since_iter"] == 8
+    assert second["readmit_at"] - second["trigger"]["since_iter"] == 16
+    out, back, out_again, *_ = events_of(events, "replan")
+    _exclusion(out, 3)
+    assert back["trigger"]["kind"] == "devices_returned" and back["devices_after"] == [0, 1, 2, 3]
+    assert back["counts_after"] == [4, 4] and back["restore"] == "in_place"
+    _exclusion(out_again, 3)
+    # The smaller world ran on devices 0 and 1 only; the trial world on all four, the
+    # dissolved replica's two ranks filled from replica 0 at the boundary.
+    applied = {e["generation"]: e for e in events_of(events, "plan_applied")}
+    assert applied[1]["devices"] == [0, 1] and applied[2]["devices"] == [0, 1, 2, 3]
+    filled = [e for e in events_of(events, "inplace_repair") if e.get("generation") == 2]
+    assert sorted(e["rank"] for e in filled if e["fixup"] == "filled from a replica") == [2, 3]
+    # Reported again through the trial detector's warm-up, a few iterations after the trial.
+    (readmitted, *_) = events_of(events, "device_readmitted")
+    reports = [f for f in s["fail_slow"] if f["rank"] == 3]
+    assert len(reports) >= 2 and reports[1]["detected_at"] - readmitted["iteration"] <= 12
