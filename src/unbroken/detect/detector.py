@@ -64,7 +64,14 @@ from dataclasses import dataclass, field
 
 from unbroken.detect.bocpd import Bocpd, BocpdConfig, BocpdState, ChangePoint
 from unbroken.detect.events import DetectionEvent, DetectionKind, DetectionSink
-from unbroken.detect.pipeline import LayerPace, PlanFit, fit_plan
+from unbroken.detect.pipeline import (
+    LayerPace,
+    PlanFit,
+    fit_plan,
+    fixed_share,
+    held_layers,
+    layout_bias,
+)
 from unbroken.detect.timing import RankTiming, StageTiming
 from unbroken.detect.workload import (
     DataParallelFit,
@@ -321,6 +328,10 @@ class FailSlowDetector:
         """A one-replica pipeline's ranks reported compute-slow -> their healthy compute per
         layer before the slowdown (`_note_healthy`): what their return to speed is measured
         against, whatever layers a re-plan left them."""
+        self.layer_refs: dict[int, LayerPace] = {}
+        """A one-replica pipeline's every rank -> its compute per layer on the healthy
+        iterations before the first report (`_note_healthy`): the ranks the report does not
+        name measure what a layer move alone does to a rank's reading (`_layout_bias`)."""
 
     @property
     def plan_fit(self) -> PlanFit | None:
@@ -348,6 +359,8 @@ class FailSlowDetector:
         healthy pace (`healthy`): this detector's fit, on the new plan, has only seen it slow."""
         self.reported.update(other.reported)
         self.healthy.update(other.healthy)
+        for rank, pace in other.layer_refs.items():
+            self.layer_refs.setdefault(rank, pace)
 
     # -- warm-up ---------------------------------------------------------------------------
 
@@ -506,13 +519,33 @@ class FailSlowDetector:
         if self.plan is not None and self.plan.dp == 1:
             healthy = self.healthy.get(rank)
             stages = [(o.doc_lengths, o.stages or {}) for o in window]
-            return None if healthy is None else healthy.ratio(self.plan, stages, rank)
+            ratio = None if healthy is None else healthy.ratio(self.plan, stages, rank)
+            if ratio is None or healthy is None:
+                return None
+            return ratio / self._layout_bias(stages, rank, healthy)
         if self._plan_fit is not None:
             stages = [(o.doc_lengths, o.stages or {}) for o in window]
             return self._plan_fit.pace(stages, rank)
         if self.plan is None and self.predictor is not None:
             return self._pace_against_peers(window, rank)
         return None
+
+    def _layout_bias(self, stages, rank: int, healthy: LayerPace) -> float:
+        """What moving layers alone does to `rank`'s per-layer reading (`layout_bias`), with
+        the fixed cost per action measured on the ranks not reported slow whose layer count
+        changed too (`fixed_share`, their median); 1 when none did."""
+        assert self.plan is not None
+        shares = []
+        for q, ref in self.layer_refs.items():
+            if q == rank or (q, "compute") in self.reported or q not in self.plan.ranks:
+                continue
+            now = held_layers(self.plan, q)
+            ratio = ref.ratio(self.plan, stages, q)
+            if ratio is not None and (rho := fixed_share(ref.layers, now, ratio)) is not None:
+                shares.append(rho)
+        if not shares:
+            return 1.0
+        return layout_bias(healthy.layers, held_layers(self.plan, rank), statistics.median(shares))
 
     def _note_healthy(self, rank: int, before: int) -> None:
         """A one-replica pipeline's rank reported compute-slow from iteration `before` on:
@@ -528,6 +561,16 @@ class FailSlowDetector:
         )
         if pace is not None:
             self.healthy[rank] = pace
+        for q in self.plan.ranks:
+            if q not in self.layer_refs and (q, "compute") not in self.reported:
+                ref = LayerPace.measure(
+                    self.plan,
+                    self.predictor.mb,
+                    [(o.doc_lengths, o.stages or {}) for o in healthy],
+                    q,
+                )
+                if ref is not None:
+                    self.layer_refs[q] = ref
 
     def _pace_against_peers(self, window: Sequence[Observation], rank: int) -> float | None:
         """`rank`'s pace against its peers' over `window`: the observed over predicted time of

@@ -51,7 +51,15 @@ from typing import TypeVar
 
 from unbroken.detect.timing import StageTiming
 from unbroken.detect.workload import DocLengths, MicroBatchModel, WorkloadPredictor
-from unbroken.parallel import ActionKind, Costs, DeadlockError, ParallelPlan, Timeline, simulate
+from unbroken.parallel import (
+    ActionKind,
+    Costs,
+    DeadlockError,
+    ParallelPlan,
+    Timeline,
+    held_stages,
+    simulate,
+)
 
 __all__ = ["LayerPace", "PlanFit", "PlanSchedule", "by_microbatch", "fit_plan"]
 
@@ -223,14 +231,19 @@ class LayerPace:
 
     Each compute action is `layers` x T_MB(m) units of work (its virtual stage's layer count,
     the micro-batch's predicted time through the whole model): a layer's share of T_MB is
-    taken to be the same on every stage, as the scheduler prices stages by their layers. A
-    stage that also holds the embedding or the head then looks a little slower per layer the
-    fewer layers it holds: a bias toward "still slow", never toward a false recovery."""
+    taken to be the same on every stage, as the scheduler prices stages by their layers. What
+    an action costs besides its layers (the embedding or the head, the action's own dispatch)
+    makes a rank look slower per layer the fewer layers it holds: on the tiny CPU model about
+    0.6 of a layer per action, so a healthy rank moved from two layers to one read 1.25-1.35x
+    and was never found back (stop 47). `layout_bias` takes that out, with the fixed share
+    measured on the healthy ranks whose layer count the move changed too (`fixed_share`)."""
 
     mb: MicroBatchModel
     """The workload model of the healthy fit (T_MB)."""
     seconds: float
     """Compute seconds per unit of work on the healthy iterations."""
+    layers: int = 0
+    """The layers the rank held then (`held_layers`)."""
 
     @classmethod
     def measure(
@@ -242,7 +255,9 @@ class LayerPace:
     ) -> LayerPace | None:
         """`rank`'s pace over the healthy `window` of `plan`; None if it computed nothing."""
         seconds = _per_layer(plan, mb, window, rank)
-        return None if seconds is None else cls(mb=mb, seconds=seconds)
+        if seconds is None:
+            return None
+        return cls(mb=mb, seconds=seconds, layers=held_layers(plan, rank))
 
     def ratio(
         self,
@@ -255,6 +270,39 @@ class LayerPace:
         None if it computed nothing."""
         seconds = _per_layer(plan, self.mb, window, rank)
         return None if seconds is None or self.seconds <= 0 else seconds / self.seconds
+
+
+def held_layers(plan: ParallelPlan, rank: int) -> int:
+    """The layers `rank` holds under `plan`, over all its virtual stages."""
+    return sum(hi - lo for (lo, hi), _ in held_stages(plan, rank))
+
+
+MAX_FIXED_SHARE = 4.0
+"""The largest fixed cost per action `fixed_share` reports, in layers of work."""
+
+
+def fixed_share(before: int, now: int, ratio: float) -> float | None:
+    """An action's cost besides its layers, in layers of work, from a healthy rank that held
+    `before` layers and holds `now`, whose compute per layer reads `ratio` x what it read
+    before (`LayerPace.ratio`): with per-action seconds u (L + rho), the per-layer reading is
+    (L' + rho) / L' over (L + rho) / L, solved for rho. None when the layer count did not
+    change or the reading says nothing (noise past the model's range); capped at
+    `MAX_FIXED_SHARE`."""
+    if before == now or before <= 0 or now <= 0:
+        return None
+    denominator = ratio * now - before
+    if abs(denominator) < 1e-9:
+        return None
+    rho = before * now * (1.0 - ratio) / denominator
+    return min(rho, MAX_FIXED_SHARE) if rho >= 0 else None
+
+
+def layout_bias(before: int, now: int, rho: float) -> float:
+    """What a healthy rank's per-layer reading is when it went from `before` to `now` layers
+    and an action costs `rho` layers of work besides its layers: 1 when nothing moved."""
+    if before <= 0 or now <= 0:
+        return 1.0
+    return (before / now) * (now + rho) / (before + rho)
 
 
 def _per_layer(

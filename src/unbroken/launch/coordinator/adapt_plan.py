@@ -517,9 +517,7 @@ class PipelineAdaptation:
         replica whole without them): they stay in the world, their exclusion dropped."""
         for d in out:
             x = self.excluded.pop(d)
-            self._skip(
-                x.trigger, f"device {d} stays: no replica is left whole without it any more"
-            )
+            self._skip(x.trigger, f"device {d} stays: no replica is left whole without it any more")
 
     def _move_layers(self) -> NewWorld:
         """The decided re-plan that moves layers, on the same devices: the next generation
