@@ -53,7 +53,6 @@ Decisions, the event log and the job store's plan key: no processes, no sockets 
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -65,23 +64,20 @@ from unbroken.detect.pipeline import PlanFit
 from unbroken.detect.workload import DataParallelFit
 from unbroken.jobstore import JobStore
 from unbroken.launch.coordinator.adapt import Exclusion, NewWorld, fail_slow_trigger
+from unbroken.launch.coordinator.adapt_costs import cluster, keeps_stages, measured_workload
 from unbroken.metrics.log import JsonlLog
 from unbroken.parallel import (
     ParallelPlan,
     Replica,
     StageGroup,
-    held_stages,
     plan_for,
     same_layouts,
 )
 from unbroken.plan import (
-    ClusterState,
     DeviceStatus,
-    Fabric,
     NoPlanError,
     PlannerConfig,
     PlanResult,
-    Workload,
     plan_for_state,
 )
 from unbroken.plan.shrink import dissolve_replicas, shrink_pipeline
@@ -129,7 +125,7 @@ class PipelineAdaptation:
         self.store, self.adapt = store, adapt or AdaptConfig(enabled=True)
         self.devices: tuple[int, ...] = tuple(sorted(plan.ranks))
         """rank -> device, of the running world."""
-        self.state = _cluster(plan)
+        self.state = cluster(plan)
         """The running plan as the scheduler sees it, slow ranks marked (ranks of the plan)."""
         self.healthy_s = plan_for_state(self.state).current_s
         self.replans = 0
@@ -209,7 +205,7 @@ class PipelineAdaptation:
             return
         self.calibrated = True
         self.state = self.state.with_workload(workload)
-        self.healthy_s = plan_for_state(_cluster(self.launch, workload)).current_s
+        self.healthy_s = plan_for_state(cluster(self.launch, workload)).current_s
         self.events.emit(
             "replan_costs",
             layer_forward_s=workload.alpha_s,
@@ -276,7 +272,7 @@ class PipelineAdaptation:
         plan = move.plan()
         if (
             move.kept_current
-            or _keeps_stages(self.plan, self.devices, plan, self.devices)
+            or keeps_stages(self.plan, self.devices, plan, self.devices)
             or not same_layouts(plan)
         ):
             return keep, False
@@ -352,7 +348,7 @@ class PipelineAdaptation:
             return False
         plan = dissolved[0]
         without = plan_for_state(
-            _cluster(plan, self.state.workload), _planner(_LIVE, self.adapt)
+            cluster(plan, self.state.workload), _planner(_LIVE, self.adapt)
         ).current_s
         if without > kept.predicted_s * (1.0 - self.adapt.min_gain):
             return False
@@ -431,7 +427,7 @@ class PipelineAdaptation:
         plan = result.plan()
         if result.kept_current or plan.microbatches == self.plan.microbatches:
             return self._skip(trigger, "the plan for the healthy device is the running one")
-        if not _keeps_stages(self.plan, self.devices, plan, self.devices):
+        if not keeps_stages(self.plan, self.devices, plan, self.devices):
             return self._skip(trigger, "the scheduler's plan moves layers: not built live")
         self._adopt_live(result, plan, trigger, iter_s)
         return True
@@ -547,9 +543,9 @@ class PipelineAdaptation:
         after, its units, when it priced the change: a slow device's exclusion)."""
         before, devices_before = self.plan, self.devices
         self.plan, self.devices = plan, devices
-        self.relayout = checkpoint or not _keeps_stages(before, devices_before, plan, devices)
+        self.relayout = checkpoint or not keeps_stages(before, devices_before, plan, devices)
         self.epoch += 1
-        self.state = _cluster(plan, self.state.workload)
+        self.state = cluster(plan, self.state.workload)
         was, now = predicted or (None, None)
         scale = iter_s / self.healthy_s if iter_s and predicted else None
         self.events.emit(
@@ -630,14 +626,14 @@ class PipelineAdaptation:
             return None
         lost_ranks = [r for r, d in enumerate(self.devices) if d in gone]
         try:
-            result = plan_for_state(_cluster(plan).with_lost(*lost_ranks))
+            result = plan_for_state(cluster(plan).with_lost(*lost_ranks))
             layout = result.layout
             chosen = layout.skeleton
             notes = [n for step in result.steps for n in step.notes]
         except NoPlanError:
             chosen, notes = None, []
         if chosen is None or not (
-            same_layouts(chosen) and _keeps_stages(plan, self.devices, chosen, self.devices)
+            same_layouts(chosen) and keeps_stages(plan, self.devices, chosen, self.devices)
         ):
             try:
                 chosen = dissolve_replicas(plan, lost_ranks)
@@ -667,84 +663,3 @@ class PipelineAdaptation:
         self.events.emit("replan_skipped", trigger=trigger, reason=reason)
         self.say(f"no re-plan for {trigger['kind']}: {reason}")
         return False
-
-
-def _unit_workload(num_layers: int) -> Workload:
-    """Unit costs per layer and no optimizer step: what the scheduler prices a pipeline job
-    with until the fail-slow watch has measured it (`measured_workload`)."""
-    return Workload(
-        num_layers=num_layers,
-        tokens=1,
-        sum_sq=1.0,
-        alpha_s=1e-3,
-        beta_s=0.0,
-        message_bytes=1.0,
-        layer_params=1.0,
-        act_bytes_per_layer=1.0,
-    )
-
-
-def measured_workload(plan: ParallelPlan, fit: PlanFit) -> Workload | None:
-    """The scheduler's workload for `plan` from the fail-slow watch's warm-up fit: per layer
-    the forward seconds of a typical micro-batch (from the stages before the last; the last
-    stage's forward beyond its layers is the output head and loss), the backward over forward
-    ratio measured, and the optimizer step (`PlanFit.step_s`) spread over the parameters of
-    the device that holds the most layers (one unit per layer), so that a plan that moves
-    layers moves step time with them. None when the fit has no per-stage shares to read.
-
-    Why: with unit costs per layer and no step the live planner saw one micro-batch's path
-    through a slow replica as the only cost of keeping it busy, and kept [7, 1] on a 6-8x slow
-    PP2 x DP2 replica; on a job whose step costs as much as a few micro-batches (the tiny CPU
-    model: bench/results/adapt-cpu.md, stops 42-43) that micro-batch waits for the slow
-    device's own step (`unbroken.parallel.simulate`), and emptying the replica is faster."""
-    replica = plan.replicas[0]
-    forward = [0.0] * plan.pp
-    backward = [0.0] * plan.pp
-    for (d, s, kind), share in fit.schedule.shares.items():
-        if d == 0 and 0 <= s < plan.pp:
-            (forward if kind == "F" else backward)[s] += share * fit.mb_s
-    layers = [g.layers[1] - g.layers[0] for g in replica.stages]
-    inner = [forward[s] / layers[s] for s in range(plan.pp - 1) if layers[s]] or [
-        forward[-1] / max(layers[-1], 1)
-    ]
-    layer_f = statistics.median(inner)
-    if fit.mb_s <= 0 or layer_f <= 0 or sum(forward) <= 0:
-        return None
-    unit = _unit_workload(plan.num_layers)
-    most = max(g.layers[1] - g.layers[0] for rep in plan.replicas for g in rep.stages)
-    return replace(
-        unit,
-        alpha_s=layer_f,
-        head_s=max(0.0, forward[-1] - layers[-1] * layer_f) if plan.pp > 1 else 0.0,
-        backward_ratio=sum(backward) / sum(forward),
-        step_s_per_param=max(fit.step_s, 0.0) / max(most, 1),
-    )
-
-
-def _cluster(plan: ParallelPlan, workload: Workload | None = None) -> ClusterState:
-    """`plan` as the scheduler sees it: every rank healthy, `workload` (default unit costs per
-    layer, `_unit_workload`), memory that never binds (a lost device's plan depends on the
-    structure, not on speeds)."""
-    workload = workload or _unit_workload(plan.num_layers)
-    n = max(plan.ranks) + 1
-    fabric = Fabric(gpus_per_node=n, intra_bytes_per_s=1e12, inter_bytes_per_s=1e12)
-    return ClusterState.healthy(plan, workload, fabric, memory_bytes=float(1 << 50))
-
-
-def _stages_by_device(plan: ParallelPlan, devices: tuple[int, ...]) -> dict[int, tuple]:
-    """device -> the layer ranges it holds (at its TP degree) under `plan`."""
-    return {devices[rank]: held_stages(plan, rank) for rank in plan.ranks}
-
-
-def _keeps_stages(
-    before: ParallelPlan,
-    devices_before: tuple[int, ...],
-    after: ParallelPlan,
-    devices: tuple[int, ...],
-) -> bool:
-    """Whether every device of the new plan that ran the old one holds what it held before
-    (its retained state is the new layout's: restore in place). Devices new to the world
-    (returned ones) take a replica's state, or the generation falls back to a checkpoint."""
-    old = _stages_by_device(before, devices_before)
-    new = _stages_by_device(after, devices)
-    return all(old[dev] == held for dev, held in new.items() if dev in old)
