@@ -41,8 +41,8 @@ def test_a_policy_subset_runs_ours_first_and_an_unknown_name_is_one_line():
 def test_the_load_scenario_is_fault_free_and_its_line_compares_ours_with_none():
     assert bench._scenarios(_args(), {"medium": 7.0, "severe": 12.0})["load"] == []
     rows = [
-        {"scenario": "load", "policy": "ours", "tokens_per_s": 980.0, "replans": 1},
-        {"scenario": "load", "policy": "none", "tokens_per_s": 1000.0, "replans": 0},
+        {"plan": "dp4", "scenario": "load", "policy": "ours", "tokens_per_s": 980.0, "replans": 1},
+        {"plan": "dp4", "scenario": "load", "policy": "none", "tokens_per_s": 1000.0, "replans": 0},
     ]
     line = bench._load_line(rows)
     assert line is not None and "re-planned 1 time(s)" in line and "+2.0% lower" in line
@@ -50,6 +50,11 @@ def test_the_load_scenario_is_fault_free_and_its_line_compares_ours_with_none():
     rows[0]["replans"] = 0  # the same job twice: a difference is the load's noise, not a cost
     line = bench._load_line(rows)
     assert line is not None and "cost nothing" in line and "-2.0%" in line
+    # Both plans: a clause each, the data-parallel one first.
+    rows += [{**r, "plan": "pp2xdp2", "tokens_per_s": 500.0} for r in rows]
+    line = bench._load_line(rows)
+    assert line is not None and line.index("dp4:") < line.index("pp2xdp2:")
+    assert line.count("cost nothing") == 2
 
 
 def test_both_launch_plans_run_by_default_and_the_pipeline_one_is_pp2_x_dp2():
@@ -99,4 +104,3 @@ def test_the_scenarios_slow_a_rank_lose_a_device_slow_a_link_and_mix_them():
     for faults in sc.values():
         for f in faults:
             parse_fault(f)  # every spec is one the injector takes
-    assert set(bench.PIPELINE_SCENARIOS) <= set(sc)
