@@ -64,3 +64,25 @@ def test_a_slow_device_of_a_dp_x_pp_job_leaves_comes_back_on_trial_and_leaves_ag
     (readmitted, *_) = events_of(events, "device_readmitted")
     reports = [f for f in s["fail_slow"] if f["rank"] == 3]
     assert len(reports) >= 2 and reports[1]["detected_at"] - readmitted["iteration"] <= 12
+
+
+@pytest.mark.slow  # ~30 s; CI runs the exclusion, the trial and the second exclusion above
+@pytest.mark.timeout(600)
+def test_a_crash_right_after_a_pipeline_exclusion_is_recovered_on_the_one_replica(tmp_path):
+    """Device 1's trainer (replica 0's last stage) is killed a few iterations after device 3
+    left with its replica: the one-replica world recovers in place (its shadow takes over),
+    devices 2 and 3 stay out, and the run is still bit-exact with no checkpoint load."""
+    faults = ["slow:rank=3,iter=14,factor=8,until=31", "kill:rank=1,iter=21,phase=update"]
+    cfg = adapt_job(world_size=4, iterations=28, microbatches=4, inject=faults, readmit_after=50)
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    assert not events_of(events, "checkpoint_loaded")
+    (out,) = events_of(events, "replan")
+    _exclusion(out, 3)
+    (failure,) = [r for r in s["recoveries"] if r.get("fault") == "kill"]
+    assert failure["mode"] == "inplace"
+    started = {e["generation"]: e for e in events_of(events, "plan_applied")}
+    assert started[1]["devices"] == [0, 1] and started[2]["devices"] == [0, 1]
