@@ -465,3 +465,17 @@ def test_an_excluded_device_is_not_readmitted_past_max_replans_or_while_another_
     adapt.next_world()
     adapt.note_lost(1, "device 1 lost")
     assert adapt.readmit_due(100) is True and not adapt.grows  # waits for the lost device
+
+
+def test_a_device_lost_before_the_exclusion_runs_keeps_the_slow_device_in_the_world(tmp_path):
+    # Device 3 (replica 1) is to leave; device 1 (replica 0) is lost before the next
+    # generation: no replica is whole without both, so the exclusion is dropped (logged) and
+    # replica 0 is dissolved around the lost device, device 3 still in the world.
+    adapt, _ = _excluding(tmp_path)
+    assert adapt.on_fail_slow(_slow(3, 6.0)) is True
+    adapt.note_lost(1, "device 1 lost")
+    world = adapt.next_world()
+    assert world.devices == (2, 3) and not adapt.relayout and not adapt.excluded
+    (skip,) = _events(tmp_path, "replan_skipped")
+    assert "device 3 stays" in skip["reason"] and skip["trigger"]["excluded"]
+    assert _events(tmp_path, "replan")[-1]["trigger"]["kind"] == "device_lost"
