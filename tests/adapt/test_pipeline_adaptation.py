@@ -479,3 +479,28 @@ def test_a_device_lost_before_the_exclusion_runs_keeps_the_slow_device_in_the_wo
     (skip,) = _events(tmp_path, "replan_skipped")
     assert "device 3 stays" in skip["reason"] and skip["trigger"]["excluded"]
     assert _events(tmp_path, "replan")[-1]["trigger"]["kind"] == "device_lost"
+
+
+def test_a_slow_stage_of_the_replica_left_is_swapped_for_a_standby_from_the_checkpoint(tmp_path):
+    # PP2 x DP2 lost device 1: replica 0 dissolved, device 0 stands by, devices 2 and 3 run
+    # the one replica. Device 3 (rank 1 there) 6x slow: no replica to move micro-batches to
+    # and no layers to spare (one per stage), so the running plan on the standby instead is
+    # the best: at a planned stop, from the newest checkpoint (no other replica holds the
+    # stages). Without a standby the answer is the layer move (two layers per stage here).
+    adapt, said = _excluding(tmp_path)
+    adapt.note_lost(1, "device 1 lost")
+    assert adapt.next_world().devices == (2, 3)
+    assert adapt.on_fail_slow(_slow(1, 6.0)) is True
+    assert adapt.excluding and adapt.restarts
+    assert "standby device 0 takes its stage" in said[-1]
+    world = adapt.next_world()
+    assert world.devices == (0, 2) and adapt.relayout  # every rank loads the checkpoint
+    swap = _events(tmp_path, "replan")[-1]
+    assert swap["trigger"]["excluded"] and swap["restore"] == "checkpoint"
+    assert swap["predicted_after"] < swap["predicted_before"]
+    plain, plain_said = _excluding(tmp_path, "plain")
+    plain.note_lost(1, "device 1 lost")
+    plain.note_lost(0, "device 0 lost")
+    plain.next_world()
+    assert plain.on_fail_slow(_slow(1, 6.0)) is True and not plain.excluding
+    assert plain.restarts and "moves layers" in plain_said[-1]

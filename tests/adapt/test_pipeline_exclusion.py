@@ -86,3 +86,33 @@ def test_a_crash_right_after_a_pipeline_exclusion_is_recovered_on_the_one_replic
     assert failure["mode"] == "inplace"
     started = {e["generation"]: e for e in events_of(events, "plan_applied")}
     assert started[1]["devices"] == [0, 1] and started[2]["devices"] == [0, 1]
+
+
+@pytest.mark.timeout(600)
+def test_a_slow_stage_left_alone_after_a_loss_is_found_and_replaced_by_a_standby(tmp_path):
+    """`bench adapt`'s mixed schedule on PP2 x DP2: device 1 is lost (replica 0 dissolved in
+    place, device 0 stands by), then device 3 — now a stage of the one replica left — slows
+    down inside the new world's warm-up. It has no peer, so it is held to its own pace per
+    layer in the world before (`SlowWatch.reset(moved=...)`, `FailSlowDetector(references=)`)
+    and reported at the warm-up's end; the standby takes its stage from the newest checkpoint
+    (`PipelineAdaptation._swap`). Bit-exact against the fault-free launch plan."""
+    faults = ["lose:rank=1,iter=14,phase=update", "slow:rank=3,iter=17,factor=8,until=41"]
+    cfg = adapt_job(world_size=4, iterations=40, microbatches=4, inject=faults)
+    cfg = dataclasses.replace(
+        cfg,
+        parallel=ParallelConfig(world_size=4, pp=2),
+        checkpoint=dataclasses.replace(cfg.checkpoint, interval=5),
+    )
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    lost, swap = events_of(events, "replan")
+    assert lost["trigger"]["kind"] == "device_lost" and lost["devices_after"] == [2, 3]
+    assert lost["restore"] == "in_place"
+    (report,) = [f for f in s["fail_slow"] if f["rank"] == 1]  # device 3 in the new world
+    assert report["since_iter"] > 14  # the new world's warm-up: no change point there
+    trigger = swap["trigger"]
+    assert (trigger["device"], trigger["excluded"]) == (3, True)
+    assert swap["devices_after"] == [0, 2] and swap["restore"] == "checkpoint"
+    assert len(events_of(events, "checkpoint_loaded")) == 1

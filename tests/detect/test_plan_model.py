@@ -266,6 +266,29 @@ def test_a_plan_rank_on_trial_slow_through_the_warm_up_is_reported_at_its_end():
     assert _watch(FailSlowDetector(cfg, plan=one, suspects=frozenset({1})), obs)[0] == []
 
 
+def test_a_one_replica_pipeline_rank_slow_through_its_warm_up_is_held_to_its_pace_before():
+    # A lost device dissolved the other replica and this stage slowed down before the new
+    # world's detector warmed up: no change point, no peer. Its pace per layer in the world
+    # before (`layer_paces`, carried as `references`) is the reference: rank 1 3x slow from
+    # iteration 0 is reported at the warm-up's end with about its factor, and held to that
+    # pace for its return. Without references, or healthy, nothing is reported.
+    cfg = DetectorConfig()
+    plan = make_plan(1, 2, 1, 4, 4, "1f1b")
+    before = FailSlowDetector(cfg, plan=plan)
+    healthy, _ = plan_series(plan, 20, seed=7)
+    assert _watch(before, healthy) == ([], [])
+    refs = before.layer_paces()
+    assert set(refs) == {0, 1} and all(r.layers == 2 for r in refs.values())
+    obs, _ = plan_series(plan, 20, seed=8, slow_rank=1, slow_iter=0, factor=3)
+    det = FailSlowDetector(cfg, plan=plan, references=refs)
+    assert _watch(det, obs)[0] == [(1, cfg.skip_iters + cfg.warmup_iters - 1)]
+    assert det.reported[(1, "compute")].factor == pytest.approx(3, rel=0.2)
+    assert det.healthy[1] is refs[1]
+    assert _watch(FailSlowDetector(cfg, plan=plan), obs)[0] == []
+    again, _ = plan_series(plan, 20, seed=9)
+    assert _watch(FailSlowDetector(cfg, plan=plan, references=refs), again)[0] == []
+
+
 def test_a_one_replica_pipeline_rank_is_found_back_at_its_own_healthy_pace():
     # PP2, one replica: rank 0 has no other holder of its stage to be compared with, so it is
     # held to its own compute per layer before the slowdown (`LayerPace`).

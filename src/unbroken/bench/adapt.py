@@ -38,11 +38,11 @@ On the `pp2` plan every scenario runs, with the policies `ours` and `none` (`evi
 `greyhound` are data-parallel baselines the config refuses for a pipeline job): a lost device
 dissolves its replica and the survivors continue in place on the other replica's retained
 state; around a slow device micro-batches move to the other replica, or, when its own step
-bounds the iteration, it leaves the world with its replica. What ours does not answer there:
-a slow link (a plan's ranks fire no all-reduce hooks, so the detector's link checks are
-data-parallel only), and `mixed`'s slow device, which after the loss is a stage of the one
-replica left (the tiny model's two layers cannot move between two stages, and its slow-down
-begins inside the new world's warm-up, where a stage without peers has no reference).
+bounds the iteration, it leaves the world with its replica; `mixed`'s slow device, a stage
+of the one replica left after the loss, is found against its own pace in the world before
+and replaced by the dissolved replica's standby, from the newest checkpoint. What ours does
+not answer there: a slow link (a plan's ranks fire no all-reduce hooks, so the detector's
+link checks are data-parallel only).
 
 Severity. `unbroken.detect.levels` turns a level into a factor assuming the slowed rank's whole
 iteration stretches (3.33 for severe). On the shared 2-core VM four ranks oversubscribe two

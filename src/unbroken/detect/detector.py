@@ -286,6 +286,9 @@ class FailSlowDetector:
             data-parallel training, observations carry `ranks`.
         suspects: ranks of a plan checked against their peers through the warm-up
             (`_slow_through_warmup`): devices re-admitted on trial after being found slow.
+        references: a one-replica pipeline's ranks -> their healthy compute per layer from
+            the world before (`layer_paces`, same device, same layers): what a rank without
+            peers is checked against through the warm-up (`_slow_through_warmup`).
     """
 
     def __init__(
@@ -295,9 +298,11 @@ class FailSlowDetector:
         sink: DetectionSink | None = None,
         plan: ParallelPlan | None = None,
         suspects: frozenset[int] = frozenset(),
+        references: Mapping[int, LayerPace] | None = None,
     ) -> None:
         self.cfg = cfg or DetectorConfig()
         self.suspects = suspects
+        self.references = dict(references or {})
         self.sink = sink
         self.plan = plan
         self._plan_fit: PlanFit | None = None
@@ -351,6 +356,20 @@ class FailSlowDetector:
             mb_s=statistics.median(s for _, s in samples), sync_s=max(schedule.sync_s, 0.0)
         )
 
+    def layer_paces(self) -> dict[int, LayerPace]:
+        """A plan's every rank -> its compute per layer over this detector's warm-up (healthy
+        when the warm-up had no slow rank): references a next world's detector holds the same
+        devices to (`references`). Empty before the warm-up ends or without a plan."""
+        if self.plan is None or self.predictor is None or self.bocpd is None:
+            return {}
+        window = [(o.doc_lengths, o.stages or {}) for o in self._warm]
+        paces = {
+            r: LayerPace.measure(self.plan, self.predictor.mb, window, r) for r in self.plan.ranks
+        }
+        return {
+            r: p for r, p in paces.items() if p is not None and (r, "compute") not in self.reported
+        }
+
     def carry_reports(self, other: FailSlowDetector) -> None:
         """Take over `other`'s open compute reports: a job that switched plans live around a
         slow rank keeps its rank numbering, and this detector (warmed up on the new plan, whose
@@ -394,11 +413,13 @@ class FailSlowDetector:
         are the reference instead: a rank whose observed / predicted compute over the warm-up
         exceeds its peers' median by `localize_ratio` and `slow_ratio` both (the stricter of
         the two: no change point backs this report). Ours, data parallel with two ranks or
-        more; in a plan of two replicas or more, only the `suspects` (devices re-admitted on
+        more. In a plan of two replicas or more, only the `suspects` (devices re-admitted on
         trial), held to the holders of their stages in the other replicas (`PlanFit.pace`):
         a pace is the ratio of two ranks' few first actions, and on a fault-free PP2 x DP2
-        launch on this 2-core VM a healthy rank read 1.28x its peer over the warm-up. A
-        one-replica pipeline's ranks have no peers and no healthy pace of their own yet."""
+        launch on this 2-core VM a healthy rank read 1.28x its peer over the warm-up. In a
+        one-replica pipeline, whose ranks have no peers, the ranks with a healthy reference
+        of their own from the world before (`references`: a stage left alone when a lost
+        device dissolved its peer's replica), held to it."""
         cfg = self.cfg
         if cfg.baseline:
             return None
@@ -410,9 +431,17 @@ class FailSlowDetector:
             return None
         first = self._warm[0].iteration
         report = self._new_report(slow, factor, "compute", first, iteration)
+        if slow in self.references:  # no healthy iteration here: its return is held to it
+            self.healthy.setdefault(slow, self.references[slow])
         self._emit(
             report,
-            reason=f"rank {slow}'s compute took {factor:.2f}x its peers' through the detector's "
+            reason=f"rank {slow}'s compute took {factor:.2f}x "
+            + (
+                "its healthy pace per layer"
+                if self.plan is not None and self.plan.dp == 1
+                else "its peers'"
+            )
+            + " through the detector's "
             f"warm-up (iterations {first}..{iteration}): slow since before it began",
         )
         return Decision(verdict=Verdict.FAIL_SLOW, iteration=iteration, report=report)
@@ -420,8 +449,10 @@ class FailSlowDetector:
     def _slowest_through_warmup(self) -> tuple[int, float] | None:
         """The rank whose compute over the warm-up is the slowest against its peers', and that
         factor (`_slow_through_warmup`), or None: fewer than two ranks to compare."""
+        if self.plan is not None and self.plan.dp == 1:
+            return self._slowest_against_references()
         if self.plan is not None:
-            if self.plan.dp < 2 or self._plan_fit is None:
+            if self._plan_fit is None:
                 return None
             window = [(o.doc_lengths, o.stages or {}) for o in self._warm]
             paces = {r: self._plan_fit.pace(window, r) for r in self.suspects}
@@ -435,6 +466,24 @@ class FailSlowDetector:
             return None
         slow = max(ratios, key=lambda r: ratios[r])
         return slow, ratios[slow] / statistics.median(v for r, v in ratios.items() if r != slow)
+
+    def _slowest_against_references(self) -> tuple[int, float] | None:
+        """A one-replica pipeline's rank with a healthy reference from the world before
+        (`references`) that still holds the layers it was measured on, whose compute per
+        layer over the warm-up is the largest multiple of it, and that multiple; None when
+        no rank has one. No layout bias (the same layers) to take out."""
+        assert self.plan is not None
+        window = [(o.doc_lengths, o.stages or {}) for o in self._warm]
+        ratios = {}
+        for rank, ref in self.references.items():
+            if rank not in self.plan.ranks or held_layers(self.plan, rank) != ref.layers:
+                continue
+            if (ratio := ref.ratio(self.plan, window, rank)) is not None:
+                ratios[rank] = ratio
+        if not ratios:
+            return None
+        slow = max(ratios, key=lambda r: ratios[r])
+        return slow, ratios[slow]
 
     def _x(self, obs: Observation) -> float:
         """The point BOCPD sees: the log of the iteration time over its predicted healthy time

@@ -17,7 +17,7 @@ workloads together from all ranks' records and the detector simulates the plan.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from unbroken.detect import (
@@ -32,7 +32,7 @@ from unbroken.detect.pipeline import PlanFit
 from unbroken.detect.timing import StageTiming
 from unbroken.detect.workload import DataParallelFit
 from unbroken.metrics.log import JsonlLog
-from unbroken.parallel import ParallelPlan
+from unbroken.parallel import ParallelPlan, held_stages
 
 __all__ = ["GRACE_ITERS", "SlowWatch"]
 
@@ -86,6 +86,7 @@ class SlowWatch:
         *,
         same_ranks: bool = False,
         trial: tuple[int, ...] = (),
+        moved: Mapping[int, int] | None = None,
     ) -> None:
         """The job continues on a world of `world_size` ranks (a lost device was planned
         around, issue 18) and, for a pipeline job, under `plan`: a fresh detector learns the
@@ -96,16 +97,28 @@ class SlowWatch:
         on trial ([Note: slow device excluded] in `unbroken.launch.coordinator.adapt`): the
         detector warms up on `TRIAL_WARMUP` iterations, the fewest it fits on, so a device
         still slow is reported (against its peers through the warm-up, `suspects`) after a
-        few iterations rather than a full warm-up's."""
+        few iterations rather than a full warm-up's. `moved`: new rank -> its rank in the
+        world before, for devices in both: a one-replica pipeline's rank that holds the same
+        layers as before is held to its pace per layer then (`FailSlowDetector(references=)`),
+        so a stage slow since before the new warm-up is found."""
         old = self.detector
         self.world_size = world_size
+        before = self.plan
         if plan is not None:
             self.plan = plan
+        references = {}
+        if moved and self.plan is not None and self.plan.dp == 1 and before is not None:
+            paces = old.layer_paces()
+            references = {
+                new: paces[was]
+                for new, was in moved.items()
+                if was in paces and held_stages(before, was) == held_stages(self.plan, new)
+            }
         cfg = old.cfg
         if trial:
             cfg = dataclasses.replace(cfg, skip_iters=1, warmup_iters=TRIAL_WARMUP)
         self.detector = FailSlowDetector(
-            cfg, plan=self.plan, sink=old.sink, suspects=frozenset(trial)
+            cfg, plan=self.plan, sink=old.sink, suspects=frozenset(trial), references=references
         )
         if same_ranks:
             self.detector.carry_reports(old)

@@ -30,6 +30,12 @@ replicas. A pipeline job at TP 1 (`parallel.pp` > 1) is re-planned here:
   the data-parallel job does ([Note: slow device excluded] in
   `unbroken.launch.coordinator.adapt`).
 
+- **A slow stage of a one-replica pipeline, with a standby** (`_swap`: a replica was
+  dissolved before, so an alive device stands outside the world): when the running plan at
+  full speed is predicted `adapt.min_gain` faster than the best plan keeping the device, the
+  standby takes its stage at a planned stop, from the newest checkpoint (no replica holds the
+  stage's current state); the slow device is excluded like above.
+
 - **A slow device, layers moved** (`moves_layers`: the job retains its state; a plan with
   layer repartition (ResiHP §6.2) predicted `adapt.min_gain` faster than the best plan that
   keeps every rank's layers, whose replicas share one layout — a one-replica pipeline): the plan is
@@ -237,6 +243,8 @@ class PipelineAdaptation:
         result, moves = self._best_plan()
         if self._exclude(event.rank, result, trigger, event.iteration):
             return True
+        if self._swap(event.rank, result, trigger, event.iteration):
+            return True
         gain = 1.0 - result.predicted_s / result.current_s
         if result.kept_current or gain < self.adapt.min_gain:
             return self._skip(
@@ -352,29 +360,68 @@ class PipelineAdaptation:
         ).current_s
         if without > kept.predicted_s * (1.0 - self.adapt.min_gain):
             return False
+        self._record_exclusion(device, kept.predicted_s, without, trigger, iteration)
+        return True
+
+    def _swap(self, rank: int, kept: PlanResult, trigger: dict, iteration: int) -> bool:
+        """A one-replica pipeline's slow device replaced by a standby (alive, outside the
+        world: its replica was dissolved around a lost or excluded device), when the running
+        plan at full speed is predicted `adapt.min_gain` faster than `kept` (the best plan
+        with the device, layers moved or not): at a planned stop, the next generation runs
+        the same plan on the standby instead, from the newest checkpoint — the standby holds
+        none of the stage's current state, and no other replica does (`next_world`). The
+        device is excluded like `_exclude`'s. Returns whether it did."""
+        if not self.excludes or self.plan.dp != 1 or not self._standbys():
+            return False
+        healthy = plan_for_state(cluster(self.plan, self.state.workload)).current_s
+        if healthy > kept.predicted_s * (1.0 - self.adapt.min_gain):
+            return False
+        how = f"standby device {self._standbys()[0]} takes its stage from the newest checkpoint"
+        self._record_exclusion(
+            self.devices[rank], kept.predicted_s, healthy, trigger, iteration, how
+        )
+        return True
+
+    def _standbys(self) -> list[int]:
+        """Launch devices alive and outside the running world, neither lost nor excluded."""
+        return [
+            d
+            for d in self.launch_devices
+            if d not in self.devices and d not in self.lost and d not in self.excluded
+        ]
+
+    def _record_exclusion(
+        self,
+        device: int,
+        with_s: float,
+        without: float,
+        trigger: dict,
+        iteration: int,
+        how: str = "its replica dissolved",
+    ) -> None:
+        """`device` leaves the world at the next generation (`excluding`): counted against
+        `adapt.max_replans`, re-admitted on trial after its wait, which doubles each time;
+        logs `device_excluded`."""
         wait = self._wait.get(device, self.adapt.readmit_after)
         self._wait[device] = 2 * wait
         self.replans += 1
         trigger = {**trigger, "excluded": True}
-        self.excluded[device] = Exclusion(
-            trigger, iteration, iteration + wait, kept.predicted_s, without
-        )
+        self.excluded[device] = Exclusion(trigger, iteration, iteration + wait, with_s, without)
         scale = self.healthy_s
         self.events.emit(
             "device_excluded",
             device=device,
             trigger=trigger,
-            predicted_with=kept.predicted_s / scale,
+            predicted_with=with_s / scale,
             predicted_without=without / scale,
             readmit_at=iteration + wait,
         )
         self.say(
-            f"exclude device {device} (slow {trigger['factor']:.2f}x): its replica dissolved, "
-            f"predicted iteration {without / scale:.2f}x the fault-free one without it, "
-            f"{kept.predicted_s / scale:.2f}x with it; re-admitted on trial after iteration "
+            f"exclude device {device} (slow {trigger['factor']:.2f}x): {how}, predicted "
+            f"iteration {without / scale:.2f}x the fault-free one without it, "
+            f"{with_s / scale:.2f}x with it; re-admitted on trial after iteration "
             f"{iteration + wait}"
         )
-        return True
 
     def readmit_due(self, iteration: int) -> bool:
         """After `iteration`: re-admit, on trial, excluded devices whose wait is over, while
@@ -473,6 +520,8 @@ class PipelineAdaptation:
         # dissolved before, alive and outside the running world): its state is read anew.
         standbys = [d for d in self.launch_devices if d not in self.devices]
         alive = tuple(sorted(survivors + tuple(d for d in standbys if d not in self.lost)))
+        if out and not gone and self.plan.dp == 1:
+            return self._swap_world(out, t0, iter_s)
         dissolved = self._dissolve(sorted(gone + out))
         if dissolved is None and out:
             self._keep(out)
@@ -505,6 +554,37 @@ class PipelineAdaptation:
             f"re-plan ({what}): devices {list(devices_before)} -> "
             f"{list(self.devices)}, {before.dp} x {before.pp} -> {self.plan.dp} x {self.plan.pp} "
             f"(replicas x stages) stages {stages}, {source}"
+        )
+        return NewWorld(self.devices, None, self.epoch)
+
+    def _swap_world(self, out: list[int], t0: float, iter_s: float | None) -> NewWorld | None:
+        """The running one-replica plan on the standbys instead of the excluded devices
+        (`_swap`), from the newest checkpoint: the ranks in device order, each loading its
+        stage. None (the devices stay) when too few standbys are left."""
+        standbys = self._standbys()
+        if len(standbys) < len(out):
+            self._keep(out)
+            return None
+        before = self.devices
+        devices = tuple(sorted([d for d in before if d not in out] + standbys[: len(out)]))
+        x = self.excluded[out[0]]
+        explain = (
+            f"devices {out} replaced by standbys {standbys[: len(out)]}: the same plan, every "
+            "stage loaded from the newest checkpoint (no other replica holds the stages)"
+        )
+        self._adopt_world(
+            self.plan,
+            devices,
+            x.trigger,
+            explain,
+            t0,
+            checkpoint=True,
+            predicted=(x.predicted_with, x.predicted_without),
+            iter_s=iter_s,
+        )
+        self.say(
+            f"re-plan (slow device {out} out): devices {list(before)} -> {list(devices)}, "
+            "the same stages, from the newest checkpoint"
         )
         return NewWorld(self.devices, None, self.epoch)
 

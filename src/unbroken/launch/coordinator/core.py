@@ -699,12 +699,13 @@ class CoordinatorCore:
         # Layers moved on the same devices keep every rank's number: the watch keeps the
         # slow rank's report (and healthy pace) to find it back at full speed.
         same_ranks = world.devices == self.devices
+        moved = {i: self.devices.index(d) for i, d in enumerate(world.devices) if d in self.devices}
         self.devices = world.devices
         self.layout = NodeLayout.for_devices(world.devices, self.node_of_device)
         self.fsm.resize(len(world.devices))
         trial = tuple(world.devices.index(d) for d in world.trial if d in world.devices)
         self.monitor.slow_watch.reset(
-            len(world.devices), self.adapt.plan, same_ranks=same_ranks, trial=trial
+            len(world.devices), self.adapt.plan, same_ranks=same_ranks, trial=trial, moved=moved
         )
         return True
 
