@@ -84,7 +84,7 @@ from unbroken.plan import (
     plan_for_state,
 )
 
-__all__ = ["Adaptation", "Exclusion", "NewWorld", "dp_cluster", "fail_slow_trigger"]
+__all__ = ["Adaptation", "Exclusion", "NewWorld", "dp_cluster", "fail_slow_trigger", "readmit"]
 
 _UNIT_S = 1e-3
 """The planner's forward time of one micro-batch (a unit: only ratios are used)."""
@@ -156,6 +156,27 @@ def fail_slow_trigger(event: DetectionEvent, devices: tuple[int, ...]) -> tuple[
         return trigger, None
     trigger["device"] = devices[event.rank]
     return trigger, devices[event.rank]
+
+
+def readmit(
+    excluded: dict[int, Exclusion],
+    devices: tuple[int, ...],
+    iteration: int,
+    returned: dict[int, str],
+    events: JsonlLog,
+    say: Callable[[str], None],
+) -> tuple[int, ...]:
+    """The excluded devices outside the running world `devices` whose wait is over after
+    `iteration`, moved from `excluded` to `returned` (offered to the next world) and logged
+    (`device_readmitted`); in device order."""
+    due = sorted(d for d, x in excluded.items() if iteration >= x.readmit_at and d not in devices)
+    for d in due:
+        x = excluded.pop(d)
+        reason = f"re-admitted on trial ({iteration - x.since} iterations after its exclusion)"
+        returned[d] = reason
+        events.emit("device_readmitted", device=d, iteration=iteration, reason=reason)
+        say(f"device {d} {reason}")
+    return tuple(due)
 
 
 def _at_least_one(placement: DataPlacement) -> DataPlacement:
@@ -467,21 +488,11 @@ class Adaptation:
         Returns whether one was (the caller stops the running generation: `restarts`)."""
         if self.replans >= self.cfg.adapt.max_replans:
             return False
-        due = [
-            d
-            for d, x in self.excluded.items()
-            if iteration >= x.readmit_at and d not in self.devices
-        ]
+        due = readmit(self.excluded, self.devices, iteration, self.returned, self.events, self.say)
         if not due:
             return False
-        for d in due:
-            x = self.excluded.pop(d)
-            reason = f"re-admitted on trial ({iteration - x.since} iterations after its exclusion)"
-            self.returned[d] = reason
-            self.events.emit("device_readmitted", device=d, iteration=iteration, reason=reason)
-            self.say(f"device {d} {reason}")
         self.state = self.state.with_healthy(*due)
-        self._trial = tuple(sorted(due))
+        self._trial = due
         return True
 
     def _evict(self, device: int, trigger: dict) -> bool:

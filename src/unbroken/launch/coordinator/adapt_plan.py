@@ -69,7 +69,7 @@ from unbroken.detect.events import DetectionEvent
 from unbroken.detect.pipeline import PlanFit
 from unbroken.detect.workload import DataParallelFit
 from unbroken.jobstore import JobStore
-from unbroken.launch.coordinator.adapt import Exclusion, NewWorld, fail_slow_trigger
+from unbroken.launch.coordinator.adapt import Exclusion, NewWorld, fail_slow_trigger, readmit
 from unbroken.launch.coordinator.adapt_costs import cluster, keeps_stages, measured_workload
 from unbroken.metrics.log import JsonlLog
 from unbroken.parallel import (
@@ -431,20 +431,10 @@ class PipelineAdaptation:
         running generation: `restarts`)."""
         if self.replans >= self.adapt.max_replans:
             return False
-        due = [
-            d
-            for d, x in self.excluded.items()
-            if iteration >= x.readmit_at and d not in self.devices
-        ]
+        due = readmit(self.excluded, self.devices, iteration, self.returned, self.events, self.say)
         if not due:
             return False
-        for d in due:
-            x = self.excluded.pop(d)
-            reason = f"re-admitted on trial ({iteration - x.since} iterations after its exclusion)"
-            self.returned[d] = reason
-            self.events.emit("device_readmitted", device=d, iteration=iteration, reason=reason)
-            self.say(f"device {d} {reason}")
-        self._trial = tuple(sorted(due))
+        self._trial = due
         return True
 
     def on_recovered(self, rank: int, factor: float, iter_s: float | None = None) -> bool:
