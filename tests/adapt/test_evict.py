@@ -37,3 +37,28 @@ def test_a_slow_rank_is_evicted_and_the_others_restart_from_a_checkpoint_bit_exa
     rows = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if m["run"] == "faulty"]
     last = max(m["generation"] for m in rows)
     assert last == 1 and len([m for m in rows if m["generation"] == 1][-1]["rank_hashes"]) == 3
+
+
+@pytest.mark.slow  # ~30 s; CI runs the pipeline policy's decisions (test_pipeline_adaptation)
+@pytest.mark.timeout(900)
+def test_a_pipeline_job_evicts_a_slow_device_and_restarts_one_even_pipeline_bit_exact(tmp_path):
+    from unbroken.config import ParallelConfig
+
+    cfg = adapt_job(
+        iterations=30, microbatches=4, inject=["slow:rank=3,iter=12,factor=6"], policy="evict"
+    )
+    cfg = dataclasses.replace(
+        cfg,
+        parallel=ParallelConfig(world_size=4, pp=2),
+        checkpoint=dataclasses.replace(cfg.checkpoint, interval=4),
+    )
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    (evicted,) = events_of(events, "device_evicted")
+    assert evicted["device"] == 3
+    (replan,) = events_of(events, "replan")
+    assert replan["trigger"]["devices"] == [3] and replan["restore"] == "checkpoint"
+    assert 3 not in replan["devices_after"] and len(replan["after"]) == 2  # PP 2, one replica
+    assert events_of(events, "checkpoint_loaded"), "evict-and-restart loads a checkpoint"

@@ -254,8 +254,7 @@ def test_the_config_admits_plan_jobs_and_says_what_it_refuses():
     assert _config(world_size=4, tp=2).parallel.dp == 2
     with pytest.raises(ValueError, match=r'set parallel\.schedule = "1f1b" or "gpipe"'):
         _config(world_size=4, pp=2, schedule="zb_h1")
-    with pytest.raises(ValueError, match="a pipeline job re-plans with adapt"):
-        _config(world_size=2, pp=2, policy="evict")
+    assert _config(world_size=4, pp=2, policy="evict").adapt.policy == "evict"  # baselines too
 
 
 def test_a_dp_x_pp_job_dissolves_the_broken_replica_and_keeps_the_survivors_in_place(tmp_path):
@@ -504,3 +503,23 @@ def test_a_slow_stage_of_the_replica_left_is_swapped_for_a_standby_from_the_chec
     plain.next_world()
     assert plain.on_fail_slow(_slow(1, 6.0)) is True and not plain.excluding
     assert plain.restarts and "moves layers" in plain_said[-1]
+
+
+def test_a_pipeline_job_under_evict_restarts_on_an_even_pipeline_from_the_checkpoint(tmp_path):
+    # Evict-and-restart (Oobleck-like): the slow device leaves the job for good, and the next
+    # generation is one even pipeline on the others from the newest checkpoint — retained
+    # state and the other replica are not used (ours would keep the survivors in place).
+    events = JsonlLog(tmp_path / "events.jsonl", run="t")
+    adapt = PipelineAdaptation(
+        make_plan(2, 2, 1, 4, 4),
+        events,
+        lambda _: None,
+        adapt=AdaptConfig(enabled=True, policy="evict"),
+    )
+    assert adapt.evicts and adapt.on_fail_slow(_slow(3, 6.0)) is True
+    (evicted,) = _events(tmp_path, "device_evicted")
+    assert evicted["device"] == 3 and 3 in adapt.lost
+    world = adapt.next_world()
+    assert adapt.relayout and adapt.plan.dp == 1  # from the checkpoint, one pipeline
+    assert 3 not in world.devices and _events(tmp_path, "replan")[-1]["restore"] == "checkpoint"
+    assert adapt.readmit_due(10**6) is False and not adapt.grows  # out for the rest of the run

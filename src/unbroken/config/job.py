@@ -548,7 +548,9 @@ class AdaptConfig:
     Greyhound's `solve_dp`), and no answer to a lost device (the job fails, as without
     re-planning); "evict" — evict-and-restart (Oobleck-like): a validated slow device is
     excluded, and the job restarts from its newest checkpoint on the other devices with an
-    even plan; a lost device the same way (retained state and replicas are not used)."""
+    even plan (a pipeline job: one even pipeline); a lost device the same way (retained state
+    and replicas are not used). A pipeline job's "greyhound" moves micro-batches between its
+    replicas, one kept on each."""
     probe_every: int = 4
     """A plan job's replica the scheduler left with no micro-batch (its devices too slow for
     even one) runs a probe micro-batch every this many iterations — discarded, no effect on
@@ -624,11 +626,6 @@ class JobConfig:
                 f"gradient apart, which a pipeline schedule with split backward or virtual stages "
                 f'does not: set parallel.schedule = "1f1b" or "gpipe" (got '
                 f'"{parallel.schedule}", virtual_stages = {parallel.virtual_stages})'
-            )
-        if self.adapt.enabled and parallel.planned and self.adapt.policy != "resihp":
-            raise ValueError(
-                f'adapt.policy = "{self.adapt.policy}" is a data-parallel baseline; a pipeline '
-                'job re-plans with adapt.policy = "resihp"'
             )
         if self.adapt.enabled and parallel.reduce == "allreduce":
             raise ValueError(

@@ -112,8 +112,6 @@ class PipelineAdaptation:
     devices), events, say, store (the job store a live plan is published in; None in tests
     that do not publish), adapt (`adapt.max_replans`, `adapt.min_gain`)."""
 
-    evicts = False
-
     def __init__(
         self,
         plan: ParallelPlan,
@@ -157,6 +155,9 @@ class PipelineAdaptation:
         `unbroken.launch.coordinator.adapt`; here its replica is dissolved, `_exclude`)."""
         self._wait: dict[int, int] = {}
         """device -> iterations its next exclusion waits before the trial re-admission."""
+        self.evicted: set[int] = set()
+        """Devices evicted for being slow (`_evict`): the next world is a fresh even plan from
+        the checkpoint (`_shrink`), not the survivors in place."""
         self._trial: tuple[int, ...] = ()
         """Slow devices the next world grown back re-admits on trial (`NewWorld.trial`)."""
 
@@ -188,6 +189,13 @@ class PipelineAdaptation:
         """Whether the running generation should stop for the next (a planned stop, not a
         failure): the world grows back, a re-plan moves layers, or a slow device leaves."""
         return self.grows or self._moving is not None or self.excluding
+
+    @property
+    def evicts(self) -> bool:
+        """Evict-and-restart (`adapt.policy = "evict"`, Oobleck-like): a slow device leaves
+        the job like a lost one, and the next generation starts from the newest checkpoint on
+        the others (the recovery machine's `on_evict` forces the checkpoint)."""
+        return self.adapt.policy == "evict"
 
     @property
     def excluding(self) -> bool:
@@ -229,6 +237,10 @@ class PipelineAdaptation:
         trigger, device = fail_slow_trigger(event, self.devices)
         if device is None:
             return self._skip(trigger, "the report names no rank of the running world")
+        if self.replans >= self.adapt.max_replans:
+            return self._skip(trigger, f"adapt.max_replans = {self.adapt.max_replans} reached")
+        if self.evicts:
+            return self._evict(device, trigger)
         if self.plan.dp == 1 and not self.moves_layers:
             return self._skip(
                 trigger,
@@ -237,8 +249,6 @@ class PipelineAdaptation:
             )
         if self._moving is not None:
             return self._skip(trigger, "a re-plan that moves layers is waiting for its stop")
-        if self.replans >= self.adapt.max_replans:
-            return self._skip(trigger, f"adapt.max_replans = {self.adapt.max_replans} reached")
         self.state = self.state.apply(event)
         result, moves = self._best_plan()
         if self._exclude(event.rank, result, trigger, event.iteration):
@@ -254,6 +264,22 @@ class PipelineAdaptation:
             self._decide_move(result, trigger, iter_s)
             return True
         self._adopt_live(result, result.plan(), trigger, iter_s)
+        return True
+
+    def _evict(self, device: int, trigger: dict) -> bool:
+        """Evict-and-restart: `device` leaves the job like a lost one (the next generation is
+        planned without it, `next_world`, and starts from the newest checkpoint: the caller
+        stops the running one through `RecoveryMachine.on_evict`). It stays out for the rest
+        of the run."""
+        if len(self.devices) - sum(d in self.lost for d in self.devices) <= 1:
+            return self._skip(trigger, "the last device of the job is not evicted")
+        self.replans += 1
+        self.evicted.add(device)
+        self.note_lost(device, f"evicted: {trigger['factor']:.2f}x slower ({trigger['what']})")
+        self.events.emit("device_evicted", device=device, trigger=trigger)
+        self.say(
+            f"evict device {device} (slow {trigger['factor']:.2f}x): restart from a checkpoint"
+        )
         return True
 
     def _decide_move(self, result: PlanResult, trigger: dict, iter_s: float | None) -> None:
@@ -512,7 +538,9 @@ class PipelineAdaptation:
         alive = tuple(sorted(survivors + tuple(d for d in standbys if d not in self.lost)))
         if out and not gone and self.plan.dp == 1:
             return self._swap_world(out, t0, iter_s)
-        dissolved = self._dissolve(sorted(gone + out))
+        # Evict-and-restart (Oobleck-like) does not use retained state: a fresh even plan.
+        evicting = any(d in self.evicted for d in gone)
+        dissolved = None if evicting else self._dissolve(sorted(gone + out))
         if dissolved is None and out:
             self._keep(out)
             if not gone:
