@@ -362,9 +362,15 @@ class FailSlowDetector:
         devices to (`references`). Empty before the warm-up ends or without a plan."""
         if self.plan is None or self.predictor is None or self.bocpd is None:
             return {}
-        window = [(o.doc_lengths, o.stages or {}) for o in self._warm]
+        return self._layer_paces(self._warm)
+
+    def _layer_paces(self, window: Sequence[Observation]) -> dict[int, LayerPace]:
+        """Every rank of the plan not reported compute-slow -> its compute per layer over
+        `window` (ranks that computed nothing are left out)."""
+        assert self.plan is not None and self.predictor is not None
+        stages = [(o.doc_lengths, o.stages or {}) for o in window]
         paces = {
-            r: LayerPace.measure(self.plan, self.predictor.mb, window, r) for r in self.plan.ranks
+            r: LayerPace.measure(self.plan, self.predictor.mb, stages, r) for r in self.plan.ranks
         }
         return {
             r: p for r, p in paces.items() if p is not None and (r, "compute") not in self.reported
@@ -469,15 +475,13 @@ class FailSlowDetector:
 
     def _slowest_against_references(self) -> tuple[int, float] | None:
         """A one-replica pipeline's rank with a healthy reference from the world before
-        (`references`) that still holds the layers it was measured on, whose compute per
-        layer over the warm-up is the largest multiple of it, and that multiple; None when
-        no rank has one. No layout bias (the same layers) to take out."""
+        (`references`, measured on the layers it holds now: the caller's check), whose
+        compute per layer over the warm-up is the largest multiple of it, and that multiple;
+        None when no rank has one. No layout bias (the same layers) to take out."""
         assert self.plan is not None
         window = [(o.doc_lengths, o.stages or {}) for o in self._warm]
         ratios = {}
         for rank, ref in self.references.items():
-            if rank not in self.plan.ranks or held_layers(self.plan, rank) != ref.layers:
-                continue
             if (ratio := ref.ratio(self.plan, window, rank)) is not None:
                 ratios[rank] = ratio
         if not ratios:
@@ -567,11 +571,11 @@ class FailSlowDetector:
         None when that is not known yet (no fit, no healthy pace)."""
         if self.plan is not None and self.plan.dp == 1:
             healthy = self.healthy.get(rank)
-            stages = [(o.doc_lengths, o.stages or {}) for o in window]
-            ratio = None if healthy is None else healthy.ratio(self.plan, stages, rank)
-            if ratio is None or healthy is None:
+            if healthy is None:
                 return None
-            return ratio / self._layout_bias(stages, rank, healthy)
+            stages = [(o.doc_lengths, o.stages or {}) for o in window]
+            ratio = healthy.ratio(self.plan, stages, rank)
+            return None if ratio is None else ratio / self._layout_bias(stages, rank, healthy)
         if self._plan_fit is not None:
             stages = [(o.doc_lengths, o.stages or {}) for o in window]
             return self._plan_fit.pace(stages, rank)
@@ -610,16 +614,8 @@ class FailSlowDetector:
         )
         if pace is not None:
             self.healthy[rank] = pace
-        for q in self.plan.ranks:
-            if q not in self.layer_refs and (q, "compute") not in self.reported:
-                ref = LayerPace.measure(
-                    self.plan,
-                    self.predictor.mb,
-                    [(o.doc_lengths, o.stages or {}) for o in healthy],
-                    q,
-                )
-                if ref is not None:
-                    self.layer_refs[q] = ref
+        for q, ref in self._layer_paces(healthy).items():
+            self.layer_refs.setdefault(q, ref)
 
     def _pace_against_peers(self, window: Sequence[Observation], rank: int) -> float | None:
         """`rank`'s pace against its peers' over `window`: the observed over predicted time of

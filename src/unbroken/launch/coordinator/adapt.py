@@ -84,7 +84,7 @@ from unbroken.plan import (
     plan_for_state,
 )
 
-__all__ = ["Adaptation", "Exclusion", "NewWorld", "dp_cluster", "fail_slow_trigger", "readmit"]
+__all__ = ["Adaptation", "Exclusion", "Exclusions", "NewWorld", "dp_cluster", "fail_slow_trigger"]
 
 _UNIT_S = 1e-3
 """The planner's forward time of one micro-batch (a unit: only ratios are used)."""
@@ -158,25 +158,66 @@ def fail_slow_trigger(event: DetectionEvent, devices: tuple[int, ...]) -> tuple[
     return trigger, devices[event.rank]
 
 
-def readmit(
-    excluded: dict[int, Exclusion],
-    devices: tuple[int, ...],
-    iteration: int,
-    returned: dict[int, str],
-    events: JsonlLog,
-    say: Callable[[str], None],
-) -> tuple[int, ...]:
-    """The excluded devices outside the running world `devices` whose wait is over after
-    `iteration`, moved from `excluded` to `returned` (offered to the next world) and logged
-    (`device_readmitted`); in device order."""
-    due = sorted(d for d, x in excluded.items() if iteration >= x.readmit_at and d not in devices)
-    for d in due:
-        x = excluded.pop(d)
-        reason = f"re-admitted on trial ({iteration - x.since} iterations after its exclusion)"
-        returned[d] = reason
-        events.emit("device_readmitted", device=d, iteration=iteration, reason=reason)
-        say(f"device {d} {reason}")
-    return tuple(due)
+class Exclusions(dict[int, Exclusion]):
+    """device -> a slow device out of the world ([Note: slow device excluded]), with each
+    device's next wait: the bookkeeping both adaptations (data-parallel, `Adaptation`;
+    pipeline, `PipelineAdaptation`) share. Args: readmit_after (`adapt.readmit_after`, the
+    first wait), events, say."""
+
+    def __init__(self, readmit_after: int, events: JsonlLog, say: Callable[[str], None]) -> None:
+        super().__init__()
+        self.readmit_after, self.events, self.say = readmit_after, events, say
+        self._wait: dict[int, int] = {}
+        """device -> iterations its next exclusion waits before the trial re-admission."""
+
+    def exclude(
+        self,
+        device: int,
+        trigger: dict,
+        iteration: int,
+        predicted: tuple[float, float],
+        scale: float,
+        how: str = "",
+    ) -> None:
+        """`device` leaves the world at the next generation, reported slow at `iteration`
+        (`trigger`); `predicted`: the planner's iteration with it and without it (its units;
+        `scale`: the fault-free one). It is re-admitted on trial after its wait, which doubles
+        at each exclusion; logs `device_excluded`."""
+        with_s, without_s = predicted
+        wait = self._wait.get(device, self.readmit_after)
+        self._wait[device] = 2 * wait
+        trigger = {**trigger, "excluded": True}
+        self[device] = Exclusion(trigger, iteration, iteration + wait, with_s, without_s)
+        self.events.emit(
+            "device_excluded",
+            device=device,
+            trigger=trigger,
+            predicted_with=_finite(with_s / scale),
+            predicted_without=without_s / scale,
+            readmit_at=iteration + wait,
+        )
+        self.say(
+            f"exclude device {device} (slow {trigger['factor']:.2f}x): "
+            + (f"{how}, " if how else "")
+            + f"predicted iteration {without_s / scale:.2f}x the fault-free one without it, "
+            f"{with_s / scale:.2f}x with it; re-admitted on trial after iteration "
+            f"{iteration + wait}"
+        )
+
+    def readmit(
+        self, devices: tuple[int, ...], iteration: int, returned: dict[int, str]
+    ) -> tuple[int, ...]:
+        """The devices outside the running world `devices` whose wait is over after
+        `iteration`, moved to `returned` (offered to the next world) and logged
+        (`device_readmitted`); in device order."""
+        due = sorted(d for d, x in self.items() if iteration >= x.readmit_at and d not in devices)
+        for d in due:
+            x = self.pop(d)
+            reason = f"re-admitted on trial ({iteration - x.since} iterations after its exclusion)"
+            returned[d] = reason
+            self.events.emit("device_readmitted", device=d, iteration=iteration, reason=reason)
+            self.say(f"device {d} {reason}")
+        return tuple(due)
 
 
 def _at_least_one(placement: DataPlacement) -> DataPlacement:
@@ -215,12 +256,10 @@ class Adaptation:
         """device -> why it is lost."""
         self.returned: dict[int, str] = {}
         """device -> why it is usable again (lost before; not yet back in the world)."""
-        self.excluded: dict[int, Exclusion] = {}
+        self.excluded = Exclusions(cfg.adapt.readmit_after, events, say)
         """device -> a slow device taken out of the world ([Note: slow device excluded])."""
         self._trial: tuple[int, ...] = ()
         """Slow devices the next world grown back re-admits on trial (`NewWorld.trial`)."""
-        self._wait: dict[int, int] = {}
-        """device -> iterations its next exclusion waits before the trial re-admission."""
         # Ours may leave a rank no micro-batch ([Note: empty replica] in
         # `unbroken.plan.balance`): the trainer runs it (no row in the ordered reduction, a
         # probe every `adapt.probe_every` iterations, `unbroken.train.Trainer._probe`).
@@ -459,27 +498,11 @@ class Adaptation:
             return False
         if result.predicted_s > kept.predicted_s * (1.0 - self.cfg.adapt.min_gain):
             return False
-        wait = self._wait.get(device, self.cfg.adapt.readmit_after)
-        self._wait[device] = 2 * wait
         self.replans += 1
-        trigger = {**trigger, "excluded": True}
-        self.excluded[device] = Exclusion(trigger, iteration, iteration + wait, kept.predicted_s)
+        self.excluded.exclude(
+            device, trigger, iteration, (kept.predicted_s, result.predicted_s), self.healthy_s
+        )
         self.state = without
-        scale = self.healthy_s
-        self.events.emit(
-            "device_excluded",
-            device=device,
-            trigger=trigger,
-            predicted_with=_finite(kept.predicted_s / scale),
-            predicted_without=result.predicted_s / scale,
-            readmit_at=iteration + wait,
-        )
-        self.say(
-            f"exclude device {device} (slow {trigger['factor']:.2f}x): predicted iteration "
-            f"{result.predicted_s / scale:.2f}x the fault-free one without it, "
-            f"{kept.predicted_s / scale:.2f}x with it; re-admitted on trial after iteration "
-            f"{iteration + wait}"
-        )
         return True
 
     def readmit_due(self, iteration: int) -> bool:
@@ -488,7 +511,7 @@ class Adaptation:
         Returns whether one was (the caller stops the running generation: `restarts`)."""
         if self.replans >= self.cfg.adapt.max_replans:
             return False
-        due = readmit(self.excluded, self.devices, iteration, self.returned, self.events, self.say)
+        due = self.excluded.readmit(self.devices, iteration, self.returned)
         if not due:
             return False
         self.state = self.state.with_healthy(*due)

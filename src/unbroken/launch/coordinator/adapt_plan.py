@@ -69,7 +69,7 @@ from unbroken.detect.events import DetectionEvent
 from unbroken.detect.pipeline import PlanFit
 from unbroken.detect.workload import DataParallelFit
 from unbroken.jobstore import JobStore
-from unbroken.launch.coordinator.adapt import Exclusion, NewWorld, fail_slow_trigger, readmit
+from unbroken.launch.coordinator.adapt import Exclusions, NewWorld, fail_slow_trigger
 from unbroken.launch.coordinator.adapt_costs import cluster, keeps_stages, measured_workload
 from unbroken.metrics.log import JsonlLog
 from unbroken.parallel import (
@@ -150,11 +150,10 @@ class PipelineAdaptation:
         """A fail-slow re-plan that moves layers, waiting for the planned stop."""
         self.calibrated = False
         """Whether the scheduler prices with the job's measured costs (`calibrate`)."""
-        self.excluded: dict[int, Exclusion] = {}
+        self.excluded = Exclusions(self.adapt.readmit_after, events, say)
         """device -> a slow device taken out of the world ([Note: slow device excluded] in
-        `unbroken.launch.coordinator.adapt`; here its replica is dissolved, `_exclude`)."""
-        self._wait: dict[int, int] = {}
-        """device -> iterations its next exclusion waits before the trial re-admission."""
+        `unbroken.launch.coordinator.adapt`; here its replica is dissolved, `_exclude`, or a
+        standby takes its stage, `_swap`)."""
         self.evicted: set[int] = set()
         """Devices evicted for being slow (`_evict`): the next world is a fresh even plan from
         the checkpoint (`_shrink`), not the survivors in place."""
@@ -386,7 +385,15 @@ class PipelineAdaptation:
         ).current_s
         if without > kept.predicted_s * (1.0 - self.adapt.min_gain):
             return False
-        self._record_exclusion(device, kept.predicted_s, without, trigger, iteration)
+        self.replans += 1
+        self.excluded.exclude(
+            device,
+            trigger,
+            iteration,
+            (kept.predicted_s, without),
+            self.healthy_s,
+            "its replica dissolved",
+        )
         return True
 
     def _swap(self, rank: int, kept: PlanResult, trigger: dict, iteration: int) -> bool:
@@ -403,8 +410,9 @@ class PipelineAdaptation:
         if healthy > kept.predicted_s * (1.0 - self.adapt.min_gain):
             return False
         how = f"standby device {self._standbys()[0]} takes its stage from the newest checkpoint"
-        self._record_exclusion(
-            self.devices[rank], kept.predicted_s, healthy, trigger, iteration, how
+        self.replans += 1
+        self.excluded.exclude(
+            self.devices[rank], trigger, iteration, (kept.predicted_s, healthy), self.healthy_s, how
         )
         return True
 
@@ -416,39 +424,6 @@ class PipelineAdaptation:
             if d not in self.devices and d not in self.lost and d not in self.excluded
         ]
 
-    def _record_exclusion(
-        self,
-        device: int,
-        with_s: float,
-        without: float,
-        trigger: dict,
-        iteration: int,
-        how: str = "its replica dissolved",
-    ) -> None:
-        """`device` leaves the world at the next generation (`excluding`): counted against
-        `adapt.max_replans`, re-admitted on trial after its wait, which doubles each time;
-        logs `device_excluded`."""
-        wait = self._wait.get(device, self.adapt.readmit_after)
-        self._wait[device] = 2 * wait
-        self.replans += 1
-        trigger = {**trigger, "excluded": True}
-        self.excluded[device] = Exclusion(trigger, iteration, iteration + wait, with_s, without)
-        scale = self.healthy_s
-        self.events.emit(
-            "device_excluded",
-            device=device,
-            trigger=trigger,
-            predicted_with=with_s / scale,
-            predicted_without=without / scale,
-            readmit_at=iteration + wait,
-        )
-        self.say(
-            f"exclude device {device} (slow {trigger['factor']:.2f}x): {how}, predicted "
-            f"iteration {without / scale:.2f}x the fault-free one without it, "
-            f"{with_s / scale:.2f}x with it; re-admitted on trial after iteration "
-            f"{iteration + wait}"
-        )
-
     def readmit_due(self, iteration: int) -> bool:
         """After `iteration`: re-admit, on trial, excluded devices whose wait is over, while
         `adapt.max_replans` leaves room to exclude one again: the launch plan on the launch
@@ -457,7 +432,7 @@ class PipelineAdaptation:
         running generation: `restarts`)."""
         if self.replans >= self.adapt.max_replans:
             return False
-        due = readmit(self.excluded, self.devices, iteration, self.returned, self.events, self.say)
+        due = self.excluded.readmit(self.devices, iteration, self.returned)
         if not due:
             return False
         self._trial = due
