@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from tests.foundation.conftest import tiny_job
+from unbroken.api import run_job
 from unbroken.config import AdaptConfig, JobConfig
+from unbroken.metrics.log import read_jsonl
 
 
 def adapt_job(
@@ -20,3 +23,12 @@ def adapt_job(
 
 def events_of(summary_events: list[dict], kind: str) -> list[dict]:
     return [e for e in summary_events if e["kind"] == kind]
+
+
+def run_bit_exact(cfg: JobConfig, run_dir: Path) -> tuple[dict, list[dict]]:
+    """`cfg` run beside its fault-free reference: its summary, after asserting the run is done
+    and bit for bit the reference at every iteration, and the faulty run's events."""
+    s = run_job(cfg, run_dir, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    return s, [e for e in read_jsonl(run_dir / "events.jsonl") if e["run"] == "faulty"]

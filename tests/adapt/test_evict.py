@@ -9,10 +9,9 @@ import dataclasses
 
 import pytest
 
-from unbroken.api import run_job
 from unbroken.metrics.log import read_jsonl
 
-from .conftest import adapt_job, events_of
+from .conftest import adapt_job, events_of, run_bit_exact
 
 
 @pytest.mark.slow  # ~60 s on 2 cores; CI runs the policy's decisions (test_adaptation, test_fsm)
@@ -22,10 +21,7 @@ def test_a_slow_rank_is_evicted_and_the_others_restart_from_a_checkpoint_bit_exa
         iterations=30, microbatches=4, inject=["slow:rank=3,iter=12,factor=6"], policy="evict"
     )
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, interval=4))
-    s = run_job(cfg, tmp_path, reference=True, quiet=True)
-    assert s["state"] == "done", s["reason"]
-    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
-    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    _, events = run_bit_exact(cfg, tmp_path)
     (evicted,) = events_of(events, "device_evicted")
     assert evicted["device"] == 3 and evicted["trigger"]["kind"] == "fail_slow"
     (replan,) = events_of(events, "replan")
@@ -52,10 +48,7 @@ def test_a_pipeline_job_evicts_a_slow_device_and_restarts_one_even_pipeline_bit_
         parallel=ParallelConfig(world_size=4, pp=2),
         checkpoint=dataclasses.replace(cfg.checkpoint, interval=4),
     )
-    s = run_job(cfg, tmp_path, reference=True, quiet=True)
-    assert s["state"] == "done", s["reason"]
-    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
-    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    _, events = run_bit_exact(cfg, tmp_path)
     (evicted,) = events_of(events, "device_evicted")
     assert evicted["device"] == 3
     (replan,) = events_of(events, "replan")

@@ -15,11 +15,9 @@ import dataclasses
 
 import pytest
 
-from unbroken.api import run_job
 from unbroken.config import ParallelConfig
-from unbroken.metrics.log import read_jsonl
 
-from .conftest import adapt_job, events_of
+from .conftest import adapt_job, events_of, run_bit_exact
 
 
 def _exclusion(replan: dict, device: int) -> None:
@@ -40,10 +38,7 @@ def test_a_slow_device_of_a_dp_x_pp_job_leaves_comes_back_on_trial_and_leaves_ag
         readmit_after=8,
     )
     cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
-    s = run_job(cfg, tmp_path, reference=True, quiet=True)
-    assert s["state"] == "done", s["reason"]
-    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
-    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    s, events = run_bit_exact(cfg, tmp_path)
     assert not events_of(events, "checkpoint_loaded")  # in place, every time
     first, second = events_of(events, "device_excluded")[:2]
     assert first["device"] == second["device"] == 3
@@ -75,10 +70,7 @@ def test_a_crash_right_after_a_pipeline_exclusion_is_recovered_on_the_one_replic
     faults = ["slow:rank=3,iter=14,factor=8,until=31", "kill:rank=1,iter=21,phase=update"]
     cfg = adapt_job(world_size=4, iterations=28, microbatches=4, inject=faults, readmit_after=50)
     cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
-    s = run_job(cfg, tmp_path, reference=True, quiet=True)
-    assert s["state"] == "done", s["reason"]
-    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
-    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    s, events = run_bit_exact(cfg, tmp_path)
     assert not events_of(events, "checkpoint_loaded")
     (out,) = events_of(events, "replan")
     _exclusion(out, 3)
@@ -103,10 +95,7 @@ def test_a_slow_stage_left_alone_after_a_loss_is_found_and_replaced_by_a_standby
         parallel=ParallelConfig(world_size=4, pp=2),
         checkpoint=dataclasses.replace(cfg.checkpoint, interval=5),
     )
-    s = run_job(cfg, tmp_path, reference=True, quiet=True)
-    assert s["state"] == "done", s["reason"]
-    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
-    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    s, events = run_bit_exact(cfg, tmp_path)
     lost, swap = events_of(events, "replan")
     assert lost["trigger"]["kind"] == "device_lost" and lost["devices_after"] == [2, 3]
     assert lost["restore"] == "in_place"

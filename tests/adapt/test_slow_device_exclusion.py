@@ -12,18 +12,12 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.api import run_job
-from unbroken.metrics.log import read_jsonl
-
-from .conftest import adapt_job, events_of
+from .conftest import adapt_job, events_of, run_bit_exact
 
 
 def _run(tmp_path, inject: str, iterations: int):
     cfg = adapt_job(iterations=iterations, microbatches=4, inject=[inject], readmit_after=8)
-    s = run_job(cfg, tmp_path, reference=True, quiet=True)
-    assert s["state"] == "done", s["reason"]
-    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
-    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    s, events = run_bit_exact(cfg, tmp_path)
     assert not events_of(events, "checkpoint_loaded")  # in place, every time
     return s, events
 
@@ -79,10 +73,7 @@ def test_a_crash_right_after_the_exclusion_is_recovered_in_the_smaller_world(tmp
     stays out until its trial, and the run is still bit-exact with no checkpoint load."""
     faults = ["slow:rank=3,iter=14,factor=8,until=41", "kill:rank=0,iter=20,phase=update"]
     cfg = adapt_job(iterations=30, microbatches=4, inject=faults, readmit_after=50)
-    s = run_job(cfg, tmp_path, reference=True, quiet=True)
-    assert s["state"] == "done", s["reason"]
-    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
-    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    s, events = run_bit_exact(cfg, tmp_path)
     assert not events_of(events, "checkpoint_loaded")
     (out,) = events_of(events, "replan")
     _exclusion(out, 3)
