@@ -450,8 +450,10 @@ class RecoveryConfig:
     """When a GPU shadow (level 2 or 3) runs its kernel warm-up (`unbroken.shadow.warm`):
     at_start = as soon as it starts; after_trainer = once the trainer it would replace has
     completed an iteration (the agent's `WarmUp`), so the successor shadows of a recovery do
-    not compete for the GPU with the promoted trainer's first iteration. Not yet measured on a
-    GPU (the stop-46 run was cut when the machine went away), hence not the default."""
+    not compete for the GPU with the promoted trainer's first iteration. Measured on an H200
+    (bench/results/gpu-h200.md, stop 48): that first iteration +13 % instead of +22 % over
+    steady, but the go waits for an iteration that may save a checkpoint, so a second failure
+    soon after a takeover found no shadow ready (2.1 s instead of 1.2 s): not the default."""
     premap: bool = True
     """Shadows at level 2 or 3 map their device's retained regions once the trainer they would
     replace is training, so a promoted one finds them mapped (on a GPU: every 2 MiB page's
