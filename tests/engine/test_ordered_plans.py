@@ -10,6 +10,8 @@ iterations; so do, from the same initial state and data:
 - the scheduler's micro-batch migration around a slow device (DP migration at stage level);
 - 1 iteration on the launch plan, then the scheduler's layer repartition (the moved layers
   resharded onto the new split), then 2 more;
+- the same with the repartition of the slow replica alone (micro-batches re-owned [1, 3]):
+  replicas with different layouts, folded per set of a parameter's holders;
 - 1 iteration on the launch plan, then a live switch to the migration plan at the boundary
   (`switch_plan`: same state, new groups and action lists), then 2 more.
 
@@ -59,6 +61,11 @@ def _cases():
     assert migrated.migrations
     split = _planned(launch, lambda c: c.with_slow(0, speed=0.25), PlannerConfig(ownership=False))
     assert [g.layers for g in split.replicas[0].stages] == [(0, 1), (1, 4)]
+    lone = _planned(launch, lambda c: c.with_slow(0, speed=0.25), PlannerConfig(exclusion=False))
+    assert [[g.layers for g in rep.stages] for rep in lone.replicas] == [
+        [(0, 1), (1, 4)],
+        [(0, 2), (2, 4)],
+    ]
     ordered, plain = _job("ordered"), _job("allreduce")
     tp_launch = make_plan(2, 1, 2, 4, 2)
     tp_ordered = _job("ordered", pp=1, tp=2)
@@ -71,6 +78,7 @@ def _cases():
         Case("dissolved-other", other, ordered, iterations=3, shards=2),
         Case("migrated", migrated, ordered, iterations=3),
         Case("repartitioned", launch, ordered, iterations=1, then=split, after=2),
+        Case("repartitioned-one", launch, ordered, iterations=1, then=lone, after=2),
         Case("switched", launch, ordered, iterations=1, then=migrated, after=2, switch=True),
         Case("launch-allreduce", launch, plain, iterations=3),
         Case("dissolved-allreduce", dissolved, plain, iterations=3, shards=2),
@@ -83,7 +91,8 @@ def outcomes(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "name", ["dissolved", "dissolved-other", "migrated", "repartitioned", "switched"]
+    "name",
+    ["dissolved", "dissolved-other", "migrated", "repartitioned", "repartitioned-one", "switched"],
 )
 def test_a_replanned_job_matches_the_launch_plan_bit_for_bit(outcomes, name):
     assert_same_run(outcomes["launch"], outcomes[name])

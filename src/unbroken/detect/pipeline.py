@@ -193,8 +193,11 @@ class PlanFit:
 
         Like with like, as `FailSlowDetector._pace_against_peers`: each rank's first action of
         each (stage, kind) per iteration only (the first carries the iteration's start-up, and
-        a re-plan leaves the slow replica fewer micro-batches than its peers). The same stage
-        in another replica has the same layers, so its share of T_MB cancels."""
+        a re-plan leaves the slow replica fewer micro-batches than its peers). Per layer: the
+        stage's share of T_MB cancels, and after a repartition of one replica (its stage k
+        holds other layers than stage k of the others) ranks are compared per layer they hold
+        (an action's cost besides its layers, `fixed_share`, then biases a rank with fewer
+        layers towards slow)."""
         sums: dict[tuple[int, int, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
         plan = self.schedule.plan
         for lengths, stages in window:
@@ -207,9 +210,11 @@ class PlanFit:
                     if (k, kind) in seen or mb not in t:
                         continue
                     seen.add((k, kind))
+                    # Its own replica's stage k (a probe runs the rank's own layers).
+                    lo, hi = plan.replicas[plan.locate(r)[0]].stages[k].layers
                     acc = sums[(r, k, kind)]
                     acc[0] += seconds
-                    acc[1] += t[mb]
+                    acc[1] += t[mb] * (hi - lo)
         paces = {key: o / p for key, (o, p) in sums.items() if p > 0}
         ratios = []
         for (r, k, kind), mine in paces.items():

@@ -223,7 +223,10 @@ def _reductions(
         tied = None
         if groups.tie is not None:
             tied = (groups.tie, state.layout.views(state.grads)[groups.tie_name])
-        ordered = PlanOrderedGradients(plan, groups, state.grads, cfg.data.microbatches, tied)
+        views = state.layout.views(state.grads)
+        ordered = PlanOrderedGradients(
+            plan, groups, state.grads, cfg.data.microbatches, tied, views=views
+        )
         return groups, ordered
     if groups.tie is not None:
         fine = TiedGradReduction(

@@ -82,7 +82,11 @@ class FineShardSync:
 
     dp: int
     tp: TPGroup
-    reductions: list[tuple[dist.ProcessGroup, list[_Piece]]] = field(default_factory=list)
+    reductions: list[tuple[tuple[int, ...], dist.ProcessGroup, list[_Piece]]] = field(
+        default_factory=list
+    )
+    """Per holder tuple this rank is in (sorted): the holders, one per replica in replica
+    order, their group and this rank's pieces."""
     replicated: list[str] = field(default_factory=list)
 
     @classmethod
@@ -94,7 +98,7 @@ class FineShardSync:
         for ranks, by_rank in sorted(holders(plan, args).items()):
             group = dist.new_group([dist.get_global_rank(world, r) for r in ranks])
             if rank in by_rank:
-                sync.reductions.append((group, by_rank[rank]))
+                sync.reductions.append((ranks, group, by_rank[rank]))
         if rank in plan.ranks:
             d, s = plan.locate(rank)
             layers = [g.layers for k, g in enumerate(plan.replicas[d].stages) if k % plan.pp == s]
@@ -106,7 +110,7 @@ class FineShardSync:
 
     def reduce(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Average `grads` (this rank's local gradient tensors by name) across replicas."""
-        for group, pieces in self.reductions:
+        for _, group, pieces in self.reductions:
             views = [
                 grads[p.name] if p.dim is None else grads[p.name].narrow(p.dim, p.start, p.length)
                 for p in pieces

@@ -20,20 +20,33 @@ embedding and the rest in two more), summed in layer order — so moving layers 
 With a tied embedding the two copies' gradients are then summed between their holders, as
 `unbroken.engine.tied` does after the average (two addends: the sum is exact either way).
 
+Replicas whose layouts differ (the scheduler's layer repartition of one replica of a DP x PP
+job, ResiHP §6.2) hold a layer on different stages, so a stage's flat buffers do not line up
+across replicas. There the fold runs per *part*: the parameters with the same holders, one
+rank per replica (`dp_sync.holders`, the groups `FineShardSync` made for them), gathered from
+the flat buffer into one contiguous buffer per part at each `keep` and folded over the part's
+holders exactly as above. The fold is elementwise, so a parameter's gradient is the same sum in
+the same id order whichever stage holds it: a run that moves layers on one replica stays bit
+for bit on the launch plan's result.
+
 What it refuses (`ValueError`): virtual stages and split backward (a W action writes weight
-gradients after other micro-batches' Bs), and replicas whose layouts differ (their flat
-buffers do not line up; `FineShardSync` averages those).
+gradients after other micro-batches' Bs), and replicas whose layouts differ above TP 1 (a
+replicated norm weight's reduced gradient would also have to reach the other TP positions).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
+from unbroken.engine.dp_sync import FineShardSync
 from unbroken.engine.groups import PlanGroups
 from unbroken.parallel import ActionKind, DataPlacement, ParallelPlan, same_layouts
 from unbroken.train.ordered import OrderedGradients
-from unbroken.train.phases import PhaseHook
+from unbroken.train.phases import Phase, PhaseHook
 
 __all__ = ["PlanOrderedGradients", "check_ordered_plan"]
 
@@ -47,8 +60,42 @@ def check_ordered_plan(plan: ParallelPlan) -> None:
             "the ordered reduction of a plan needs a schedule without split backward (1f1b or "
             "gpipe, not zb_h1)"
         )
-    if not same_layouts(plan):
-        raise ValueError("the ordered reduction of a plan needs replicas with one layout")
+    if not same_layouts(plan) and any(g.tp > 1 for rep in plan.replicas for g in rep.stages):
+        raise ValueError(
+            "the ordered reduction of replicas with different layouts needs TP 1 on every stage"
+        )
+
+
+def _placement(plan: ParallelPlan, shard_microbatches: int, items) -> DataPlacement:
+    m = shard_microbatches
+    if plan.total_microbatches % m:
+        raise ValueError(f"{plan.total_microbatches} micro-batches are not shards of {m}")
+    return DataPlacement(plan.total_microbatches // m, m, tuple(map(tuple, items)))
+
+
+def _backwarded(plan: ParallelPlan, rank: int) -> list[int]:
+    """The micro-batches `rank` runs its stage's backward for, in id order."""
+    d, s = plan.locate(rank)
+    return [mb for mb in range(plan.total_microbatches) if plan.executor(mb, s) == d]
+
+
+@dataclass(slots=True)
+class _Part:
+    """The parameters of this rank with one set of holders (replicas with different layouts):
+    their gradient views in the flat buffer and the contiguous buffer the fold runs on."""
+
+    views: list[torch.Tensor]
+    buf: torch.Tensor
+    reduction: OrderedGradients
+
+    def gather(self) -> None:
+        torch.cat([v.reshape(-1) for v in self.views], out=self.buf)
+
+    def scatter(self) -> None:
+        offset = 0
+        for v in self.views:
+            v.copy_(self.buf[offset : offset + v.numel()].view_as(v))
+            offset += v.numel()
 
 
 class PlanOrderedGradients:
@@ -69,34 +116,89 @@ class PlanOrderedGradients:
         grads: torch.Tensor,
         shard_microbatches: int,
         tied: tuple[dist.ProcessGroup, torch.Tensor] | None = None,
+        views: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         check_ordered_plan(plan)
-        self.tied = tied
+        self.tied, self.grads = tied, grads
         self.reduction: OrderedGradients | None = None
-        """None on a standby (it holds no stage and only joins the sync)."""
+        """The stage's fold when the replicas share one layout (None on a standby)."""
+        self.parts: list[_Part] = []
+        """The folds per set of holders when they do not (module docstring)."""
+        self.index: dict[int, int] = {}
         if groups.rank not in plan.ranks:
+            return
+        mine = _backwarded(plan, groups.rank)
+        self.index = {mb: j for j, mb in enumerate(mine)}
+        if not same_layouts(plan):
+            self._parts(plan, groups, shard_microbatches, views)
             return
         d, s = plan.locate(groups.rank)
         items = [[] for _ in range(plan.dp)]
         for mb in range(plan.total_microbatches):
             items[plan.executor(mb, s)].append(mb)
-        m = shard_microbatches
-        if plan.total_microbatches % m:
-            raise ValueError(f"{plan.total_microbatches} micro-batches are not shards of {m}")
-        placement = DataPlacement(plan.total_microbatches // m, m, tuple(map(tuple, items)))
+        placement = _placement(plan, shard_microbatches, items)
         group = groups.dp if groups.dp_size > 1 else None
         self.reduction = OrderedGradients(grads, placement, d, group)
-        self.index = {mb: j for j, mb in enumerate(self.reduction.items)}
+
+    def _parts(
+        self,
+        plan: ParallelPlan,
+        groups: PlanGroups,
+        shard_microbatches: int,
+        views: Mapping[str, torch.Tensor] | None,
+    ) -> None:
+        if views is None or not isinstance(groups.fine, FineShardSync):
+            raise ValueError(
+                "replicas with different layouts: the ordered reduction needs the gradient's "
+                "views by name and the groups' FineShardSync"
+            )
+        for ranks, group, pieces in groups.fine.reductions:
+            # The fold's rows are indexed by rank in the part's group (torch numbers a group's
+            # ranks in sorted order, not in the replica order of `ranks`).
+            where = [
+                dist.get_group_rank(group, dist.get_global_rank(groups.world, r)) for r in ranks
+            ]
+            items: list[list[int]] = [[] for _ in ranks]
+            for r, g in zip(ranks, where, strict=True):
+                items[g] = _backwarded(plan, r)
+            part_views = [views[p.name] for p in pieces]
+            n = sum(v.numel() for v in part_views)
+            buf = torch.zeros(n, dtype=self.grads.dtype, device=self.grads.device)
+            me = where[ranks.index(groups.rank)]
+            placement = _placement(plan, shard_microbatches, items)
+            self.parts.append(_Part(part_views, buf, OrderedGradients(buf, placement, me, group)))
 
     def keep(self, microbatch: int) -> None:
         """After this rank's backward of `microbatch`: set its gradient aside."""
-        assert self.reduction is not None, "a standby runs no backward"
-        self.reduction.keep(self.index[microbatch])
+        j = self.index[microbatch]
+        if self.reduction is not None:
+            self.reduction.keep(j)
+            return
+        assert self.parts, "a standby runs no backward"
+        for part in self.parts:
+            part.gather()
+            part.reduction.keep(j)
+        self.grads.zero_()
 
     def reduce(self, hook: PhaseHook, iteration: int) -> None:
         """The stage's gradient into the flat buffer (collective over the stage's holders)."""
-        assert self.reduction is not None, "a standby reduces nothing"
-        self.reduction.reduce(hook, iteration)
+        if self.reduction is not None:
+            self.reduction.reduce(hook, iteration)
+        else:
+            assert self.parts, "a standby reduces nothing"
+            last = len(self.parts) - 1
+            for i, part in enumerate(self.parts):
+
+                def relay(phase: Phase, it: int, step: int = 0, n: int = 1, i: int = i) -> None:
+                    # One reduction to the hooks: the first part's start, the last's middle
+                    # and end.
+                    if (i == 0 and phase is Phase.ALLREDUCE and step == 0) or (
+                        i == last and (phase is not Phase.ALLREDUCE or step > 0)
+                    ):
+                        hook(phase, it, step, n)
+
+                part.reduction.reduce(relay, iteration)
+                part.scatter()
         if self.tied is not None:
             group, view = self.tied
             dist.all_reduce(view, group=group)

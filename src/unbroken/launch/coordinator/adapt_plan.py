@@ -38,7 +38,8 @@ replicas. A pipeline job at TP 1 (`parallel.pp` > 1) is re-planned here:
 
 - **A slow device, layers moved** (`moves_layers`: the job retains its state; a plan with
   layer repartition (ResiHP §6.2) predicted `adapt.min_gain` faster than the best plan that
-  keeps every rank's layers, whose replicas share one layout — a one-replica pipeline): the plan is
+  keeps every rank's layers — in a DP x PP job typically the slow replica's layers alone, its
+  replicas then in two layouts, which the ordered reduction folds per parameter): the plan is
   adopted at a planned stop (`restarts`), and the next generation runs it on the same devices
   in `RestoreMode.RESHARD`: each rank reattaches its retained state of the plan before,
   brings it to the boundary in place, and the ranks move parameters and optimizer moments to
@@ -47,8 +48,8 @@ replicas. A pipeline job at TP 1 (`parallel.pp` > 1) is re-planned here:
 The plan of a lost device travels in the generation spec (`GenerationSpec.plan`), its ranks
 numbered 0..n-1 in the survivors' device order. A slow device at full speed again
 (`on_recovered`) is healthy in the cluster state again: in a DP x PP job (the fail-slow watch
-compared it with its stages' holders in the other replicas) it gets its micro-batches back,
-live, the same way they left; in a one-replica pipeline (the watch held it to its own compute
+compared it with its stages' holders in the other replicas, per layer) it gets its micro-batches
+back, live, the same way they left, or its layers when they moved; in a one-replica pipeline (the watch held it to its own compute
 per layer before the slowdown, `unbroken.detect.pipeline.LayerPace`) the scheduler's plan with
 layer repartition gives its layers back the way they left (`_layers_back`: a planned stop,
 `RestoreMode.RESHARD`, no checkpoint). Both count against `adapt.max_replans`.
@@ -294,20 +295,16 @@ class PipelineAdaptation:
     def _best_plan(self) -> tuple[PlanResult, bool]:
         """The scheduler's plan for the current state and whether it moves layers: the best
         plan that keeps every rank's layers, unless moving layers is allowed and predicted
-        `adapt.min_gain` faster still. A plan whose replicas hold different layouts is not
-        run: the ordered reduction folds a layer's gradient over the replicas in one layout
-        (`unbroken.engine.ordered_plan`), and the scheduler's repartition of a DP x PP job
-        moves the slow replica's layers alone — so today only one-replica pipelines move."""
+        `adapt.min_gain` faster still. The scheduler's repartition of a DP x PP job moves the
+        slow replica's layers alone; the ordered reduction folds each parameter over its
+        holders, wherever they hold it (`unbroken.engine.ordered_plan`), so such a plan runs
+        bit-exactly too."""
         keep = plan_for_state(self.state, _planner(_LIVE, self.adapt))
         if not self.moves_layers:
             return keep, False
         move = plan_for_state(self.state, _planner(_MOVE, self.adapt))
         plan = move.plan()
-        if (
-            move.kept_current
-            or keeps_stages(self.plan, self.devices, plan, self.devices)
-            or not same_layouts(plan)
-        ):
+        if move.kept_current or keeps_stages(self.plan, self.devices, plan, self.devices):
             return keep, False
         if move.predicted_s < keep.predicted_s * (1.0 - self.adapt.min_gain):
             return move, True
@@ -444,7 +441,8 @@ class PipelineAdaptation:
         state and the scheduler's live plan for that state (micro-batches back to its replica:
         the launch counts when every device is healthy) is published like a fail-slow re-plan.
         A one-replica pipeline's rank (`factor`: its compute per layer over its healthy one,
-        `LayerPace`) gets its layers back the way they left (`_layers_back`). Counted against
+        `LayerPace`), or any rank of a job whose layers moved, gets the layers back the way
+        they left (`_layers_back`). Counted against
         `adapt.max_replans` (a moderate slowdown can look recovered on a machine whose ranks
         share cores; the job must not switch back and forth for ever). Returns whether it
         re-planned."""
@@ -459,7 +457,9 @@ class PipelineAdaptation:
         if self.replans >= self.adapt.max_replans:
             return self._skip(trigger, f"adapt.max_replans = {self.adapt.max_replans} reached")
         self.state = self.state.with_healthy(rank)
-        if self.plan.dp == 1:
+        if self.plan.dp == 1 or not keeps_stages(
+            self.launch, self.launch_devices, self.plan, self.devices
+        ):
             return self._layers_back(trigger, iter_s)
         result = plan_for_state(self.state, _planner(_LIVE, self.adapt))
         plan = result.plan()
@@ -476,12 +476,35 @@ class PipelineAdaptation:
         launch split when every device is healthy) is adopted like a fail-slow move — at a
         planned stop, the next generation moving the state between the ranks' retained
         buffers (`RestoreMode.RESHARD`), no checkpoint — when it moves layers and is
-        predicted `adapt.min_gain` faster than the running plan."""
+        predicted `adapt.min_gain` faster than the running plan. The scheduler repartitions
+        around slow devices only, so a DP x PP job whose slow replica's layers moved alone
+        finds no move once every device is healthy: there the launch plan is the candidate
+        (`_launch_again`)."""
         result, moves = self._best_plan()
         if not moves:
-            return self._skip(trigger, "the plan for the healthy device keeps the running layers")
+            again = self._launch_again(result.current_s)
+            if again is None:
+                return self._skip(
+                    trigger, "the plan for the healthy device keeps the running layers"
+                )
+            result = again
         self._decide_move(result, trigger, iter_s)
         return True
+
+    def _launch_again(self, running_s: float) -> PlanResult | None:
+        """The launch plan, priced for the current state, as a move from the running plan
+        (predicted `running_s`): when every launch device runs it at full speed and it is
+        predicted `adapt.min_gain` faster. None otherwise."""
+        if self.devices != self.launch_devices or self.state.slowdown():
+            return None
+        if keeps_stages(self.launch, self.launch_devices, self.plan, self.devices):
+            return None
+        launch = plan_for_state(
+            cluster(self.launch, self.state.workload), _planner(_LIVE, self.adapt)
+        )
+        if not launch.kept_current or launch.current_s >= running_s * (1.0 - self.adapt.min_gain):
+            return None
+        return replace(launch, current_s=running_s)
 
     def spec_fields(self) -> dict[str, Any]:
         """The generation spec's fields of the running plan."""
