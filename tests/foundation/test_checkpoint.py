@@ -83,6 +83,20 @@ def test_keep_prunes_old_checkpoints(tmp_path):
     assert [c.iteration for c in list_checkpoints(tmp_path)] == [4, 5]
 
 
+def test_a_torn_save_is_removed_once_a_newer_checkpoint_is_sealed(tmp_path):
+    # A crash inside the save of iteration 2 (files written, never sealed), and one of 9 after
+    # a newer seal: the save of 4 removes the torn 2 (no generation resumes it), not the 9
+    # (newer than every sealed one: it may be a save in progress).
+    _save(tmp_path, 1.0, 1, keep=3)
+    for it in (2, 9):
+        torn = tmp_path / f"iter_{it:08d}"
+        torn.mkdir()
+        (torn / "__0_0.distcp").write_bytes(b"x" * 64)
+    _save(tmp_path, 3.0, 3, keep=3)
+    _save(tmp_path, 4.0, 4, keep=3)
+    assert [c.iteration for c in list_checkpoints(tmp_path)] == [1, 3, 4, 9]
+
+
 def test_young_interval():
     # sqrt(2 * C * MTTF) / t_iter
     assert young_interval(2.0, 600.0, 1.0, 10_000) == round(math.sqrt(2 * 2 * 600))

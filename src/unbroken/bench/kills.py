@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import statistics
 import threading
@@ -344,6 +345,12 @@ def _line(rec: KillRecord, trials: int, run: int, aimed: bool) -> str:
     )
 
 
+def _drop_checkpoints(run_dir: Path) -> None:
+    """A finished run's checkpoints: the campaign reads only its events and metrics (a 125m
+    run keeps three saves of 1.5 GB each; thirty trials would fill a device machine's disk)."""
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+
+
 def run_campaign(
     cfg: JobConfig,
     root: Path,
@@ -371,6 +378,7 @@ def run_campaign(
     _job_nice()  # refuse before the reference runs, not silently in the killer thread
     t0 = time.time()
     reference_hash = run_job(cfg, root / "reference", quiet=True)["final_state_hash"]
+    _drop_checkpoints(root / "reference")
     # Kill times are drawn over the reference's training after its first iteration (start-up
     # excluded: the killer starts counting at the first completed iteration), split evenly
     # between a run's kills.
@@ -387,6 +395,7 @@ def run_campaign(
             for j in range(min(per, trials - len(records)))
         ]
         _trial(cfg, root / f"trial{run:03d}", recs, random.Random(rng.random()), aimed)
+        _drop_checkpoints(root / f"trial{run:03d}")
         for rec in recs:
             rec.exact = rec.final_hash == reference_hash
             say(_line(rec, trials, run, aimed))

@@ -352,8 +352,15 @@ def read_layout(info: CheckpointInfo) -> str | None:
 
 
 def _prune(root: Path, keep: int) -> None:
-    valid = [c for c in list_checkpoints(root) if (c.path / MANIFEST).exists()]
-    for old in valid[:-keep]:
+    """Keep the newest `keep` sealed checkpoints, and remove every torn save (no manifest)
+    older than the newest sealed one: a save cut by a crash that no later generation redid —
+    nothing resumes a save of an iteration a sealed checkpoint has passed. (A 30-kill campaign
+    of asynchronous 125m saves, most kills at a save, left 52 GB in its run directories on the
+    H200 machine's 64 GB disk at stop 48; such torn saves are the likely bulk of it.)"""
+    every = list_checkpoints(root)
+    valid = [c for c in every if (c.path / MANIFEST).exists()]
+    torn = [c for c in every if valid and c.iteration < valid[-1].iteration and c not in valid]
+    for old in valid[:-keep] + torn:
         shutil.rmtree(old.path, ignore_errors=True)
 
 
