@@ -63,6 +63,11 @@ def test_both_launch_plans_run_by_default_and_the_pipeline_one_is_pp2_x_dp2():
     job = bench._job(args, [], "ours", "pp2")
     assert (job.parallel.pp, job.parallel.dp, job.parallel.reduce) == (2, 2, "ordered")
     assert job.adapt.enabled and bench._plan_name(args, "pp2") == "pp2xdp2"
+    assert job.model.n_layers is None  # the tiny preset's two layers
+    # --layers 4: layers can move between a pipeline's stages; the plan's name says so.
+    four = _args(layers=4)
+    assert bench._job(four, [], "ours", "pp2").model.n_layers == 4
+    assert bench._plan_name(four, "pp2") == "pp2xdp2-l4"
     with pytest.raises(UserError, match="unknown tp2"):
         bench._plans("dp,tp2")
 

@@ -89,6 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--severe-factor", type=float, default=None, help="(default: calibrated)")
     p.add_argument("--world-size", type=int, default=4, help="ranks (default 4)")
     p.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="the tiny model's layers (default: the preset's 2; with 4 a pipeline's layers can "
+        "move between its stages)",
+    )
+    p.add_argument(
         "--plans",
         default="dp,pp2",
         help="comma-separated launch plans: dp (DP = W), pp2 (PP = 2 x DP = W/2); default both",
@@ -120,7 +127,8 @@ SCENARIOS = ("medium", "severe", "slowlink", "lost", "mixed", "load")
 
 def _plan_name(args: argparse.Namespace, plan: str) -> str:
     w = args.world_size
-    return f"dp{w}" if plan == "dp" else f"pp2xdp{w // 2}"
+    name = f"dp{w}" if plan == "dp" else f"pp2xdp{w // 2}"
+    return f"{name}-l{args.layers}" if args.layers else name
 
 
 def _job(args: argparse.Namespace, inject: list[str], policy: str, plan: str = "dp"):
@@ -136,7 +144,7 @@ def _job(args: argparse.Namespace, inject: list[str], policy: str, plan: str = "
     )
 
     return JobConfig(
-        model=ModelConfig(preset="tiny"),
+        model=ModelConfig(preset="tiny", **({"n_layers": args.layers} if args.layers else {})),
         data=DataConfig(tokens_per_microbatch=64, microbatches=4, max_documents=200),
         train=TrainConfig(iterations=args.iterations, lr=1e-3),
         parallel=ParallelConfig(
