@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests.foundation.conftest import tiny_job
 from unbroken.api import run_job
-from unbroken.config import AdaptConfig, JobConfig
+from unbroken.config import AdaptConfig, JobConfig, ParallelConfig
 from unbroken.metrics.log import read_jsonl
 
 
@@ -19,6 +19,14 @@ def adapt_job(
     cfg = tiny_job(world_size=world_size, iterations=iterations, inject=list(inject), interval=1000)
     data = dataclasses.replace(cfg.data, microbatches=microbatches)
     return dataclasses.replace(cfg, data=data, adapt=AdaptConfig(enabled=True, **adapt))
+
+
+def pp2_job(*, iterations: int, inject=(), n_layers: int | None = None, **adapt) -> JobConfig:
+    """`adapt_job` on PP = 2 x DP = 2 over 4 ranks with 4 micro-batches per shard (the tiny
+    model, with `n_layers` when given: 4 lets a replica's layers move between its stages)."""
+    cfg = adapt_job(world_size=4, iterations=iterations, microbatches=4, inject=inject, **adapt)
+    model = dataclasses.replace(cfg.model, n_layers=n_layers) if n_layers else cfg.model
+    return dataclasses.replace(cfg, model=model, parallel=ParallelConfig(world_size=4, pp=2))
 
 
 def events_of(summary_events: list[dict], kind: str) -> list[dict]:

@@ -15,9 +15,7 @@ import dataclasses
 
 import pytest
 
-from unbroken.config import ParallelConfig
-
-from .conftest import adapt_job, events_of, run_bit_exact
+from .conftest import events_of, pp2_job, run_bit_exact
 
 
 def _exclusion(replan: dict, device: int) -> None:
@@ -30,14 +28,7 @@ def _exclusion(replan: dict, device: int) -> None:
 
 @pytest.mark.timeout(600)
 def test_a_slow_device_of_a_dp_x_pp_job_leaves_comes_back_on_trial_and_leaves_again(tmp_path):
-    cfg = adapt_job(
-        world_size=4,
-        iterations=40,
-        microbatches=4,
-        inject=["slow:rank=3,iter=14,factor=8,until=41"],
-        readmit_after=8,
-    )
-    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
+    cfg = pp2_job(iterations=40, inject=["slow:rank=3,iter=14,factor=8,until=41"], readmit_after=8)
     s, events = run_bit_exact(cfg, tmp_path)
     assert not events_of(events, "checkpoint_loaded")  # in place, every time
     first, second = events_of(events, "device_excluded")[:2]
@@ -68,8 +59,7 @@ def test_a_crash_right_after_a_pipeline_exclusion_is_recovered_on_the_one_replic
     left with its replica: the one-replica world recovers in place (its shadow takes over),
     devices 2 and 3 stay out, and the run is still bit-exact with no checkpoint load."""
     faults = ["slow:rank=3,iter=14,factor=8,until=31", "kill:rank=1,iter=21,phase=update"]
-    cfg = adapt_job(world_size=4, iterations=28, microbatches=4, inject=faults, readmit_after=50)
-    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=4, pp=2))
+    cfg = pp2_job(iterations=28, inject=faults, readmit_after=50)
     s, events = run_bit_exact(cfg, tmp_path)
     assert not events_of(events, "checkpoint_loaded")
     (out,) = events_of(events, "replan")
@@ -89,12 +79,8 @@ def test_a_slow_stage_left_alone_after_a_loss_is_found_and_replaced_by_a_standby
     and reported at the warm-up's end; the standby takes its stage from the newest checkpoint
     (`PipelineAdaptation._swap`). Bit-exact against the fault-free launch plan."""
     faults = ["lose:rank=1,iter=14,phase=update", "slow:rank=3,iter=17,factor=8,until=41"]
-    cfg = adapt_job(world_size=4, iterations=40, microbatches=4, inject=faults)
-    cfg = dataclasses.replace(
-        cfg,
-        parallel=ParallelConfig(world_size=4, pp=2),
-        checkpoint=dataclasses.replace(cfg.checkpoint, interval=5),
-    )
+    cfg = pp2_job(iterations=40, inject=faults)
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, interval=5))
     s, events = run_bit_exact(cfg, tmp_path)
     lost, swap = events_of(events, "replan")
     assert lost["trigger"]["kind"] == "device_lost" and lost["devices_after"] == [2, 3]
