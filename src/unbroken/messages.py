@@ -101,6 +101,9 @@ class NodeBeat(Message):
     generation: int = -1
     """The generation the node runs (its last `StartGeneration`; -1 before the first). One
     newer than the coordinator's is a contradiction and refused."""
+    shadows_for: int = -1
+    """The generation every rank of the node has a live shadow for (-1: none, or some rank's
+    is not spawned yet): what lets the coordinator promote on every node or on none."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,6 +233,11 @@ class StartGeneration(Message):
     world_changed: bool = False
     """The generation's world differs from the one its shadows were prepared for (a device was
     lost): start fresh trainers; the shadows are discarded."""
+    promote: bool | None = None
+    """None: promote the node's shadows when every local rank has a live one. False: start
+    fresh trainers even so — a job on several nodes promotes on every node or on none, since
+    promoted L3 shadows keep their own group (a mirror world) and would wait for the other
+    node's shadows, which it did not have (`NodeBeat.shadows_for`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

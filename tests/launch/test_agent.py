@@ -57,6 +57,8 @@ class FakeCoordinator:
         self.node_beats = 0
         self.beat_generations: set[int] = set()
         """The generations the node's beats said it runs."""
+        self.beat_shadows: set[int] = set()
+        """The generations the node's beats said every rank had a live shadow for."""
 
     def send(self, msg: Message) -> None:
         self.channel.send(msg)
@@ -78,6 +80,19 @@ class FakeCoordinator:
             if isinstance(msg, NodeBeat):
                 self.node_beats += 1
                 self.beat_generations.add(msg.generation)
+                self.beat_shadows.add(msg.shadows_for)
+            else:
+                self.backlog.append(msg)
+
+    def beat_with_shadows_for(self, generation: int) -> None:
+        """Read on until a node beat says every rank has a live shadow for `generation`."""
+        deadline = time.monotonic() + WAIT_S
+        while generation not in self.beat_shadows:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no beat with shadows for {generation}: {self.beat_shadows}"
+            msg = self.channel.recv_blocking(timeout=left)
+            if isinstance(msg, NodeBeat):
+                self.beat_shadows.add(msg.shadows_for)
             else:
                 self.backlog.append(msg)
 
@@ -240,6 +255,29 @@ def test_ready_shadows_are_promoted_into_the_next_generation(node):
         assert (exited.generation, exited.returncode) == (1, code)
     pids = node.shutdown()
     assert len(pids) == 4 and all(_gone(p) for p in pids)
+
+
+def test_live_shadows_are_reported_and_not_promoted_when_the_coordinator_says_so(node):
+    # A job on several nodes promotes on every node or on none: the node's beat says its
+    # ranks have live shadows for generation 1, and `promote=False` (another node had none)
+    # starts fresh trainers beside them; the shadows are reclaimed.
+    spec1 = node.spec(1, {0: {"exit": 5}, 1: {"exit": 6}})
+    spec0 = node.spec(0, {0: {"then": "run"}, 1: {"then": "run"}})
+    plan = ShadowPlan(level=2, start="exec", next_spec=spec1)
+    node.start(0, spec0, [0, 1], shadows=plan)
+    coord = node.coordinator
+    coord.beat_with_shadows_for(1)
+    shadows = {t.proc.pid for t in node.agent.pool.shadows.values()}
+    coord.send(StopGeneration(generation=0))
+    coord.expect(Stopped, generation=0)
+    fresh = node.start(1, spec1, [0, 1], promote=False)
+    assert (fresh.promoted, fresh.shadows_ready) == (False, 0)
+    assert {t.proc.pid for t in node.agent.trainers.values()}.isdisjoint(shadows)
+    for rank, code in ((0, 5), (1, 6)):
+        exited = coord.expect(RankExited, rank=rank)
+        assert (exited.generation, exited.returncode) == (1, code)
+    assert all(_gone(p) for p in shadows)
+    node.shutdown()
 
 
 def test_an_allocation_failure_reclaims_the_shadows_and_relaunches_them(node):

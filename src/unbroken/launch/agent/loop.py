@@ -125,7 +125,8 @@ class Agent:
 
     def start(self, msg: StartGeneration) -> None:
         """Start a generation: promote its shadows when every rank has a live one (no process
-        start, no rendezvous), else spawn trainers; then pre-initialize the next shadows."""
+        start, no rendezvous) and the coordinator does not say otherwise (`promote`), else
+        spawn trainers; then pre-initialize the next shadows."""
         self.hangs = dataclasses.replace(self.hangs, timeout_s=msg.heartbeat_timeout_s)
         self.node_beat_s = msg.node_heartbeat_s
         self.generation = max(self.generation, msg.generation)
@@ -141,7 +142,7 @@ class Agent:
             promoted = self._promote_into_new_world(msg)
             ready = 0
         else:
-            promoted = self.pool.alive_for(gen, ranks)
+            promoted = msg.promote is not False and self.pool.alive_for(gen, ranks)
             ready = self.pool.ready_count(ranks) if promoted else 0
             if promoted:
                 for r in ranks:
@@ -329,8 +330,21 @@ class Agent:
             # The node's liveness for the coordinator: a decision-free beat, one per interval
             # (raw trainer heartbeats never leave the node).
             self._last_node_beat = now
-            beat = NodeBeat(t=now, trainers=len(self.trainers), generation=self.generation)
+            beat = NodeBeat(
+                t=now,
+                trainers=len(self.trainers),
+                generation=self.generation,
+                shadows_for=self._shadows_for(),
+            )
             self.channel.send(beat)
+
+    def _shadows_for(self) -> int:
+        """The generation every local rank has a live shadow for (-1: none; `NodeBeat`)."""
+        start = self._last_start
+        if start is None or not start.ranks:
+            return -1
+        nxt = start.generation + 1
+        return nxt if self.pool.alive_for(nxt, start.ranks) else -1
 
     def _report_memory(self, msg: MemoryReport) -> None:
         self.channel.send(dataclasses.replace(msg, generation=self.generation))

@@ -172,6 +172,8 @@ class CoordinatorCore:
         self.done_reason = ""
         self._begun = False
         self._started: dict[int, set[int]] = {}
+        self._shadows_for: dict[int, int] = {}
+        """node -> the generation its last beat had a live shadow of every rank for (-1)."""
         self._stopped: dict[int, set[int]] = {}
         self._last_failure_t = 0.0
         self._faults = [parse_fault(s) for s in cfg.inject]
@@ -206,6 +208,7 @@ class CoordinatorCore:
             else:
                 self._standby(node, msg)
         elif isinstance(msg, NodeBeat):
+            self._shadows_for[node] = msg.shadows_for
             return
         elif isinstance(msg, Started):
             self._started_on(node, msg)
@@ -765,6 +768,7 @@ class CoordinatorCore:
             )
         sockets = self._state_sockets()
         rec = self.cfg.recovery
+        promote = self._promote(action.generation, changed)
         for node in self.live_nodes:
             ranks = self.layout.ranks_of(node)
             devices = {str(r): self.devices[r] for r in ranks}
@@ -787,8 +791,28 @@ class CoordinatorCore:
                     devices=devices,
                     device_registry=str(self.registry),
                     world_changed=changed,
+                    promote=promote,
                 ),
             )
+
+    def _promote(self, generation: int, changed: bool) -> bool | None:
+        """Whether the nodes may promote their shadows into `generation`: on one node the agent
+        decides (None); on several, only when every node's last beat had a live shadow for
+        each of its ranks — else none does (False): one node's promoted L3 shadows keep their
+        mirror-world group and would wait there for the other node's shadows, which that node
+        did not have (its fork server still importing, say), until the collective timeout.
+        A changed world regroups the promoted shadows anyway (None)."""
+        nodes = self.live_nodes
+        if len(nodes) < 2 or changed or generation == 0:
+            return None
+        if all(self._shadows_for.get(n) == generation for n in nodes):
+            return None
+        self.events.emit(
+            "shadows_not_promoted",
+            generation=generation,
+            shadows_for={str(n): self._shadows_for.get(n, -1) for n in nodes},
+        )
+        return False
 
     def _log_transitions(self) -> None:
         while self.fsm.transitions:
