@@ -103,7 +103,8 @@ class NodeBeat(Message):
     newer than the coordinator's is a contradiction and refused."""
     shadows_for: int = -1
     """The generation every rank of the node has a live shadow for (-1: none, or some rank's
-    is not spawned yet): what lets the coordinator promote on every node or on none."""
+    is not spawned yet): whether promoted shadows elsewhere must regroup
+    (`StartGeneration.regroup`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -233,11 +234,10 @@ class StartGeneration(Message):
     world_changed: bool = False
     """The generation's world differs from the one its shadows were prepared for (a device was
     lost): start fresh trainers; the shadows are discarded."""
-    promote: bool | None = None
-    """None: promote the node's shadows when every local rank has a live one. False: start
-    fresh trainers even so — a job on several nodes promotes on every node or on none, since
-    promoted L3 shadows keep their own group (a mirror world) and would wait for the other
-    node's shadows, which it did not have (`NodeBeat.shadows_for`)."""
+    regroup: bool = False
+    """Promoted shadows leave the group their set formed (a mirror world of every node's
+    shadows) and join the generation's own rendezvous: some node has no live shadow for each
+    of its ranks (`NodeBeat.shadows_for`) and starts fresh trainers, which join there."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -257,27 +257,27 @@ def test_ready_shadows_are_promoted_into_the_next_generation(node):
     assert len(pids) == 4 and all(_gone(p) for p in pids)
 
 
-def test_live_shadows_are_reported_and_not_promoted_when_the_coordinator_says_so(node):
-    # A job on several nodes promotes on every node or on none: the node's beat says its
-    # ranks have live shadows for generation 1, and `promote=False` (another node had none)
-    # starts fresh trainers beside them; the shadows are reclaimed.
+def test_live_shadows_are_reported_and_regroup_when_the_coordinator_says_so(node):
+    # The node's beat says its ranks have live shadows for generation 1; with `regroup`
+    # (another node starts fresh trainers) its parked shadows are still promoted — under their
+    # own ranks, to meet the fresh ones in the generation's own group: no new process.
     spec1 = node.spec(1, {0: {"exit": 5}, 1: {"exit": 6}})
     spec0 = node.spec(0, {0: {"then": "run"}, 1: {"then": "run"}})
     plan = ShadowPlan(level=2, start="exec", next_spec=spec1)
     node.start(0, spec0, [0, 1], shadows=plan)
     coord = node.coordinator
     coord.beat_with_shadows_for(1)
-    shadows = {t.proc.pid for t in node.agent.pool.shadows.values()}
+    for r in (0, 1):
+        _wait_until(lambda r=r: node.seen_beat(r, RankStatus.SHADOW_READY, shadow=True), "ready")
     coord.send(StopGeneration(generation=0))
     coord.expect(Stopped, generation=0)
-    fresh = node.start(1, spec1, [0, 1], promote=False)
-    assert (fresh.promoted, fresh.shadows_ready) == (False, 0)
-    assert {t.proc.pid for t in node.agent.trainers.values()}.isdisjoint(shadows)
+    started = node.start(1, spec1, [0, 1], regroup=True)
+    assert started.promoted is True
     for rank, code in ((0, 5), (1, 6)):
         exited = coord.expect(RankExited, rank=rank)
         assert (exited.generation, exited.returncode) == (1, code)
-    assert all(_gone(p) for p in shadows)
-    node.shutdown()
+    pids = node.shutdown()
+    assert len(pids) == 4 and all(_gone(p) for p in pids)  # 2 trainers, 2 shadows promoted
 
 
 def test_an_allocation_failure_reclaims_the_shadows_and_relaunches_them(node):

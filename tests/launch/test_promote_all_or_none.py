@@ -1,11 +1,12 @@
-"""A job on several nodes promotes its shadows on every node or on none (`CoordinatorCore.
-_promote`, `StartGeneration.promote`): promoted L3 shadows keep their own group, a mirror
-world of every node's shadows, so one node promoting while another starts fresh trainers (its
-shadows not spawned yet: its fork server still importing) left the promoted ones waiting for
-the other node's shadows until the collective timeout (seen once in
+"""Shadows promoted on one node while another starts fresh trainers regroup
+(`CoordinatorCore._regroup`, `StartGeneration.regroup`): promoted L3 shadows keep their own
+group, a mirror world of every node's shadows, so one node promoting while another starts
+fresh trainers (its shadows not spawned yet: its fork server still importing) left the
+promoted ones waiting for the other node's shadows until the collective timeout (seen once in
 tests/launch/test_multinode.py under load). Each node's beat says which generation every one of
 its ranks has a live shadow for (`NodeBeat.shadows_for`); the coordinator's core decides from
-the last beats. The agent's side is tested in test_agent.py."""
+the last beats, and the agents then promote only parked shadows, into the generation's own
+group, as in a changed world. The agent's side is tested in test_agent.py."""
 
 from __future__ import annotations
 
@@ -34,18 +35,18 @@ def _failed_in_generation_0(job: TwoNodes, shadows_for: dict[int, int]) -> dict[
     return {n: m for n, m in job.take() if isinstance(m, StartGeneration)}
 
 
-def test_every_node_promotes_when_every_node_has_live_shadows(tmp_path):
+def test_shadows_keep_their_group_when_every_node_has_live_shadows(tmp_path):
     job = TwoNodes(tmp_path, adapt=False)
     starts = _failed_in_generation_0(job, {0: 1, 1: 1})
     assert sorted(starts) == [0, 1] and all(m.generation == 1 for m in starts.values())
-    assert [m.promote for m in starts.values()] == [None, None]  # the agents promote
-    assert job.records("shadows_not_promoted") == []
+    assert [m.regroup for m in starts.values()] == [False, False]
+    assert job.records("shadows_regroup") == []
 
 
-def test_no_node_promotes_when_one_node_has_no_live_shadows(tmp_path):
+def test_shadows_regroup_when_one_node_has_no_live_shadows(tmp_path):
     job = TwoNodes(tmp_path, adapt=False)
     starts = _failed_in_generation_0(job, {0: 1, 1: -1})
     assert sorted(starts) == [0, 1]
-    assert [m.promote for m in starts.values()] == [False, False]
-    (event,) = job.records("shadows_not_promoted")
+    assert [m.regroup for m in starts.values()] == [True, True]
+    (event,) = job.records("shadows_regroup")
     assert event["generation"] == 1 and event["shadows_for"] == {"0": 1, "1": -1}

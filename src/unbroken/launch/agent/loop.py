@@ -125,8 +125,9 @@ class Agent:
 
     def start(self, msg: StartGeneration) -> None:
         """Start a generation: promote its shadows when every rank has a live one (no process
-        start, no rendezvous) and the coordinator does not say otherwise (`promote`), else
-        spawn trainers; then pre-initialize the next shadows."""
+        start, no rendezvous), else spawn trainers; with `regroup` (another node starts fresh
+        trainers) or a changed world, each parked shadow regroups with the generation's world
+        and the other ranks start fresh; then pre-initialize the next shadows."""
         self.hangs = dataclasses.replace(self.hangs, timeout_s=msg.heartbeat_timeout_s)
         self.node_beat_s = msg.node_heartbeat_s
         self.generation = max(self.generation, msg.generation)
@@ -138,11 +139,13 @@ class Agent:
         self._setup_memory(msg)
         self._last_start = msg
         gen, ranks = msg.generation, msg.ranks
-        if msg.world_changed:
+        if msg.world_changed or msg.regroup:
+            # `regroup`: another node starts fresh trainers; parked shadows meet them in the
+            # generation's own group, the others are replaced (as in a changed world).
             promoted = self._promote_into_new_world(msg)
             ready = 0
         else:
-            promoted = msg.promote is not False and self.pool.alive_for(gen, ranks)
+            promoted = self.pool.alive_for(gen, ranks)
             ready = self.pool.ready_count(ranks) if promoted else 0
             if promoted:
                 for r in ranks:
@@ -164,7 +167,8 @@ class Agent:
         )
 
     def _promote_into_new_world(self, msg: StartGeneration) -> bool:
-        """The world changed (devices lost or back): each rank whose device has a live shadow
+        """The world changed (devices lost or back), or another node starts fresh trainers
+        (`regroup`): each rank whose device has a live shadow
         gets it, under its new rank number, regrouping with the new world (its imports, device
         runtime and warm-up are kept); the others start fresh — forked from the node's fork
         server (its imports done) when the job runs shadows. Returns whether any shadow was

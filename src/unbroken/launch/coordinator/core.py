@@ -768,7 +768,7 @@ class CoordinatorCore:
             )
         sockets = self._state_sockets()
         rec = self.cfg.recovery
-        promote = self._promote(action.generation, changed)
+        regroup = self._regroup(action.generation, changed)
         for node in self.live_nodes:
             ranks = self.layout.ranks_of(node)
             devices = {str(r): self.devices[r] for r in ranks}
@@ -791,28 +791,28 @@ class CoordinatorCore:
                     devices=devices,
                     device_registry=str(self.registry),
                     world_changed=changed,
-                    promote=promote,
+                    regroup=regroup,
                 ),
             )
 
-    def _promote(self, generation: int, changed: bool) -> bool | None:
-        """Whether the nodes may promote their shadows into `generation`: on one node the agent
-        decides (None); on several, only when every node's last beat had a live shadow for
-        each of its ranks — else none does (False): one node's promoted L3 shadows keep their
-        mirror-world group and would wait there for the other node's shadows, which that node
-        did not have (its fork server still importing, say), until the collective timeout.
-        A changed world regroups the promoted shadows anyway (None)."""
+    def _regroup(self, generation: int, changed: bool) -> bool:
+        """Whether shadows promoted into `generation` must leave their set's group for the
+        generation's own rendezvous: on several nodes, when some node's last beat did not have
+        a live shadow for each of its ranks — that node starts fresh trainers (its fork server
+        still importing, say), and promoted L3 shadows kept in their mirror world would wait
+        there for its shadows until the collective timeout. One node decides alone, and a
+        changed world regroups anyway (`Promote.regroup`, as_rank)."""
         nodes = self.live_nodes
         if len(nodes) < 2 or changed or generation == 0:
-            return None
+            return False
         if all(self._shadows_for.get(n) == generation for n in nodes):
-            return None
+            return False
         self.events.emit(
-            "shadows_not_promoted",
+            "shadows_regroup",
             generation=generation,
             shadows_for={str(n): self._shadows_for.get(n, -1) for n in nodes},
         )
-        return False
+        return True
 
     def _log_transitions(self) -> None:
         while self.fsm.transitions:
