@@ -29,6 +29,18 @@ def pp2_job(*, iterations: int, inject=(), n_layers: int | None = None, **adapt)
     return dataclasses.replace(cfg, model=model, parallel=ParallelConfig(world_size=4, pp=2))
 
 
+def crash_recovered_after_exclusion(cfg: JobConfig, run_dir: Path) -> tuple[dict, dict]:
+    """`cfg` (a slow device excluded, then a trainer killed) run bit-exact beside its reference,
+    asserting no checkpoint load, one re-plan and the kill recovered in place. Returns that
+    re-plan and the `plan_applied` event of each generation."""
+    s, events = run_bit_exact(cfg, run_dir)
+    assert not events_of(events, "checkpoint_loaded")
+    (replan,) = events_of(events, "replan")
+    (failure,) = [r for r in s["recoveries"] if r.get("fault") == "kill"]
+    assert failure["mode"] == "inplace"
+    return replan, {e["generation"]: e for e in events_of(events, "plan_applied")}
+
+
 def events_of(summary_events: list[dict], kind: str) -> list[dict]:
     return [e for e in summary_events if e["kind"] == kind]
 

@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 
-from .conftest import events_of, pp2_job, run_bit_exact
+from .conftest import crash_recovered_after_exclusion, events_of, pp2_job, run_bit_exact
 
 
 def _exclusion(replan: dict, device: int) -> None:
@@ -60,13 +60,8 @@ def test_a_crash_right_after_a_pipeline_exclusion_is_recovered_on_the_one_replic
     devices 2 and 3 stay out, and the run is still bit-exact with no checkpoint load."""
     faults = ["slow:rank=3,iter=14,factor=8,until=31", "kill:rank=1,iter=21,phase=update"]
     cfg = pp2_job(iterations=28, inject=faults, readmit_after=50)
-    s, events = run_bit_exact(cfg, tmp_path)
-    assert not events_of(events, "checkpoint_loaded")
-    (out,) = events_of(events, "replan")
+    out, started = crash_recovered_after_exclusion(cfg, tmp_path)
     _exclusion(out, 3)
-    (failure,) = [r for r in s["recoveries"] if r.get("fault") == "kill"]
-    assert failure["mode"] == "inplace"
-    started = {e["generation"]: e for e in events_of(events, "plan_applied")}
     assert started[1]["devices"] == [0, 1] and started[2]["devices"] == [0, 1]
 
 

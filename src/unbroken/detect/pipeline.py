@@ -206,12 +206,16 @@ class PlanFit:
                 seen: set[tuple[int, str]] = set()
                 # A rank of an empty replica computes only its probe ([Note: probe
                 # micro-batch] in `unbroken.engine.probe`); no timing, no pace.
-                for kind, k, mb, seconds in timing.compute or timing.probe:
+                actions = timing.compute or timing.probe
+                if not actions:
+                    continue  # a standby: it holds no stage
+                # Its own replica's stages (a probe runs the rank's own layers).
+                own = plan.replicas[plan.locate(r)[0]].stages
+                for kind, k, mb, seconds in actions:
                     if (k, kind) in seen or mb not in t:
                         continue
                     seen.add((k, kind))
-                    # Its own replica's stage k (a probe runs the rank's own layers).
-                    lo, hi = plan.replicas[plan.locate(r)[0]].stages[k].layers
+                    lo, hi = own[k].layers
                     acc = sums[(r, k, kind)]
                     acc[0] += seconds
                     acc[1] += t[mb] * (hi - lo)

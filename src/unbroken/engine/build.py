@@ -220,10 +220,10 @@ def _reductions(
     """The gradient reduction over `state.grads`: the ordered one (`cfg.ordered_reduction`),
     or the groups' own, with the DP average plus the tied-embedding sum (engine.tied)."""
     if cfg.ordered_reduction:
+        views = state.layout.views(state.grads)
         tied = None
         if groups.tie is not None:
-            tied = (groups.tie, state.layout.views(state.grads)[groups.tie_name])
-        views = state.layout.views(state.grads)
+            tied = (groups.tie, views[groups.tie_name])
         ordered = PlanOrderedGradients(
             plan, groups, state.grads, cfg.data.microbatches, tied, views=views
         )
