@@ -69,8 +69,14 @@ def _cases():
     ordered, plain = _job("ordered"), _job("allreduce")
     tp_launch = make_plan(2, 1, 2, 4, 2)
     tp_ordered = _job("ordered", pp=1, tp=2)
+    excluded = _planned(tp_launch, lambda c: c.with_slow(0, speed=0.25))
+    assert [[(g.ranks, g.tp) for g in rep.stages] for rep in excluded.replicas] == [
+        [((1,), 1)],
+        [((2, 3), 2)],
+    ]
     return [
         Case("tp-launch", tp_launch, tp_ordered, iterations=3),
+        Case("tp-excluded", tp_launch, tp_ordered, iterations=1, then=excluded, after=2),
         Case("tp-dissolved", dissolve_replicas(tp_launch, {3}), tp_ordered, iterations=3, shards=2),
         Case("tp-dissolved-other", dissolve_replicas(tp_launch, {0}), tp_ordered, 3, shards=2),
         Case("launch", launch, ordered, iterations=3),
@@ -98,7 +104,7 @@ def test_a_replanned_job_matches_the_launch_plan_bit_for_bit(outcomes, name):
     assert_same_run(outcomes["launch"], outcomes[name])
 
 
-@pytest.mark.parametrize("name", ["tp-dissolved", "tp-dissolved-other"])
+@pytest.mark.parametrize("name", ["tp-dissolved", "tp-dissolved-other", "tp-excluded"])
 def test_a_tp_job_without_a_broken_replica_matches_its_launch_plan_bit_for_bit(outcomes, name):
     assert_same_run(outcomes["tp-launch"], outcomes[name])
 

@@ -144,3 +144,40 @@ def test_reshard_routes_cover_every_element_once_and_avoid_dead_ranks():
     assert routes(old, new, ARGS, alive=[2])[0].src == 2  # replica 1 serves everything
     with pytest.raises(ValueError, match="every replica of the old plan lost a holder"):
         routes(old, new, ARGS, alive=[1])
+
+
+def _loss_and_grads(emulate: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    from unbroken.engine import MicroBatchInputs
+
+    stage = StageModel(ARGS, [(0, 4)], TPGroup(), device="cpu", emulate=emulate)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in stage.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    tokens = torch.randint(0, ARGS.vocab_size, (33,), generator=gen)
+    t = 32
+    inputs = MicroBatchInputs(
+        tokens[:t], tokens[1:], torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril()
+    )
+    with one_thread():
+        loss = stage((0, 4), None, inputs)
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in stage.named_parameters()}
+
+
+def test_a_tp_1_stage_computing_as_tp_2_takes_other_arithmetic_to_the_same_values():
+    """The control for `tests/engine/test_ordered_plans.py` "tp-excluded": emulating the TP-2
+    group changes the bits of a TP-1 stage (so matching the TP-2 launch plan bit for bit there
+    is the emulation's doing), and only by rounding."""
+    ref_loss, ref = _loss_and_grads(1)
+    loss, got = _loss_and_grads(2)
+    assert ref.keys() == got.keys()
+    assert not (torch.equal(loss, ref_loss) and all(torch.equal(ref[n], got[n]) for n in ref))
+    assert torch.allclose(loss, ref_loss, rtol=1e-5)
+    for n in ref:
+        assert torch.allclose(got[n], ref[n], rtol=1e-4, atol=1e-6), n
+
+
+def test_only_a_tp_1_stage_computes_as_a_wider_group():
+    with pytest.raises(ValueError, match="a TP-2 stage cannot compute as TP 4"):
+        StageModel(ARGS, [(0, 4)], TPGroup(2, 0), emulate=4)

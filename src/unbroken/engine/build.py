@@ -51,6 +51,7 @@ from unbroken.update import ChunkStep, PlainUpdater, StateGeometry
 __all__ = [
     "EngineRank",
     "build_worker",
+    "emulated_tp",
     "full_initial_params",
     "job_plan",
     "make_source",
@@ -177,6 +178,13 @@ def stage_layers(plan: ParallelPlan, rank: int) -> list[tuple[int, int]]:
     return [g.layers for k, g in enumerate(stages) if k % plan.pp == s]
 
 
+def emulated_tp(cfg: JobConfig) -> int:
+    """The TP degree a TP-1 stage computes as (`unbroken.engine.emulate`): the launch plan's
+    under the ordered reduction, where a group shrunk to one device must keep its bits; else 1
+    (the reference model's arithmetic)."""
+    return cfg.parallel.tp if cfg.ordered_reduction and not cfg.model.factory else 1
+
+
 def _plan_groups(
     plan: ParallelPlan,
     world: dist.ProcessGroup,
@@ -206,9 +214,11 @@ def _stage_and_groups(
         initial = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
         return model, _plan_groups(plan, world, None, model), initial
     groups = _plan_groups(plan, world, args, None)
+    emulate = emulated_tp(cfg) if groups.tp.size == 1 else 1
     try:
         with skip_meta_init():
-            model = StageModel(args, stage_layers(plan, groups.rank), groups.tp, device="meta")
+            layers = stage_layers(plan, groups.rank)
+            model = StageModel(args, layers, groups.tp, device="meta", emulate=emulate)
     except ValueError as exc:
         raise UserError(f"plan: {exc}") from None
     return model, groups, None
@@ -334,5 +344,6 @@ def build_worker(
         ordered=ordered,
         shard_microbatches=cfg.data.microbatches,
         probe_every=cfg.adapt.probe_every,
+        norm_tp=emulated_tp(cfg),
     )
     return EngineRank(worker=worker, model=model, state=state, groups=groups, geometry=geometry)

@@ -86,7 +86,7 @@ from unbroken.detect.timing import StageTiming
 from unbroken.engine.groups import PlanGroups
 from unbroken.engine.ordered_plan import PlanOrderedGradients
 from unbroken.engine.probe import probe_actions, probes
-from unbroken.engine.sharding import replicated
+from unbroken.engine.sharding import replicated, split_dim
 from unbroken.engine.stage import MicroBatchInputs, StageModel
 from unbroken.engine.transfer import run_batch
 from unbroken.engine.wgrad import WeightGradSink
@@ -156,8 +156,12 @@ class PlanWorker:
         ordered: PlanOrderedGradients | None = None,
         shard_microbatches: int | None = None,
         probe_every: int = 0,
+        norm_tp: int = 1,
     ) -> None:
         self.model, self.state, self.shard_microbatches = model, state, shard_microbatches
+        self.norm_tp = norm_tp
+        """TP positions per layer in the ordered norm's slots, at least: the launch plan's
+        degree, which a stage computing as that group keeps (`unbroken.engine.emulate`)."""
         self.probe_every = probe_every
         """An empty replica's ranks run a probe micro-batch every this many iterations
         ([Note: probe micro-batch] in `unbroken.engine.probe`; 0: never)."""
@@ -213,8 +217,9 @@ class PlanWorker:
         self.reports_loss = groups.tp.rank == 0 and any(
             a.kind is _K.F and a.stage == self.last_stage for a in self.actions
         )
-        self._norm_tp = max(g.tp for rep in plan.replicas for g in rep.stages)
-        """TP positions per layer in the ordered norm's slots: the plan's largest TP degree."""
+        self._norm_tp = max(self.norm_tp, *(g.tp for rep in plan.replicas for g in rep.stages))
+        """TP positions per layer in the ordered norm's slots: the plan's largest TP degree, or
+        the launch plan's (`norm_tp`)."""
         self._loss_slots = plan.total_microbatches if ordered is not None else 0
         """Per-micro-batch loss slots of the sync (ordered: the loss is folded in id order)."""
         self._norm_slots = (plan.num_layers + 2) * self._norm_tp if ordered is not None else 0
@@ -270,21 +275,32 @@ class PlanWorker:
                 open_range = False
         return ranges
 
-    def _norm_buckets(self) -> list[tuple[int, int, int]]:
-        """(bucket, lo, hi) of every flat range this rank adds to the gradient norm when the
-        reduction is ordered: bucket = (the layer a parameter belongs to — n_layers: the
+    def _norm_buckets(self) -> list[tuple[int, int, int, tuple | None]]:
+        """(bucket, lo, hi, piece) of every flat range this rank adds to the gradient norm when
+        the reduction is ordered: bucket = (the layer a parameter belongs to — n_layers: the
         embedding; n_layers + 1: the rest) x the TP degrees + this rank's TP position, so the
         norm is a fold over layers and shards in a fixed order whatever stage and replica hold
-        them, each slot from one rank ([Note: ordered reduction])."""
+        them, each slot from one rank ([Note: ordered reduction]). A stage computing as a
+        TP group (`unbroken.engine.emulate`) adds each position's shard to that position's
+        bucket: piece = (shape, split dim, start, length) of the shard in the whole tensor."""
         if not self.actions or self.plan.locate(self.rank)[0] != 0:
             return []
-        n, t, pos = self.plan.num_layers, self._norm_tp, self.groups.tp.rank
+        n, t = self.plan.num_layers, self._norm_tp
+        e = getattr(self.model, "emulate", 1)
+        positions = range(e) if e > 1 else (self.groups.tp.rank,)
         out = []
         for s in sorted(self.state.layout.slots, key=lambda s: s.offset):
-            if pos == 0 or not replicated(s.name):
-                found = _LAYER.search(s.name)
-                layer = int(found.group(1)) if found else (n if "embed" in s.name else n + 1)
-                out.append((layer * t + pos, s.offset, s.offset + s.numel))
+            found = _LAYER.search(s.name)
+            layer = int(found.group(1)) if found else (n if "embed" in s.name else n + 1)
+            dim = split_dim(s.name)
+            for pos in positions:
+                if pos != 0 and dim is None:
+                    continue  # replicated: counted on position 0 only
+                piece = None
+                if e > 1 and dim is not None:
+                    length = s.shape[dim] // e
+                    piece = (s.shape, dim, pos * length, length)
+                out.append((layer * t + pos, s.offset, s.offset + s.numel, piece))
         return out
 
     def _microbatch(self, iteration: int, mb: int) -> Any:
@@ -405,8 +421,12 @@ class PlanWorker:
         t = torch.zeros(3 + slots + self._norm_slots, dtype=f64, device=self.device)
         for lo, hi in self._counted:
             t[1] += grads[lo:hi].to(f64).square().sum()
-        for b, lo, hi in self._buckets:
-            t[3 + slots + b] += grads[lo:hi].to(f64).square().sum()
+        for b, lo, hi, piece in self._buckets:
+            g = grads[lo:hi]
+            if piece is not None:  # an emulated position's shard, as that position holds it
+                shape, dim, start, length = piece
+                g = g.view(shape).narrow(dim, start, length).contiguous().reshape(-1)
+            t[3 + slots + b] += g.to(f64).square().sum()
         t[0] += self._loss
         t[2] += self._tokens
         for mb, loss_mb in self._mb_loss.items():  # one holder per slot: the sum is exact

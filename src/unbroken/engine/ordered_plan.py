@@ -29,9 +29,16 @@ holders exactly as above. The fold is elementwise, so a parameter's gradient is 
 the same id order whichever stage holds it: a run that moves layers on one replica stays bit
 for bit on the launch plan's result.
 
+Replicas in different layouts above TP 1 (the scheduler's TP exclusion, ResiHP §6.1: one
+replica's group shrunk to TP 1 beside another's TP 2) fold per *fine piece* the same way: a
+part gathers the slices of its parameters along their split dimension (`FineShardSync`'s
+pieces), and the replicated norm weights, folded between TP position 0 of the replicas, are
+then broadcast inside each TP group. With the shrunk stage computing as the group it replaced
+(`unbroken.engine.emulate`), every micro-batch's piece has the launch plan's bits, and so has
+the fold.
+
 What it refuses (`ValueError`): virtual stages and split backward (a W action writes weight
-gradients after other micro-batches' Bs), and replicas whose layouts differ above TP 1 (a
-replicated norm weight's reduced gradient would also have to reach the other TP positions).
+gradients after other micro-batches' Bs).
 """
 
 from __future__ import annotations
@@ -60,10 +67,6 @@ def check_ordered_plan(plan: ParallelPlan) -> None:
             "the ordered reduction of a plan needs a schedule without split backward (1f1b or "
             "gpipe, not zb_h1)"
         )
-    if not same_layouts(plan) and any(g.tp > 1 for rep in plan.replicas for g in rep.stages):
-        raise ValueError(
-            "the ordered reduction of replicas with different layouts needs TP 1 on every stage"
-        )
 
 
 def _placement(plan: ParallelPlan, shard_microbatches: int, items) -> DataPlacement:
@@ -85,6 +88,7 @@ class _Part:
     their gradient views in the flat buffer and the contiguous buffer the fold runs on."""
 
     views: list[torch.Tensor]
+    """The gradient's views of the part's pieces (slices along a split dimension: strided)."""
     buf: torch.Tensor
     reduction: OrderedGradients
 
@@ -96,6 +100,16 @@ class _Part:
         for v in self.views:
             v.copy_(self.buf[offset : offset + v.numel()].view_as(v))
             offset += v.numel()
+
+
+def _broadcast(views: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """TP position 0's `views` to the other positions of `group` (one message)."""
+    buf = torch.cat([v.reshape(-1) for v in views])
+    dist.broadcast(buf, group=group, group_src=0)
+    offset = 0
+    for v in views:
+        v.copy_(buf[offset : offset + v.numel()].view_as(v))
+        offset += v.numel()
 
 
 class PlanOrderedGradients:
@@ -124,6 +138,9 @@ class PlanOrderedGradients:
         """The stage's fold when the replicas share one layout (None on a standby)."""
         self.parts: list[_Part] = []
         """The folds per set of holders when they do not (module docstring)."""
+        self.replicated: tuple[list[torch.Tensor], dist.ProcessGroup] | None = None
+        """With the parts above TP 1: the replicated gradients (norm weights) and the TP group
+        they are broadcast in from position 0 after the fold."""
         self.index: dict[int, int] = {}
         if groups.rank not in plan.ranks:
             return
@@ -161,12 +178,18 @@ class PlanOrderedGradients:
             items: list[list[int]] = [[] for _ in ranks]
             for r, g in zip(ranks, where, strict=True):
                 items[g] = _backwarded(plan, r)
-            part_views = [views[p.name] for p in pieces]
+            part_views = [
+                views[p.name] if p.dim is None else views[p.name].narrow(p.dim, p.start, p.length)
+                for p in pieces
+            ]
             n = sum(v.numel() for v in part_views)
             buf = torch.zeros(n, dtype=self.grads.dtype, device=self.grads.device)
             me = where[ranks.index(groups.rank)]
             placement = _placement(plan, shard_microbatches, items)
             self.parts.append(_Part(part_views, buf, OrderedGradients(buf, placement, me, group)))
+        tp = groups.fine.tp
+        if tp.size > 1 and groups.fine.replicated:
+            self.replicated = ([views[n] for n in groups.fine.replicated], tp.group)
 
     def keep(self, microbatch: int) -> None:
         """After this rank's backward of `microbatch`: set its gradient aside."""
@@ -199,6 +222,8 @@ class PlanOrderedGradients:
 
                 part.reduction.reduce(relay, iteration)
                 part.scatter()
+            if self.replicated is not None:
+                _broadcast(*self.replicated)
         if self.tied is not None:
             group, view = self.tied
             dist.all_reduce(view, group=group)

@@ -33,10 +33,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unbroken.engine.emulate import (
+    cols,
+    emulated_cross_entropy,
+    emulated_embedding,
+    fold,
+    fork,
+    rows,
+)
 from unbroken.engine.tp import (
     TPGroup,
     copy_to_tp,
     reduce_from_tp,
+    token_mean,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
@@ -84,9 +93,11 @@ class MicroBatchInputs:
 
 
 class _Attention(nn.Module):
-    def __init__(self, a: TransformerArgs, tp: TPGroup, sink: WeightGradSink, device=None) -> None:
+    def __init__(
+        self, a: TransformerArgs, tp: TPGroup, sink: WeightGradSink, emulate: int, device=None
+    ) -> None:
         super().__init__()
-        self.a, self.tp = a, tp
+        self.a, self.tp, self.emulate = a, tp, emulate
         self.n_heads = a.n_heads // tp.size
         self.n_kv_heads = a.n_kv_heads // tp.size
         hd = a.head_dim
@@ -96,40 +107,69 @@ class _Attention(nn.Module):
         self.wo = SplitLinear(self.n_heads * hd, a.dim, sink, device=device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        e = self.emulate
+        if e == 1:
+            w = (self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight)
+            part = self._heads(copy_to_tp(x, self.tp), positions, mask, w, 1)
+            return reduce_from_tp(part, self.tp)
+        parts = []
+        for i in range(e):
+            qkv = (rows(m.weight, i, e) for m in (self.wq, self.wk, self.wv))
+            w = (*qkv, cols(self.wo.weight, i, e))
+            parts.append(self._heads(fork(x), positions, mask, w, e))
+        return fold(parts)
+
+    def _heads(self, x, positions, mask, w: tuple[torch.Tensor, ...], e: int) -> torch.Tensor:
+        """One TP position's attention output before the group's sum: its heads through
+        weights `w` (wq, wk, wv, wo shards); `e` positions share this rank's heads."""
         a, t = self.a, x.shape[0]
-        x = copy_to_tp(x, self.tp)
-        q = rope(self.wq(x).view(t, self.n_heads, a.head_dim), positions, a.rope_theta)
-        k = rope(self.wk(x).view(t, self.n_kv_heads, a.head_dim), positions, a.rope_theta)
-        v = self.wv(x).view(t, self.n_kv_heads, a.head_dim)
-        rep = self.n_heads // self.n_kv_heads
+        n_heads, n_kv_heads = self.n_heads // e, self.n_kv_heads // e
+        q = rope(self.wq.with_weight(x, w[0]).view(t, n_heads, a.head_dim), positions, a.rope_theta)
+        k = self.wk.with_weight(x, w[1]).view(t, n_kv_heads, a.head_dim)
+        k = rope(k, positions, a.rope_theta)
+        v = self.wv.with_weight(x, w[2]).view(t, n_kv_heads, a.head_dim)
+        rep = n_heads // n_kv_heads
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
         q, k, v = (y.transpose(0, 1).float() for y in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return reduce_from_tp(self.wo(out.transpose(0, 1).reshape(t, -1).type_as(x)), self.tp)
+        return self.wo.with_weight(out.transpose(0, 1).reshape(t, -1).type_as(x), w[3])
 
 
 class _SwiGLU(nn.Module):
-    def __init__(self, a: TransformerArgs, tp: TPGroup, sink: WeightGradSink, device=None) -> None:
+    def __init__(
+        self, a: TransformerArgs, tp: TPGroup, sink: WeightGradSink, emulate: int, device=None
+    ) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.emulate = tp, emulate
         hidden = a.ffn_dim // tp.size
         self.w1 = SplitLinear(a.dim, hidden, sink, device=device)
         self.w3 = SplitLinear(a.dim, hidden, sink, device=device)
         self.w2 = SplitLinear(hidden, a.dim, sink, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.tp)
-        return reduce_from_tp(self.w2(F.silu(self.w1(x)) * self.w3(x)), self.tp)
+        e = self.emulate
+        if e == 1:
+            x = copy_to_tp(x, self.tp)
+            return reduce_from_tp(self.w2(F.silu(self.w1(x)) * self.w3(x)), self.tp)
+        parts = []
+        for i in range(e):
+            xi = fork(x)
+            h = F.silu(self.w1.with_weight(xi, rows(self.w1.weight, i, e)))
+            h = h * self.w3.with_weight(xi, rows(self.w3.weight, i, e))
+            parts.append(self.w2.with_weight(h, cols(self.w2.weight, i, e)))
+        return fold(parts)
 
 
 class _Block(nn.Module):
-    def __init__(self, a: TransformerArgs, tp: TPGroup, sink: WeightGradSink, device=None) -> None:
+    def __init__(
+        self, a: TransformerArgs, tp: TPGroup, sink: WeightGradSink, emulate: int, device=None
+    ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(a.dim, a.norm_eps, device=device)
-        self.attn = _Attention(a, tp, sink, device=device)
+        self.attn = _Attention(a, tp, sink, emulate, device=device)
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps, device=device)
-        self.ffn = _SwiGLU(a, tp, sink, device=device)
+        self.ffn = _SwiGLU(a, tp, sink, emulate, device=device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), positions, mask)
@@ -144,9 +184,12 @@ class StageModel(nn.Module):
         layer_ranges: the half-open layer range of every virtual stage this rank runs.
         tp: this rank's TP position and group (the same for all its virtual stages).
         device: "meta" to build without storage (then `materialize` into flat buffers).
+        emulate: at TP 1, the TP degree the stage computes as (`unbroken.engine.emulate`: the
+            bits of the group it replaces); 1 computes the reference model's.
 
     Raises:
-        ValueError: a model size the TP degree does not divide, or a range outside the model.
+        ValueError: a model size the TP degree (or `emulate`) does not divide, emulation
+            above TP 1, or a range outside the model.
     """
 
     def __init__(
@@ -155,9 +198,14 @@ class StageModel(nn.Module):
         layer_ranges: Sequence[tuple[int, int]],
         tp: TPGroup,
         device: str | torch.device = "meta",
+        emulate: int = 1,
     ) -> None:
         super().__init__()
         check_tp_degree(args, tp.size)
+        if emulate > 1 and tp.size > 1:
+            raise ValueError(f"a TP-{tp.size} stage cannot compute as TP {emulate}")
+        check_tp_degree(args, emulate)
+        self.emulate = emulate
         device = torch.device(device)
         self.args, self.tp = args, tp
         self.wgrad = WeightGradSink()
@@ -174,7 +222,7 @@ class StageModel(nn.Module):
             v_local = args.vocab_size // tp.size
             self.embed = nn.Embedding(v_local, args.dim, device=device)
         self.layers = nn.ModuleDict(
-            {str(i): _Block(args, tp, self.wgrad, device=device) for i in owned}
+            {str(i): _Block(args, tp, self.wgrad, emulate, device=device) for i in owned}
         )
         if any(hi == args.n_layers for _, hi in self.layer_ranges):
             self.norm = RMSNorm(args.dim, args.norm_eps, device=device)
@@ -196,12 +244,21 @@ class StageModel(nn.Module):
         Returns:
             The output activation [T, dim], or the micro-batch's mean loss for the last stage.
         """
-        lo, hi = layers
-        if lo == 0:
+        lo, hi, e = *layers, self.emulate
+        if lo == 0 and e > 1:
+            x = emulated_embedding(inputs.tokens, self.embed.weight, e)
+        elif lo == 0:
             x = vocab_parallel_embedding(inputs.tokens, self.embed.weight, self.tp)
         for i in range(lo, hi):
             x = self.layers[str(i)](x, inputs.positions, inputs.mask)
         if hi < self.args.n_layers:
             return x
+        if e > 1:
+            h = self.norm(x)
+            shards = [
+                self.head.with_weight(fork(h), rows(self.head.weight, i, e)).float()
+                for i in range(e)
+            ]
+            return token_mean(emulated_cross_entropy(shards, inputs.targets), inputs.targets)
         logits = self.head(copy_to_tp(self.norm(x), self.tp)).float()
         return vocab_parallel_cross_entropy(logits, inputs.targets, self.tp)

@@ -36,7 +36,11 @@ __all__ = [
     "CollectiveClock",
     "TPGroup",
     "copy_to_tp",
+    "masked_lookup",
     "reduce_from_tp",
+    "shard_logits_grad",
+    "shard_target",
+    "token_mean",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
 ]
@@ -132,11 +136,15 @@ def vocab_parallel_embedding(
     """Lookup in a table sharded by rows: `weight` holds rows [lo, lo + len(weight))."""
     if tp.size == 1:
         return F.embedding(tokens, weight)
-    lo = tp.rank * weight.shape[0]
+    return reduce_from_tp(masked_lookup(tokens, weight, tp.rank * weight.shape[0]), tp)
+
+
+def masked_lookup(tokens: torch.Tensor, weight: torch.Tensor, lo: int) -> torch.Tensor:
+    """One TP position's part of a vocabulary-parallel lookup: rows [lo, lo + len(weight))
+    of the table, zeros for tokens outside them (the all-reduce of the parts completes it)."""
     outside = (tokens < lo) | (tokens >= lo + weight.shape[0])
     local = torch.where(outside, 0, tokens - lo)
-    out = F.embedding(local, weight) * (~outside).unsqueeze(-1).to(weight.dtype)
-    return reduce_from_tp(out, tp)
+    return F.embedding(local, weight) * (~outside).unsqueeze(-1).to(weight.dtype)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -145,15 +153,10 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        v_local = logits.shape[-1]
-        lo = tp.rank * v_local
         top = logits.max(dim=-1).values
         tp.all_reduce(top, dist.ReduceOp.MAX)
         shifted = logits - top.unsqueeze(-1)
-        outside = (targets < lo) | (targets >= lo + v_local)
-        local = torch.where(outside, 0, targets - lo)
-        rows = torch.arange(logits.shape[0], device=logits.device)
-        picked = torch.where(outside, 0.0, shifted[rows, local])
+        picked, outside, local = shard_target(shifted, targets, tp.rank * logits.shape[-1])
         tp.all_reduce(picked)
         exp = shifted.exp()
         denom = exp.sum(dim=-1)
@@ -164,11 +167,27 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        softmax, outside, local = ctx.saved_tensors
-        g = softmax.clone()
-        rows = torch.arange(g.shape[0], device=g.device)
-        g[rows, local] -= (~outside).to(g.dtype)
-        return g * grad.unsqueeze(-1), None, None
+        return shard_logits_grad(*ctx.saved_tensors, grad), None, None
+
+
+def shard_target(
+    shifted: torch.Tensor, targets: torch.Tensor, lo: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One vocabulary shard's (picked target logit or 0, targets outside it, local index)."""
+    outside = (targets < lo) | (targets >= lo + shifted.shape[-1])
+    local = torch.where(outside, 0, targets - lo)
+    rows = torch.arange(shifted.shape[0], device=shifted.device)
+    return torch.where(outside, 0.0, shifted[rows, local]), outside, local
+
+
+def shard_logits_grad(
+    softmax: torch.Tensor, outside: torch.Tensor, local: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
+    """One vocabulary shard's logits gradient: (softmax - one-hot) x the per-token gradient."""
+    g = softmax.clone()
+    rows = torch.arange(g.shape[0], device=g.device)
+    g[rows, local] -= (~outside).to(g.dtype)
+    return g * grad.unsqueeze(-1)
 
 
 def vocab_parallel_cross_entropy(
@@ -176,9 +195,14 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Mean loss over the targets that are not `IGNORE_INDEX`, as the reference model's
     `F.cross_entropy(..., reduction="sum") / count` ([Note: tp-degree-1])."""
-    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
     if tp.size == 1:
+        count = (targets != IGNORE_INDEX).sum().clamp(min=1)
         return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") / count
-    per_token = _VocabParallelCE.apply(logits, targets, tp)
+    return token_mean(_VocabParallelCE.apply(logits, targets, tp), targets)
+
+
+def token_mean(per_token: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean of a per-token loss over the targets that are not `IGNORE_INDEX`."""
+    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
     valid = (targets != IGNORE_INDEX).to(per_token.dtype)
     return (per_token * valid).sum() / count

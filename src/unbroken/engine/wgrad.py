@@ -81,7 +81,12 @@ class SplitLinear(nn.Linear):
         self.sink = sink
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        return self.with_weight(x, self.weight)
+
+    def with_weight(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """This linear with weight `w`: its own, or a TP position's shard of it when a stage
+        computes as a wider TP group (`unbroken.engine.emulate`; the sink must be closed
+        then, since a deferred gradient would go to the whole weight)."""
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             with torch.autocast(x.device.type, enabled=False):
