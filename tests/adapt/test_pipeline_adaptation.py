@@ -14,9 +14,9 @@ from unbroken.config import AdaptConfig
 from unbroken.detect.events import DetectionEvent, DetectionKind
 from unbroken.detect.pipeline import PlanFit, PlanSchedule
 from unbroken.detect.workload import MicroBatchModel, WorkloadPredictor
-from unbroken.launch.coordinator.adapt_plan import PipelineAdaptation
+from unbroken.launch.coordinator.adapt_plan import PipelineAdaptation, emulates
 from unbroken.metrics.log import JsonlLog, read_jsonl
-from unbroken.parallel import ParallelPlan, make_plan
+from unbroken.parallel import ParallelPlan, Replica, StageGroup, make_plan, plan_for
 from unbroken.plan import NoPlanError
 
 
@@ -545,3 +545,57 @@ def test_a_pipeline_job_under_evict_restarts_on_an_even_pipeline_from_the_checkp
     assert adapt.relayout and adapt.plan.dp == 1  # from the checkpoint, one pipeline
     assert 3 not in world.devices and _events(tmp_path, "replan")[-1]["restore"] == "checkpoint"
     assert adapt.readmit_due(10**6) is False and not adapt.grows  # out for the rest of the run
+
+
+def _groups(plan: ParallelPlan) -> list[tuple[tuple[int, ...], int]]:
+    return [(g.ranks, g.tp) for rep in plan.replicas for g in rep.stages]
+
+
+def test_a_dp_x_tp_job_shrinks_a_slow_devices_tp_group_and_readmits_it_on_trial(tmp_path):
+    # ResiHP §6.1: device 0 of replica 0's TP-2 group at 1/6 speed holds its peer at every
+    # layer; k x min p scores TP 1 on device 1 at 1, TP 2 at 1/3. Decided now, adopted at a
+    # planned stop with the state moved (RESHARD); device 0 stays in the world as a rank of no
+    # stage, and after `readmit_after` the launch plan comes back the same way, on trial.
+    events = JsonlLog(tmp_path / "events.jsonl", run="t")
+    said: list[str] = []
+    launch = make_plan(2, 1, 2, 4, 4)
+    adapt = PipelineAdaptation(
+        launch,
+        events,
+        said.append,
+        adapt=AdaptConfig(enabled=True, readmit_after=20),
+        moves_layers=True,
+    )
+    assert adapt.on_fail_slow(_slow(0, 6.0), iter_s=0.2) is True
+    assert adapt.restarts and not adapt.excluding and "moves layers" in said[-1]
+    (benched,) = _events(tmp_path, "device_excluded")
+    assert benched["device"] == 0 and benched["readmit_at"] == 5 + 20
+    world = adapt.next_world()
+    assert world.devices == (0, 1, 2, 3) and adapt.reshard == launch and not adapt.relayout
+    assert _groups(adapt.plan) == [((1,), 1), ((2, 3), 2)]
+    assert adapt.plan.microbatches[0] < adapt.plan.microbatches[1]
+    (replan,) = _events(tmp_path, "replan")
+    assert replan["restore"] == "reshard" and "exclusion" in replan["explain"]
+    adapt.reshard = None  # read by the coordinator
+    assert adapt.readmit_due(24) is False and adapt.readmit_due(25) is True
+    assert adapt.restarts
+    world = adapt.next_world()
+    assert world.trial == (0,) and adapt.plan == launch
+    assert _events(tmp_path, "replan")[-1]["trigger"]["kind"] == "readmit_trial"
+    assert adapt.replans == 1  # the trial is not counted; a device still slow is benched again
+    assert adapt.on_fail_slow(_slow(0, 6.0), iter_s=0.2) is True
+    assert _events(tmp_path, "device_excluded")[-1]["readmit_at"] == 5 + 40
+
+
+def test_a_tp_group_shrinks_live_only_where_the_stage_keeps_the_launch_bits():
+    """`emulates`: TP 2 -> 1 (a left fold of two positions is the all-reduce); not TP 4 -> 2
+    or 1 (another summation order than the collective's), nor a plan beyond the world."""
+    tp2, tp4 = make_plan(2, 1, 2, 4, 4), make_plan(1, 1, 4, 4, 4)
+    one = plan_for(
+        [Replica((StageGroup((1,), (0, 4)),)), Replica((StageGroup((2, 3), (0, 4)),))],
+        (2, 6),
+        "1f1b",
+    )
+    assert emulates(tp2, one, 4) and not emulates(tp2, one, 3)
+    assert not emulates(tp4, make_plan(1, 1, 2, 4, 4), 4)
+    assert not emulates(tp4, make_plan(1, 1, 1, 4, 4), 4)

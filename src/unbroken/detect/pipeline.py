@@ -218,7 +218,9 @@ class PlanFit:
                     lo, hi = own[k].layers
                     acc = sums[(r, k, kind)]
                     acc[0] += seconds
-                    acc[1] += t[mb] * (hi - lo)
+                    # A rank's share of its stage: a TP group of t splits each layer t ways
+                    # (after a TP exclusion one replica's stage runs at TP 1, the other's not).
+                    acc[1] += t[mb] * (hi - lo) / own[k].tp
         paces = {key: o / p for key, (o, p) in sums.items() if p > 0}
         ratios = []
         for (r, k, kind), mine in paces.items():

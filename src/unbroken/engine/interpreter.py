@@ -583,10 +583,17 @@ class PlanWorker:
         t0 = time.time()
         t_iter = time.perf_counter()
         self._reset(iteration)
-        if not self.actions:  # a standby: it only takes part in the world-wide sync
-            loss, norm, _ = self._sync(iteration)
+        if not self.actions:
+            # A standby (a rank of no stage: a TP exclusion's in the world) takes part in the
+            # world-wide sync, and its updater marks the iteration done like every rank's (its
+            # state is empty): an in-place restart agrees on one boundary over all markers.
+            stats = finish_iteration(
+                self.updater, self._hook, self.cfg, iteration, lambda: self._sync(iteration)
+            )
             self._finish_timing(iteration, t_iter, step_s=0.0)
-            return IterationResult(iteration, loss, norm, 0.0, self._tokens, (), t0, time.time())
+            return IterationResult(
+                iteration, stats.loss, stats.grad_norm, stats.lr, self._tokens, (), t0, time.time()
+            )
         self.state.grads.zero_()
         tail = [a.kind for a in self.actions[-2:]]
         if tail != [_K.REDUCE_GRAD, _K.OPT_STEP]:

@@ -49,21 +49,39 @@ def device_digest(t: torch.Tensor, *, slice_words: int = SLICE_WORDS) -> bytes:
     return h.digest()
 
 
-def slot_digests(state, tag: str = "") -> dict[str, str]:
+def slot_digests(state, tag: str = "", emulate: int = 1) -> dict[str, str]:
     """Per parameter this state owns (`FlatLayout.slots`: copies of another rank's parameters
     left out), a hash of its values and both AdamW moments, keyed by its name plus `tag` (a
     TP shard's position). The same parameter holds the same bits wherever a plan puts it, so
     these hashes, gathered over the ranks, fingerprint the model state independently of the
-    pipeline layout that holds it (`PlanExecutor.job_hash`)."""
+    pipeline layout that holds it (`PlanExecutor.job_hash`). A TP-1 stage that computes as a
+    TP group of `emulate` (`unbroken.engine.emulate`) hashes each position's shard under that
+    position's tag, as the group's ranks would: the same state hashes alike under both."""
+    from unbroken.engine.sharding import split_dim
+
     out = {}
     tensors = list(state.persistent().values())
     for s in state.layout.slots:
-        h = hashlib.sha256()
-        for t in tensors:
-            piece = t[s.offset : s.offset + s.numel]
-            if piece.is_cuda:
-                h.update(device_digest(piece))
-            else:
-                h.update(piece.detach().contiguous().view(torch.uint8).numpy().data)
-        out[s.name + tag] = h.hexdigest()[:16]
+        whole = [t[s.offset : s.offset + s.numel] for t in tensors]
+        if emulate == 1:
+            out[s.name + tag] = _digest(whole)
+            continue
+        dim = split_dim(s.name)
+        for i in range(emulate):
+            pieces = whole
+            if dim is not None:
+                n = s.shape[dim] // emulate
+                pieces = [p.view(s.shape).narrow(dim, i * n, n) for p in whole]
+            out[f"{s.name}@tp{i}/{emulate}"] = _digest(pieces)
     return out
+
+
+def _digest(pieces) -> str:
+    h = hashlib.sha256()
+    for piece in pieces:
+        piece = piece.detach().contiguous()
+        if piece.is_cuda:
+            h.update(device_digest(piece.reshape(-1)))
+        else:
+            h.update(piece.view(torch.uint8).numpy().data)
+    return h.hexdigest()[:16]

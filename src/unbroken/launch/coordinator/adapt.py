@@ -205,16 +205,22 @@ class Exclusions(dict[int, Exclusion]):
         )
 
     def readmit(
-        self, devices: tuple[int, ...], iteration: int, returned: dict[int, str]
+        self, devices: tuple[int, ...], iteration: int, returned: dict[int, str] | None
     ) -> tuple[int, ...]:
         """The devices outside the running world `devices` whose wait is over after
         `iteration`, moved to `returned` (offered to the next world) and logged
-        (`device_readmitted`); in device order."""
-        due = sorted(d for d, x in self.items() if iteration >= x.readmit_at and d not in devices)
+        (`device_readmitted`); in device order. `returned` None: devices standing by inside
+        the world (a TP exclusion's, `PipelineAdaptation.benched`), `devices` not consulted."""
+        due = sorted(
+            d
+            for d, x in self.items()
+            if iteration >= x.readmit_at and (returned is None or d not in devices)
+        )
         for d in due:
             x = self.pop(d)
             reason = f"re-admitted on trial ({iteration - x.since} iterations after its exclusion)"
-            returned[d] = reason
+            if returned is not None:
+                returned[d] = reason
             self.events.emit("device_readmitted", device=d, iteration=iteration, reason=reason)
             self.say(f"device {d} {reason}")
         return tuple(due)

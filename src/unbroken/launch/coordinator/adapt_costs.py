@@ -35,8 +35,11 @@ def measured_workload(plan: ParallelPlan, fit: PlanFit) -> Workload | None:
     the forward seconds of a typical micro-batch (from the stages before the last; the last
     stage's forward beyond its layers is the output head and loss), the backward over forward
     ratio measured, and the optimizer step (`PlanFit.step_s`) spread over the parameters of
-    the device that holds the most layers (one unit per layer), so that a plan that moves
-    layers moves step time with them. None when the fit has no per-stage shares to read.
+    the device that holds the most layers (one unit per layer, a t-th of it on a TP-t
+    device), so that a plan that moves layers moves step time with them. A TP-t rank's
+    measured seconds are its share of its stage: the stage's work is t times them (its TP
+    collectives included, which a smaller group does not pay: a TP exclusion is priced high,
+    not low). None when the fit has no per-stage shares to read.
 
     Why: with unit costs per layer and no step the live planner saw one micro-batch's path
     through a slow replica as the only cost of keeping it busy, and kept [7, 1] on a 6-8x slow
@@ -50,6 +53,10 @@ def measured_workload(plan: ParallelPlan, fit: PlanFit) -> Workload | None:
         if d == 0 and 0 <= s < plan.pp:
             (forward if kind == "F" else backward)[s] += share * fit.mb_s
     layers = [g.layers[1] - g.layers[0] for g in replica.stages]
+    # A TP-t rank's seconds are a t-th of its stage's work (the scheduler divides by t,
+    # `Workload.stage_compute_s`): the whole stage's are t times them.
+    forward = [f * g.tp for f, g in zip(forward, replica.stages, strict=True)]
+    backward = [b * g.tp for b, g in zip(backward, replica.stages, strict=True)]
     inner = [forward[s] / layers[s] for s in range(plan.pp - 1) if layers[s]] or [
         forward[-1] / max(layers[-1], 1)
     ]
@@ -57,13 +64,13 @@ def measured_workload(plan: ParallelPlan, fit: PlanFit) -> Workload | None:
     if fit.mb_s <= 0 or layer_f <= 0 or sum(forward) <= 0:
         return None
     unit = unit_workload(plan.num_layers)
-    most = max(g.layers[1] - g.layers[0] for rep in plan.replicas for g in rep.stages)
+    most = max((g.layers[1] - g.layers[0]) / g.tp for rep in plan.replicas for g in rep.stages)
     return replace(
         unit,
         alpha_s=layer_f,
         head_s=max(0.0, forward[-1] - layers[-1] * layer_f) if plan.pp > 1 else 0.0,
         backward_ratio=sum(backward) / sum(forward),
-        step_s_per_param=max(fit.step_s, 0.0) / max(most, 1),
+        step_s_per_param=max(fit.step_s, 0.0) / max(most, 1e-9),
     )
 
 

@@ -100,6 +100,24 @@ _MOVE = PlannerConfig(exclusion=False)
 """The same plus layer repartition (ResiHP §6.2): layers move between the stages of a replica,
 so the ranks' state moves with them (a planned restart in `RestoreMode.RESHARD`)."""
 
+_SHRINK = PlannerConfig()
+"""Every step, selective TP exclusion (ResiHP §6.1) first: a slow device's TP group shrinks
+to its fast devices, the excluded one stays in the world as a standby of the plan (no
+actions), and the ranks' state moves to the new layout like a repartition's. Taken only when
+every stage keeps the launch plan's bits (`emulates`)."""
+
+
+def emulates(launch: ParallelPlan, plan: ParallelPlan, world: int) -> bool:
+    """Whether `plan` runs in a world of `world` ranks with every stage computing the launch
+    plan's bits: at the launch TP degree, or at TP 1 where the launch degree is 2 (the stage
+    computes as that group, `unbroken.engine.emulate`; a left fold of more positions is not
+    the collective's order, [Note: emulated sums] there)."""
+    degrees = {g.tp for rep in launch.replicas for g in rep.stages}
+    if len(degrees) != 1 or max(plan.ranks) >= world:
+        return False
+    (t,) = degrees
+    return all(g.tp == t or (g.tp == 1 and t == 2) for rep in plan.replicas for g in rep.stages)
+
 
 def _planner(config: PlannerConfig, adapt: AdaptConfig) -> PlannerConfig:
     """`config` for this job's policy: ours may empty a replica ([Note: empty replica] in
@@ -155,6 +173,9 @@ class PipelineAdaptation:
         """device -> a slow device taken out of the world ([Note: slow device excluded] in
         `unbroken.launch.coordinator.adapt`; here its replica is dissolved, `_exclude`, or a
         standby takes its stage, `_swap`)."""
+        self.benched = Exclusions(self.adapt.readmit_after, events, say)
+        """device -> a slow device a TP exclusion (`_SHRINK`) left standing by inside the
+        world, a rank of no stage: re-admitted on trial after its wait (`readmit_due`)."""
         self.evicted: set[int] = set()
         """Devices evicted for being slow (`_evict`): the next world is a fresh even plan from
         the checkpoint (`_shrink`), not the survivors in place."""
@@ -261,10 +282,29 @@ class PipelineAdaptation:
                 trigger, f"predicted gain {gain:.1%} < adapt.min_gain {self.adapt.min_gain:.0%}"
             )
         if moves:
+            self._bench(result, trigger, event.iteration)
             self._decide_move(result, trigger, iter_s)
             return True
         self._adopt_live(result, result.plan(), trigger, iter_s)
         return True
+
+    def _bench(self, result: PlanResult, trigger: dict, iteration: int) -> None:
+        """The running plan's devices that `result`'s plan leaves without a stage (a TP
+        exclusion, `_SHRINK`) stand by inside the world — ranks of no stage, joining only the
+        job's world-wide collectives — and are re-admitted on trial after their wait
+        (`readmit_due`), which doubles at each exclusion."""
+        plan = result.plan()
+        for r in self.plan.ranks:
+            if r not in plan.ranks:
+                self.benched.exclude(
+                    self.devices[r],
+                    trigger,
+                    iteration,
+                    (result.current_s, result.predicted_s),
+                    self.healthy_s,
+                    "its TP group shrinks to the others (computing as the group did); it "
+                    "stands by in the world",
+                )
 
     def _evict(self, device: int, trigger: dict) -> bool:
         """Evict-and-restart: `device` leaves the job like a lost one (the next generation is
@@ -282,10 +322,13 @@ class PipelineAdaptation:
         )
         return True
 
-    def _decide_move(self, result: PlanResult, trigger: dict, iter_s: float | None) -> None:
-        """A re-plan that moves layers: counted now, adopted at the planned stop (`restarts`,
-        then `_move_layers` at the next generation's start)."""
-        self.replans += 1
+    def _decide_move(
+        self, result: PlanResult, trigger: dict, iter_s: float | None, count: bool = True
+    ) -> None:
+        """A re-plan that moves layers: counted now (unless a trial re-admission, `count`),
+        adopted at the planned stop (`restarts`, then `_move_layers` at the next generation's
+        start)."""
+        self.replans += count
         self._moving = (result, result.plan(), trigger, iter_s)
         self.say(
             f"re-plan ({trigger['kind']}, rank {trigger['rank']} {trigger['factor']:.2f}x): "
@@ -302,13 +345,21 @@ class PipelineAdaptation:
         keep = plan_for_state(self.state, _planner(_LIVE, self.adapt))
         if not self.moves_layers:
             return keep, False
-        move = plan_for_state(self.state, _planner(_MOVE, self.adapt))
-        plan = move.plan()
-        if move.kept_current or keeps_stages(self.plan, self.devices, plan, self.devices):
-            return keep, False
-        if move.predicted_s < keep.predicted_s * (1.0 - self.adapt.min_gain):
-            return move, True
-        return keep, False
+        best, moves = keep, False
+        bar = keep.predicted_s * (1.0 - self.adapt.min_gain)
+        shrinks = self.excludes and any(
+            g.tp > 1 for rep in self.launch.replicas for g in rep.stages
+        )
+        for config in (_MOVE, _SHRINK) if shrinks else (_MOVE,):
+            found = plan_for_state(self.state, _planner(config, self.adapt))
+            plan = found.plan()
+            if found.kept_current or keeps_stages(self.plan, self.devices, plan, self.devices):
+                continue
+            if config is _SHRINK and not emulates(self.launch, plan, len(self.devices)):
+                continue
+            if found.predicted_s < min(bar, best.predicted_s if moves else bar):
+                best, moves = found, True
+        return best, moves
 
     def _adopt_live(
         self,
@@ -429,9 +480,32 @@ class PipelineAdaptation:
         running generation: `restarts`)."""
         if self.replans >= self.adapt.max_replans:
             return False
+        if self._moving is None and self._readmit_benched(iteration):
+            return True
         due = self.excluded.readmit(self.devices, iteration, self.returned)
         if not due:
             return False
+        self._trial = due
+        return True
+
+    def _readmit_benched(self, iteration: int) -> bool:
+        """Devices a TP exclusion benched whose wait is over: marked healthy, and the launch
+        plan (every device at full speed) is decided like a move back — a planned stop, the
+        state moved to the launch layout, the device's rank a fresh holder filled from the
+        others (`RestoreMode.RESHARD`), its fail-slow warm-up short (`NewWorld.trial`). A
+        device still slow is reported and benched again, its wait doubled. Returns whether it
+        decided that."""
+        due = self.benched.readmit(self.devices, iteration, None)
+        if not due:
+            return False
+        for d in due:
+            self.state = self.state.with_healthy(self.devices.index(d))
+        rank = self.devices.index(due[0])
+        trigger = {"kind": "readmit_trial", "rank": rank, "device": due[0], "factor": 1.0}
+        again = self._launch_again(self._best_plan()[0].current_s)
+        if again is None:
+            return self._skip(trigger, "the launch plan is not predicted faster: it stays out")
+        self._decide_move(again, trigger, None, count=False)
         self._trial = due
         return True
 
@@ -619,7 +693,8 @@ class PipelineAdaptation:
         self._moving = None
         self.reshard = self.plan
         self._adopt_live(result, plan, trigger, iter_s, restore="reshard")
-        return NewWorld(self.devices, None, self.epoch)
+        trial, self._trial = self._trial, ()
+        return NewWorld(self.devices, None, self.epoch, trial)
 
     def _adopt_world(
         self,
