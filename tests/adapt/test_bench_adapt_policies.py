@@ -68,8 +68,18 @@ def test_both_launch_plans_run_by_default_and_the_pipeline_one_is_pp2_x_dp2():
     four = _args(layers=4)
     assert bench._job(four, [], "ours", "pp2").model.n_layers == 4
     assert bench._plan_name(four, "pp2") == "pp2xdp2-l4"
-    with pytest.raises(UserError, match="unknown tp2"):
-        bench._plans("dp,tp2")
+    # tp2: TP = 2 x DP = W/2, asked for by name.
+    assert bench._plans("dp,tp2") == ["dp", "tp2"]
+    tp = bench._job(args, [], "ours", "tp2").parallel
+    assert (tp.tp, tp.dp, tp.pp) == (2, 2, 1) and bench._plan_name(args, "tp2") == "tp2xdp2"
+    with pytest.raises(UserError, match="unknown tp4"):
+        bench._plans("dp,tp4")
+
+
+def test_a_row_says_how_each_replan_ran():
+    shrink = {"restore": "reshard", "counts_after": [2, 6], "tp_after": [1, 2]}
+    assert bench._what(shrink) == "reshard [2, 6] tp [1, 2]"
+    assert bench._what({"restore": None, "counts_after": [5, 5, 5, 1]}) == "live [5, 5, 5, 1]"
 
 
 def test_severity_levels_are_calibrated_to_the_loss_they_cost_on_this_machine():

@@ -44,6 +44,13 @@ and replaced by the dissolved replica's standby, from the newest checkpoint. Wha
 not answer there: a slow link (a plan's ranks fire no all-reduce hooks, so the detector's
 link checks are data-parallel only).
 
+On the `tp2` plan (TP = 2 x DP = W/2, `--plans tp2`): a slow device holds its TP peer at
+every layer's collective, so its whole replica runs at its pace. Ours may shrink its TP group
+to the peer (ResiHP §6.1; the peer computes as the group did, `unbroken.engine.emulate`, so
+the run stays bit-exact against the launch plan) and give that replica fewer micro-batches,
+at a planned stop with the state moved; `greyhound` moves micro-batches between the replicas;
+a lost device dissolves its replica (its TP peer stands by).
+
 Severity. `unbroken.detect.levels` turns a level into a factor assuming the slowed rank's whole
 iteration stretches (3.33 for severe). On the shared 2-core VM four ranks oversubscribe two
 cores, so a rank that sleeps (the `slow` fault) frees CPU its peers use: factor 4 cost only
@@ -98,7 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plans",
         default="dp,pp2",
-        help="comma-separated launch plans: dp (DP = W), pp2 (PP = 2 x DP = W/2); default both",
+        help="comma-separated launch plans: dp (DP = W), pp2 (PP = 2 x DP = W/2), tp2 (TP = 2 "
+        "x DP = W/2); default dp,pp2",
     )
     p.add_argument(
         "--ckpt-interval", type=int, default=5, help="iterations between checkpoints (default 5)"
@@ -121,13 +129,13 @@ def _say(text: str) -> None:
     print(f"[adapt] {text}", file=sys.stderr, flush=True)
 
 
-PLANS = ("dp", "pp2")
+PLANS = ("dp", "pp2", "tp2")
 SCENARIOS = ("medium", "severe", "slowlink", "lost", "mixed", "load")
 
 
 def _plan_name(args: argparse.Namespace, plan: str) -> str:
     w = args.world_size
-    name = f"dp{w}" if plan == "dp" else f"pp2xdp{w // 2}"
+    name = {"dp": f"dp{w}", "pp2": f"pp2xdp{w // 2}", "tp2": f"tp2xdp{w // 2}"}[plan]
     return f"{name}-l{args.layers}" if args.layers else name
 
 
@@ -148,7 +156,10 @@ def _job(args: argparse.Namespace, inject: list[str], policy: str, plan: str = "
         data=DataConfig(tokens_per_microbatch=64, microbatches=4, max_documents=200),
         train=TrainConfig(iterations=args.iterations, lr=1e-3),
         parallel=ParallelConfig(
-            world_size=args.world_size, pp=2 if plan == "pp2" else 1, reduce="ordered"
+            world_size=args.world_size,
+            pp=2 if plan == "pp2" else 1,
+            tp=2 if plan == "tp2" else 1,
+            reduce="ordered",
         ),
         checkpoint=CheckpointConfig(interval=args.ckpt_interval),
         recovery=RecoveryConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5),
@@ -220,10 +231,17 @@ def _row(
         "tokens_per_s": statistics.median(after) if after and done else 0.0,
         "reconfig_s": reconfig,
         "replans": len(replans),
+        "replanned": "; ".join(_what(r) for r in replans),
         "ckpt_loads": sum(e["kind"] == "checkpoint_loaded" for e in s["events"]),
         "bit_exact": audit(ref, s)["bit_exact"] if done else False,
         "state": summary["state"],
     }
+
+
+def _what(replan: dict[str, Any]) -> str:
+    """One re-plan in a few words: how it ran, micro-batches (and TP degrees) after it."""
+    tp = f" tp {replan['tp_after']}" if "tp_after" in replan else ""
+    return f"{replan.get('restore') or 'live'} {replan['counts_after']}{tp}"
 
 
 def _one(
@@ -416,7 +434,7 @@ def _print_table(
         print(f"{plan}: {probe}medium factor {f['medium']:.2f}, severe {f['severe']:.2f}")
     print(
         f"{'plan':10}{'scenario':10}{'policy':10}{'tokens/s':>10}{'loss':>7}{'vs ours':>9}"
-        f"{'reconfig s':>12}{'ckpt loads':>12}{'bit-exact':>11}"
+        f"{'reconfig s':>12}{'ckpt loads':>12}{'bit-exact':>11}  re-plans"
     )
     for r in rows:
         ratio = f"{r['ratio_to_ours']:.2f}" if r["ratio_to_ours"] is not None else "-"
@@ -424,7 +442,7 @@ def _print_table(
         print(
             f"{r['plan']:10}{r['scenario']:10}{r['policy']:10}{r['tokens_per_s']:>10.0f}"
             f"{r['loss']:>7.0%}{ratio:>9}{reconfig:>12}{r['ckpt_loads']:>12}"
-            f"{r['bit_exact']!s:>11}"
+            f"{r['bit_exact']!s:>11}  {r['replanned'] or '-'}"
         )
     print(
         "loss: tokens/s below the plan's fault-free reference (ResiHP's levels: medium 55 %, "

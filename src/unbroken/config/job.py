@@ -536,7 +536,9 @@ class AdaptConfig:
     gpipe): around a lost device, with a whole replica left, the broken replicas are dissolved
     and the survivors continue on their retained state; without one, a TP-1 job runs a smaller
     pipeline from the newest checkpoint (a TP job stops with the reason); around a slow device
-    (more than one replica) micro-batches move between replicas at a boundary."""
+    (more than one replica) micro-batches move between replicas at a boundary, and with
+    retained state layers move and a slow device's TP-2 group shrinks to its peer (at a
+    planned stop, the state moved between the ranks)."""
     max_replans: int = 4
     """Most re-plans for slow devices a job makes, and for their return to full speed (a cap
     on a detector that fires on noise)."""

@@ -151,6 +151,9 @@ def replan_records(
             "switch_s": applied.get("switch_s") if applied else None,
             "restore": r.get("restore"),
         }
+        after = r.get("after")
+        if isinstance(after, list) and all(isinstance(g, dict) and "tp" in g for g in after):
+            row["tp_after"] = [g["tp"] for g in after]  # a plan job's stages' TP degrees
         if it is not None:
             row["measured_before"] = _measure(rows, range(it - WINDOW, it))
             row["measured_after"] = _measure(rows, range(it + 1, it + 1 + WINDOW))

@@ -1,7 +1,7 @@
 """The coordinator's re-planning of a pipeline job (issue 18) around lost and slow devices.
 
 `Adaptation` (`adapt.py`) re-plans data-parallel jobs, whose survivors keep their retained
-replicas. A pipeline job at TP 1 (`parallel.pp` > 1) is re-planned here:
+replicas. A plan job (`parallel.pp` or `parallel.tp` > 1) is re-planned here:
 
 - **Another replica holds every stage** (DP x PP): the scheduler (`plan_for_state`) dissolves
   the replica that lost a device and gives its micro-batches to the replicas left; its other
@@ -44,6 +44,14 @@ replicas. A pipeline job at TP 1 (`parallel.pp` > 1) is re-planned here:
   in `RestoreMode.RESHARD`: each rank reattaches its retained state of the plan before,
   brings it to the boundary in place, and the ranks move parameters and optimizer moments to
   the new layout between them (`unbroken.launch.relayout`), no checkpoint.
+
+- **A slow device's TP group shrunk** (DP x TP, ours with retained state, `_SHRINK`, stop
+  49): the scheduler's exclusion step (ResiHP §6.1) shrinks a TP-2 group around its slow
+  device to TP 1; the plan is taken like a layer move (a planned stop, `RestoreMode.RESHARD`)
+  when every stage keeps the launch plan's bits (`emulates`: the TP-1 stage computes as the
+  group did, `unbroken.engine.emulate`). The device stays in the world as a rank of no stage
+  (`benched`) and is re-admitted on trial after `adapt.readmit_after` iterations
+  (`_readmit_benched`: the launch plan, moved back the same way).
 
 The plan of a lost device travels in the generation spec (`GenerationSpec.plan`), its ranks
 numbered 0..n-1 in the survivors' device order. A slow device at full speed again
