@@ -99,3 +99,24 @@ def test_a_crash_of_the_shrunk_groups_rank_after_the_exclusion_is_recovered_in_p
     # The generation after the kill runs the shrunk plan, restored in place.
     last = applied[max(applied)]
     assert max(applied) >= 2 and _groups(last["stages"]) == [([1], 1), ([2, 3], 2)]
+
+
+@pytest.mark.timeout(900)
+def test_a_kill_while_the_state_moves_to_the_shrunk_group_restarts_under_it_from_a_checkpoint(
+    tmp_path,
+):
+    """A second failure during the reconfiguration: rank 1 dies moving the state. The regions
+    may hold two layouts, so the next generation loads the newest checkpoint (iteration 0 here)
+    resharded to the shrunk plan — the standby rank 0 included — and ends bit for bit."""
+    cfg = _tp2_job(
+        inject=["slow:rank=0,iter=16,factor=10", "kill:rank=1,iter=1,phase=move,step=0"],
+        readmit_after=100,
+    )
+    _, events = run_bit_exact(cfg, tmp_path)
+    (replan,) = events_of(events, "replan")
+    assert replan["restore"] == "reshard"
+    assert _groups(replan["after"]) == [([1], 1), ([2, 3], 2)]
+    assert events_of(events, "state_moved") == []  # rank 1 died before any rank finished
+    assert events_of(events, "checkpoint_loaded")
+    applied = [e for e in events_of(events, "plan_applied") if "stages" in e]
+    assert _groups(applied[-1]["stages"]) == [([1], 1), ([2, 3], 2)]
