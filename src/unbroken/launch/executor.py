@@ -176,9 +176,10 @@ class PlanExecutor:
 
     def rank_hash(self) -> str:
         """sha256 over this rank's per-parameter hashes (kept for `job_hash`)."""
+        from unbroken.engine.sharding import split_dim
         from unbroken.train.digest import slot_digests
 
-        self._slots = slot_digests(self.state, self.shard_tag, self.emulate)
+        self._slots = slot_digests(self.state, self.shard_tag, self.emulate, split_dim)
         joined = "".join(f"{k}={v};" for k, v in sorted(self._slots.items()))
         return hashlib.sha256(joined.encode()).hexdigest()[:16]
 

@@ -49,16 +49,17 @@ def device_digest(t: torch.Tensor, *, slice_words: int = SLICE_WORDS) -> bytes:
     return h.digest()
 
 
-def slot_digests(state, tag: str = "", emulate: int = 1) -> dict[str, str]:
+def slot_digests(state, tag: str = "", emulate: int = 1, split_dim=None) -> dict[str, str]:
     """Per parameter this state owns (`FlatLayout.slots`: copies of another rank's parameters
     left out), a hash of its values and both AdamW moments, keyed by its name plus `tag` (a
     TP shard's position). The same parameter holds the same bits wherever a plan puts it, so
     these hashes, gathered over the ranks, fingerprint the model state independently of the
     pipeline layout that holds it (`PlanExecutor.job_hash`). A TP-1 stage that computes as a
     TP group of `emulate` (`unbroken.engine.emulate`) hashes each position's shard under that
-    position's tag, as the group's ranks would: the same state hashes alike under both."""
-    from unbroken.engine.sharding import split_dim
-
+    position's tag, as the group's ranks would: the same state hashes alike under both
+    (`split_dim`: a parameter name -> its split dimension or None, the engine's)."""
+    if emulate > 1 and split_dim is None:
+        raise ValueError("hashing per emulated TP position needs the split dimensions")
     out = {}
     tensors = list(state.persistent().values())
     for s in state.layout.slots:
