@@ -71,3 +71,24 @@ def test_a_tp_pipeline_that_loses_a_stage_continues_at_its_tp_degree_from_a_chec
     assert loaded["resharded"] is True and 0 < loaded["iter"] <= 5
     done = events_of(events, "trainer_done")[-1]
     assert done["devices"] == [0, 1] and len(done["rank_hashes"]) == 2
+
+
+@pytest.mark.timeout(900)
+def test_a_tp_2_job_down_to_one_device_continues_at_tp_1_computing_as_tp_2(tmp_path):
+    """TP 2 on 2 devices (one replica): device 1 is lost for good inside its update. No TP
+    group of 2 can be formed; device 0 runs the job at TP 1, computing as the TP-2 group did
+    (`unbroken.engine.emulate`), from the newest checkpoint resharded to the whole tensors —
+    bit-exact against the fault-free TP-2 run."""
+    cfg = pipeline_job(pp=1, inject=["lose:rank=1,iter=5,phase=update"])
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=2, tp=2))
+    s = run_job(cfg, tmp_path, reference=True, quiet=True)
+    assert s["state"] == "done", s["reason"]
+    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    (replan,) = events_of(events, "replan")
+    assert replan["trigger"]["devices"] == [1] and replan["restore"] == "checkpoint"
+    assert (replan["devices_before"], replan["devices_after"]) == ([0, 1], [0])
+    assert [(st["layers"], st["tp"]) for st in replan["after"]] == [([0, 2], 1)]
+    assert "computing as TP 2" in replan["explain"]
+    (loaded,) = events_of(events, "checkpoint_loaded")
+    assert loaded["resharded"] is True

@@ -336,9 +336,26 @@ def test_a_dp_x_tp_job_dissolves_the_replica_whose_tp_group_lost_a_device(tmp_pa
     plan = ParallelPlan.from_dict(adapt.spec_fields()["plan"])
     assert (plan.dp, plan.microbatches, plan.replicas[0].stages[0].tp) == (1, (8,), 2)
     assert "at TP 2 from the newest checkpoint" in _events(tmp_path, "replan")[-1]["explain"]
-    # One device left: a TP group of 2 cannot be formed, and a smaller one changes the bits.
+    # One device left: no TP group of 2; device 0 runs TP 1 computing as TP 2 (the launch
+    # plan's bits, `unbroken.engine.emulate`), from the newest checkpoint.
     adapt.note_lost(2, "lost")
-    with pytest.raises(NoPlanError, match="fewer than the TP degree 2"):
+    world = adapt.next_world()
+    assert world.devices == (0,) and adapt.relayout
+    plan = ParallelPlan.from_dict(adapt.spec_fields()["plan"])
+    assert (plan.dp, plan.microbatches, plan.replicas[0].stages[0].tp) == (1, (8,), 1)
+    assert "at TP 1, computing as TP 2" in _events(tmp_path, "replan")[-1]["explain"]
+    adapt.note_lost(0, "lost")
+    with pytest.raises(NoPlanError, match="every device of the pipeline is lost"):
+        adapt.next_world()
+
+
+def test_a_tp_4_job_with_fewer_survivors_than_its_degree_stops(tmp_path):
+    """A left fold of four TP positions is not the collective's order: no TP-1 emulation."""
+    events = JsonlLog(tmp_path / "events.jsonl", run="t")
+    adapt = PipelineAdaptation(make_plan(1, 1, 4, 4, 4), events, lambda _: None)
+    for d in (1, 2):
+        adapt.note_lost(d, "lost")
+    with pytest.raises(NoPlanError, match="fewer than the TP degree 4"):
         adapt.next_world()
 
 

@@ -58,6 +58,9 @@ def test_a_tensor_parallel_pipeline_keeps_its_tp_degree_on_fewer_stages():
 def test_it_refuses_too_few_devices_for_the_tp_degree_mixed_degrees_and_an_empty_world():
     with pytest.raises(NoPlanError, match="fewer than the TP degree 2"):
         shrink_pipeline(make_plan(1, 2, 2, 4, 4), 1)
+    # Unless the caller asks for a smaller degree (TP 2 -> 1 computes as TP 2: engine.emulate).
+    one = shrink_pipeline(make_plan(1, 2, 2, 4, 4), 1, tp=1)
+    assert (one.pp, one.ranks, [g.tp for g in one.replicas[0].stages]) == (1, (0,), [1])
     with pytest.raises(ValueError, match="one TP degree"):
         shrink_pipeline(make_plan(1, 2, [2, 1], 4, 4), 3)
     with pytest.raises(NoPlanError):

@@ -535,7 +535,8 @@ class AdaptConfig:
     Implies parallel.reduce = "ordered". A plan job (parallel.pp or tp > 1; schedule 1f1b or
     gpipe): around a lost device, with a whole replica left, the broken replicas are dissolved
     and the survivors continue on their retained state; without one, a TP-1 job runs a smaller
-    pipeline from the newest checkpoint (a TP job stops with the reason); around a slow device
+    pipeline from the newest checkpoint (a TP job at its degree; a TP-2 job left with one device
+    at TP 1 computing as TP 2; a larger degree stops with the reason); around a slow device
     (more than one replica) micro-batches move between replicas at a boundary, and with
     retained state layers move and a slow device's TP-2 group shrinks to its peer (at a
     planned stop, the state moved between the ranks)."""

@@ -11,15 +11,18 @@ loaded under that plan (`unbroken.engine.ckpt_layout`). `shrink_pipeline` is tha
   of each micro-batch is keyed by its global id, `PlanWorker.shard_microbatches`);
 - min(pp, survivors // tp, layers) stages, ranks 0..n-1 in the survivors' order, layers split
   evenly (`make_plan`);
-- the plan's TP degree on every stage (fewer survivors than it: `NoPlanError`), the same
-  schedule; an interleaved schedule keeps its virtual stages while the layers allow it, else
-  falls back to 1F1B (interleaving on one stage is not a pipeline).
+- the plan's TP degree on every stage (fewer survivors than it: `NoPlanError`, unless the
+  caller passes `tp`: a TP-2 job on one device runs TP 1 computing as TP 2,
+  `unbroken.engine.emulate`), the same schedule; an interleaved schedule keeps its virtual
+  stages while the layers allow it, else falls back to 1F1B (interleaving on one stage is not
+  a pipeline).
 
 A stage computes the reference model's bits whatever its depth and schedule at TP 1, and at
 TP t whatever its depth with the same t (each layer's shards and the order of its TP
 reductions do not depend on which stage holds the layer; docs/engine.md), so a job that
 continues on the smaller plan stays bit-exact against its fault-free run on the original one.
-A smaller TP degree would not: that is why the degree is kept.
+A smaller TP degree would not, unless its stages compute as the launch degree's groups (TP 2
+-> 1 under the ordered reduction, docs/engine.md): that is why the degree is kept by default.
 """
 
 from __future__ import annotations
@@ -54,11 +57,12 @@ def dissolve_replicas(plan: ParallelPlan, lost: Collection[int]) -> ParallelPlan
     return plan_for(keep, counts, plan.schedule, virtual_stages=plan.virtual_stages)
 
 
-def shrink_pipeline(plan: ParallelPlan, devices: int) -> ParallelPlan:
-    """`plan`'s job as one replica on `devices` devices, ranks 0..n-1 (module docstring).
+def shrink_pipeline(plan: ParallelPlan, devices: int, tp: int | None = None) -> ParallelPlan:
+    """`plan`'s job as one replica on `devices` devices, ranks 0..n-1 (module docstring), at TP
+    degree `tp` (default: the plan's).
 
     Raises:
-        NoPlanError: no device is left, or fewer than the plan's TP degree.
+        NoPlanError: no device is left, or fewer than the TP degree.
         ValueError: `plan`'s stages have different TP degrees (the scheduler's case).
     """
     if devices < 1:
@@ -66,7 +70,7 @@ def shrink_pipeline(plan: ParallelPlan, devices: int) -> ParallelPlan:
     degrees = {g.tp for rep in plan.replicas for g in rep.stages}
     if len(degrees) != 1:
         raise ValueError("shrink_pipeline plans pipelines of one TP degree on every stage")
-    (tp,) = degrees
+    tp = tp or next(iter(degrees))
     if devices < tp:
         raise NoPlanError(
             f"{devices} device(s) left, fewer than the TP degree {tp}: a smaller TP group "

@@ -776,21 +776,30 @@ class PipelineAdaptation:
         from the newest checkpoint (its layout differs from every survivor's state); the
         survivors it leaves out are standbys.
 
+        A TP-2 job with a single survivor runs at TP 1, its stages computing as TP 2 (bit for
+        bit, `unbroken.engine.emulate`); with fewer survivors than a larger degree it stops.
+
         Raises:
-            NoPlanError: fewer survivors than the TP degree (a smaller TP group changes the
-                job's bits; not built), or stages of different TP degrees.
+            NoPlanError: fewer survivors than a TP degree above 2 (a smaller TP group changes
+                the job's bits), or stages of different TP degrees.
         """
         before = self.plan
+        launch_tp = self.launch.replicas[0].stages[0].tp
+        if len({g.tp for rep in before.replicas for g in rep.stages}) > 1:
+            before = self.launch  # a TP group shrunk before: plan from the launch degree
+        tp = 1 if launch_tp == 2 and len(survivors) < 2 else None
         try:
-            plan = shrink_pipeline(before, len(survivors))
+            plan = shrink_pipeline(before, len(survivors), tp)
         except ValueError as exc:
             raise NoPlanError(f"no replica is left whole, and {exc}") from None
         tp = plan.replicas[0].stages[0].tp
+        degree = f" at TP {tp}" if tp > 1 else ""
+        if tp < launch_tp:
+            degree = f" at TP 1, computing as TP {launch_tp} (the launch plan's bits)"
         explain = (
             f"the lost device held the only copy of its stage, so the scheduler keeps no "
             f"pipeline of depth {before.pp}; the survivors run an even pipeline of depth "
-            f"{plan.pp}" + (f" at TP {tp}" if tp > 1 else "") + " from the newest checkpoint "
-            "loaded under it"
+            f"{plan.pp}{degree} from the newest checkpoint loaded under it"
         )
         return plan, survivors[: len(plan.ranks)], explain
 
