@@ -66,6 +66,7 @@ def test_a_slow_device_s_tp_group_shrinks_live_bit_exact(tmp_path):
     assert [e["rank"] for e in events_of(events, "fail_slow")] == [0]
     (record,) = s["replans"]
     assert record["measured_after"]["iter_s"] < record["measured_before"]["iter_s"]
+    assert record["tp_after"] == [1, 2] and record["restore"] == "reshard"
 
 
 @pytest.mark.timeout(900)
