@@ -564,6 +564,23 @@ def test_a_pipeline_job_under_evict_restarts_on_an_even_pipeline_from_the_checkp
     assert adapt.readmit_due(10**6) is False and not adapt.grows  # out for the rest of the run
 
 
+def test_a_lost_device_under_evict_is_a_checkpoint_restart_on_an_even_pipeline(tmp_path):
+    # The recovery machine loads the checkpoint for every loss under evict; the plan is the
+    # fresh even one and the event says "checkpoint" (it said "in_place" before stop 49).
+    events = JsonlLog(tmp_path / "events.jsonl", run="t")
+    adapt = PipelineAdaptation(
+        make_plan(2, 1, 2, 4, 4),
+        events,
+        lambda _: None,
+        adapt=AdaptConfig(enabled=True, policy="evict"),
+    )
+    adapt.note_lost(1, "lost")
+    world = adapt.next_world()
+    assert adapt.relayout and world.devices == (0, 2)
+    (replan,) = _events(tmp_path, "replan")
+    assert replan["restore"] == "checkpoint" and "from the newest checkpoint" in replan["explain"]
+
+
 def _groups(plan: ParallelPlan) -> list[tuple[tuple[int, ...], int]]:
     return [(g.ranks, g.tp) for rep in plan.replicas for g in rep.stages]
 
