@@ -618,8 +618,7 @@ class PipelineAdaptation:
         alive = tuple(sorted(survivors + tuple(d for d in standbys if d not in self.lost)))
         if out and not gone and self.plan.dp == 1:
             return self._swap_world(out, t0, iter_s)
-        # Evict-and-restart (Oobleck-like) does not use retained state: a fresh even plan, for
-        # a lost device too (the recovery machine loads the checkpoint; the event says so).
+        # Evict-and-restart (Oobleck-like): a fresh even plan from the checkpoint, lost or not.
         evicting = self.evicts or any(d in self.evicted for d in gone)
         dissolved = None if evicting else self._dissolve(sorted(gone + out))
         if dissolved is None and out:
