@@ -15,7 +15,7 @@ from unbroken.api import run_job
 from unbroken.config import ParallelConfig
 from unbroken.metrics.log import read_jsonl
 
-from .conftest import adapt_job, events_of
+from .conftest import adapt_job, events_of, run_bit_exact
 
 
 def pipeline_job(*, pp: int, inject, iterations: int = 8, interval: int = 2, mode="inplace"):
@@ -81,10 +81,7 @@ def test_a_tp_2_job_down_to_one_device_continues_at_tp_1_computing_as_tp_2(tmp_p
     bit-exact against the fault-free TP-2 run."""
     cfg = pipeline_job(pp=1, inject=["lose:rank=1,iter=5,phase=update"])
     cfg = dataclasses.replace(cfg, parallel=ParallelConfig(world_size=2, tp=2))
-    s = run_job(cfg, tmp_path, reference=True, quiet=True)
-    assert s["state"] == "done", s["reason"]
-    assert s["bit_exact"] is True and s["per_iteration_mismatches"] == []
-    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "faulty"]
+    _, events = run_bit_exact(cfg, tmp_path)
     (replan,) = events_of(events, "replan")
     assert replan["trigger"]["devices"] == [1] and replan["restore"] == "checkpoint"
     assert (replan["devices_before"], replan["devices_after"]) == ([0, 1], [0])

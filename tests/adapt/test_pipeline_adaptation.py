@@ -544,17 +544,18 @@ def test_a_slow_stage_of_the_replica_left_is_swapped_for_a_standby_from_the_chec
     assert plain.restarts and "moves layers" in plain_said[-1]
 
 
+def _evicting(tmp_path, plan: ParallelPlan) -> PipelineAdaptation:
+    events = JsonlLog(tmp_path / "events.jsonl", run="t")
+    return PipelineAdaptation(
+        plan, events, lambda _: None, adapt=AdaptConfig(enabled=True, policy="evict")
+    )
+
+
 def test_a_pipeline_job_under_evict_restarts_on_an_even_pipeline_from_the_checkpoint(tmp_path):
     # Evict-and-restart (Oobleck-like): the slow device leaves the job for good, and the next
     # generation is one even pipeline on the others from the newest checkpoint — retained
     # state and the other replica are not used (ours would keep the survivors in place).
-    events = JsonlLog(tmp_path / "events.jsonl", run="t")
-    adapt = PipelineAdaptation(
-        make_plan(2, 2, 1, 4, 4),
-        events,
-        lambda _: None,
-        adapt=AdaptConfig(enabled=True, policy="evict"),
-    )
+    adapt = _evicting(tmp_path, make_plan(2, 2, 1, 4, 4))
     assert adapt.evicts and adapt.on_fail_slow(_slow(3, 6.0)) is True
     (evicted,) = _events(tmp_path, "device_evicted")
     assert evicted["device"] == 3 and 3 in adapt.lost
@@ -567,13 +568,7 @@ def test_a_pipeline_job_under_evict_restarts_on_an_even_pipeline_from_the_checkp
 def test_a_lost_device_under_evict_is_a_checkpoint_restart_on_an_even_pipeline(tmp_path):
     # The recovery machine loads the checkpoint for every loss under evict; the plan is the
     # fresh even one and the event says "checkpoint" (it said "in_place" before stop 49).
-    events = JsonlLog(tmp_path / "events.jsonl", run="t")
-    adapt = PipelineAdaptation(
-        make_plan(2, 1, 2, 4, 4),
-        events,
-        lambda _: None,
-        adapt=AdaptConfig(enabled=True, policy="evict"),
-    )
+    adapt = _evicting(tmp_path, make_plan(2, 1, 2, 4, 4))
     adapt.note_lost(1, "lost")
     world = adapt.next_world()
     assert adapt.relayout and world.devices == (0, 2)
