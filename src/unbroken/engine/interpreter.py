@@ -86,7 +86,7 @@ from unbroken.detect.timing import StageTiming
 from unbroken.engine.groups import PlanGroups
 from unbroken.engine.ordered_plan import PlanOrderedGradients
 from unbroken.engine.probe import probe_actions, probes
-from unbroken.engine.sharding import replicated, split_dim
+from unbroken.engine.sharding import replicated, shard_of
 from unbroken.engine.stage import MicroBatchInputs, StageModel
 from unbroken.engine.transfer import run_batch
 from unbroken.engine.wgrad import WeightGradSink
@@ -282,7 +282,7 @@ class PlanWorker:
         norm is a fold over layers and shards in a fixed order whatever stage and replica hold
         them, each slot from one rank ([Note: ordered reduction]). A stage computing as a
         TP group (`unbroken.engine.emulate`) adds each position's shard to that position's
-        bucket: piece = (shape, split dim, start, length) of the shard in the whole tensor."""
+        bucket: piece = (name, shape, degree, position), the `shard_of` of the whole tensor."""
         if not self.actions or self.plan.locate(self.rank)[0] != 0:
             return []
         n, t = self.plan.num_layers, self._norm_tp
@@ -292,14 +292,11 @@ class PlanWorker:
         for s in sorted(self.state.layout.slots, key=lambda s: s.offset):
             found = _LAYER.search(s.name)
             layer = int(found.group(1)) if found else (n if "embed" in s.name else n + 1)
-            dim = split_dim(s.name)
+            whole = replicated(s.name)
             for pos in positions:
-                if pos != 0 and dim is None:
+                if pos != 0 and whole:
                     continue  # replicated: counted on position 0 only
-                piece = None
-                if e > 1 and dim is not None:
-                    length = s.shape[dim] // e
-                    piece = (s.shape, dim, pos * length, length)
+                piece = (s.name, s.shape, e, pos) if e > 1 and not whole else None
                 out.append((layer * t + pos, s.offset, s.offset + s.numel, piece))
         return out
 
@@ -424,8 +421,8 @@ class PlanWorker:
         for b, lo, hi, piece in self._buckets:
             g = grads[lo:hi]
             if piece is not None:  # an emulated position's shard, as that position holds it
-                shape, dim, start, length = piece
-                g = g.view(shape).narrow(dim, start, length).contiguous().reshape(-1)
+                name, shape, e, pos = piece
+                g = shard_of(g.view(shape), name, e, pos).contiguous().reshape(-1)
             t[3 + slots + b] += g.to(f64).square().sum()
         t[0] += self._loss
         t[2] += self._tokens

@@ -143,9 +143,6 @@ class PlanExecutor:
     ("" at TP 1)."""
     switch: Callable[[Any], None] | None = None
     """Runs another plan from the next iteration on (`engine.build.switch_plan`)."""
-    emulate: int = 1
-    """The TP degree this rank's TP-1 stage computes as (`unbroken.engine.emulate`): its
-    shards are hashed under that group's tags."""
     _slots: dict[str, str] = field(default_factory=dict)
 
     def set_plan(self, plan) -> None:
@@ -176,10 +173,13 @@ class PlanExecutor:
 
     def rank_hash(self) -> str:
         """sha256 over this rank's per-parameter hashes (kept for `job_hash`)."""
-        from unbroken.engine.sharding import split_dim
+        from unbroken.engine.sharding import shard_of
         from unbroken.train.digest import slot_digests
 
-        self._slots = slot_digests(self.state, self.shard_tag, self.emulate, split_dim)
+        # A TP-1 stage computing as a TP group (`unbroken.engine.emulate`) hashes its shards
+        # under that group's tags.
+        emulate = getattr(self.worker.model, "emulate", 1)
+        self._slots = slot_digests(self.state, self.shard_tag, emulate, shard_of)
         joined = "".join(f"{k}={v};" for k, v in sorted(self._slots.items()))
         return hashlib.sha256(joined.encode()).hexdigest()[:16]
 
@@ -349,5 +349,4 @@ def _plan_executor(cfg, plan, group, device, retained, hooks, autocast, search):
         replica_sets=plan_replica_sets(plan),
         shard_tag=f"@tp{tp.rank}/{tp.size}" if tp.size > 1 else "",
         switch=switch,
-        emulate=getattr(rank_engine.model, "emulate", 1),
     )

@@ -49,7 +49,7 @@ def device_digest(t: torch.Tensor, *, slice_words: int = SLICE_WORDS) -> bytes:
     return h.digest()
 
 
-def slot_digests(state, tag: str = "", emulate: int = 1, split_dim=None) -> dict[str, str]:
+def slot_digests(state, tag: str = "", emulate: int = 1, shard_of=None) -> dict[str, str]:
     """Per parameter this state owns (`FlatLayout.slots`: copies of another rank's parameters
     left out), a hash of its values and both AdamW moments, keyed by its name plus `tag` (a
     TP shard's position). The same parameter holds the same bits wherever a plan puts it, so
@@ -57,9 +57,9 @@ def slot_digests(state, tag: str = "", emulate: int = 1, split_dim=None) -> dict
     pipeline layout that holds it (`PlanExecutor.job_hash`). A TP-1 stage that computes as a
     TP group of `emulate` (`unbroken.engine.emulate`) hashes each position's shard under that
     position's tag, as the group's ranks would: the same state hashes alike under both
-    (`split_dim`: a parameter name -> its split dimension or None, the engine's)."""
-    if emulate > 1 and split_dim is None:
-        raise ValueError("hashing per emulated TP position needs the split dimensions")
+    (`shard_of`: the engine's `(full, name, tp_size, tp_rank) -> shard`)."""
+    if emulate > 1 and shard_of is None:
+        raise ValueError("hashing per emulated TP position needs the engine's shard_of")
     out = {}
     tensors = list(state.persistent().values())
     for s in state.layout.slots:
@@ -67,12 +67,8 @@ def slot_digests(state, tag: str = "", emulate: int = 1, split_dim=None) -> dict
         if emulate == 1:
             out[s.name + tag] = _digest(whole)
             continue
-        dim = split_dim(s.name)
         for i in range(emulate):
-            pieces = whole
-            if dim is not None:
-                n = s.shape[dim] // emulate
-                pieces = [p.view(s.shape).narrow(dim, i * n, n) for p in whole]
+            pieces = [shard_of(p.view(s.shape), s.name, emulate, i) for p in whole]
             out[f"{s.name}@tp{i}/{emulate}"] = _digest(pieces)
     return out
 
