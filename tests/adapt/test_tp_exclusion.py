@@ -128,3 +128,20 @@ def test_a_kill_while_the_state_moves_to_the_shrunk_group_restarts_under_it_from
     assert events_of(events, "checkpoint_loaded")
     applied = [e for e in events_of(events, "plan_applied") if "stages" in e]
     assert _groups(applied[-1]["stages"]) == [([1], 1), ([2, 3], 2)]
+
+
+@pytest.mark.timeout(900)
+def test_a_benched_device_lost_for_good_leaves_the_shrunk_plan_running_in_place(tmp_path):
+    """Device 0, standing by inside the world since its group shrank (a rank of no stage), is
+    lost: the others keep the shrunk plan and their state, in place, no checkpoint, and the
+    run ends bit for bit."""
+    cfg = _tp2_job(
+        inject=["slow:rank=0,iter=16,factor=10", "lose:rank=0,iter=26,phase=update"],
+        readmit_after=100,
+    )
+    _, events = run_bit_exact(cfg, tmp_path)
+    shrink, lost = events_of(events, "replan")
+    assert _groups(shrink["after"]) == [([1], 1), ([2, 3], 2)]
+    assert lost["trigger"]["kind"] == "device_lost" and lost["restore"] == "in_place"
+    assert lost["devices_after"] == [1, 2, 3] and _groups(lost["after"]) == [([0], 1), ([1, 2], 2)]
+    assert events_of(events, "checkpoint_loaded") == []

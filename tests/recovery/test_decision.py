@@ -118,6 +118,33 @@ def test_ranks_inside_the_newest_update_are_not_behind_it():
     assert decide_restore(behind, [[0, 1]]).fill == ((1, 0),)
 
 
+def test_a_rank_of_no_stage_neither_falls_back_nor_chooses_the_boundary():
+    """[Note: a rank of no stage]: rank 1 holds nothing in its plan (new regions, or a marker
+    of a layout it no longer holds, 2 iterations behind); the others decide without it, their
+    fill pairs in the full table's ranks, and it stands by. Without the flag the same rows
+    fall back."""
+    synced = _rank(Stage.SYNCED, loss=2.5, grad_norm=1.25, grad_scale=0.5, lr=1e-3)
+    empty = RetainedSummary(held=False, repaired=False, progress=False, empty=True)
+    stale = RetainedSummary(
+        held=True, repaired=True, progress=True, marker=MarkerState(done_iter=2), empty=True
+    )
+    for standby in (empty, stale):
+        rows = [synced, standby, BROKEN, _rank(Stage.IDLE, 6, 5)]
+        d = decide_restore(rows, [(0, 2), (2, 3)])
+        assert (d.path, d.finish, d.next_iteration) == (RestorePath.RESUME, 5, 6)
+        assert d.actions == (
+            RankAction.FINISH_UPDATE,
+            RankAction.STANDBY,
+            RankAction.FILL,
+            RankAction.UPDATE_DONE,
+        )
+        assert d.fill == ((2, 0),) and "[1] hold no stage" in d.reason
+    no_flag = RetainedSummary(held=False, repaired=False, progress=False)
+    assert decide_restore([synced, no_flag], [(0,)]).path is RestorePath.FALLBACK
+    # Every rank of no stage (not a plan's world) is not special-cased.
+    assert decide_restore([empty, empty]).path is RestorePath.START_OVER
+
+
 def test_nothing_retained_and_no_progress_starts_over_in_this_generation():
     fresh_start = _rank(Stage.IDLE, 0, -1)
     d = decide_restore([NOTHING, fresh_start])
@@ -134,6 +161,8 @@ def test_a_summary_survives_its_row_form_and_an_unrepaired_one_has_no_marker():
         3e-4,
     )
     assert RetainedSummary.from_row(BROKEN.to_row()) == BROKEN
+    empty = RetainedSummary(held=False, repaired=False, progress=False, empty=True)
+    assert RetainedSummary.from_row(empty.to_row()) == empty
 
 
 def test_the_coordinator_restore_mode():

@@ -534,7 +534,9 @@ class AdaptConfig:
     device on the remaining ranks without a checkpoint, for a slow one at an iteration boundary.
     Implies parallel.reduce = "ordered". A plan job (parallel.pp or tp > 1; schedule 1f1b or
     gpipe): around a lost device, with a whole replica left, the broken replicas are dissolved
-    and the survivors continue on their retained state; without one, a TP-1 job runs a smaller
+    and the survivors continue on their retained state (a TP-2 group that lost one device, in
+    a job retaining its state, shrinks to its peer instead when predicted `min_gain` faster,
+    its stage moved to it from a whole replica); without one, a TP-1 job runs a smaller
     pipeline from the newest checkpoint (a TP job at its degree; a TP-2 job left with one device
     at TP 1 computing as TP 2; a larger degree stops with the reason); around a slow device
     (more than one replica) micro-batches move between replicas at a boundary, and with

@@ -11,6 +11,7 @@ fall back to checkpoint-restart (every rank exits `RankExit.FALLBACK`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -57,7 +58,11 @@ def gather_summaries(summary: RetainedSummary, group) -> list[RetainedSummary]:
 def finish_update(upd: ResumableUpdater, decision: RestoreDecision, rank: int, hook) -> None:
     """This rank's part of a RESUME decision: bring its state to the agreed boundary."""
     action = decision.actions[rank]
-    if decision.finish is None or action in (RankAction.UPDATE_DONE, RankAction.FILL):
+    if decision.finish is None or action in (
+        RankAction.UPDATE_DONE,
+        RankAction.FILL,
+        RankAction.STANDBY,
+    ):
         return  # a filled rank takes its replica's state once the donor has finished
     if action is RankAction.FINISH_WITH_PEER_STATS:
         stats = decision.stats
@@ -139,6 +144,8 @@ def restore_state(
         return start
     t0 = time.perf_counter()
     summary, report = retained.repair_locally(updater, rank, events)
+    # A rank of no stage holds nothing: left out of the decision ([Note: a rank of no stage]).
+    summary = dataclasses.replace(summary, empty=executor.state.layout.numel == 0)
     rows = gather_summaries(summary, group)
     decision = decide_restore(rows, executor.replica_sets)
     if decision.path is RestorePath.FALLBACK:
@@ -155,6 +162,9 @@ def restore_state(
         if decision.actions[rank] is RankAction.FILL:
             updater.initialize(done_iter=start - 1)  # parity and marker of the received state
             report, fixup = report or RepairReport(), "filled from a replica"
+        elif decision.actions[rank] is RankAction.STANDBY:
+            updater.initialize(done_iter=start - 1)  # its marker at the agreed boundary
+            report, fixup = report or RepairReport(), "a rank of no stage"
         else:
             assert report is not None  # it repaired, or it would be filled or fall back
             fixup = report.fixup

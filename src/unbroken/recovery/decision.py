@@ -27,6 +27,7 @@ Two levels, both pure functions:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -95,14 +96,17 @@ class RetainedSummary:
         progress: a completed iteration could be lost without it (its marker records one, or
             it could not tell because the repair failed).
         marker: its progress marker after the repair (None unless repaired).
+        empty: the rank holds no state at all (a rank of no stage in its plan: a standby
+            inside the world); the decision leaves it out ([Note: a rank of no stage]).
     """
 
     held: bool
     repaired: bool
     progress: bool
     marker: MarkerState | None = None
+    empty: bool = False
 
-    ROW = 10
+    ROW = 11
     """Floats per row of the gathered table."""
 
     def to_row(self) -> list[float]:
@@ -118,6 +122,7 @@ class RetainedSummary:
             m.grad_norm,
             m.grad_scale,
             m.lr,
+            float(self.empty),
         ]
 
     @classmethod
@@ -134,7 +139,9 @@ class RetainedSummary:
                 grad_scale=float(row[8]),
                 lr=float(row[9]),
             )
-        return cls(held=held, repaired=repaired, progress=progress, marker=marker)
+        return cls(
+            held=held, repaired=repaired, progress=progress, marker=marker, empty=bool(row[10])
+        )
 
 
 class RestorePath(enum.StrEnum):
@@ -156,6 +163,7 @@ class RankAction(enum.StrEnum):
     REDO = "redo the interrupted iteration"
     AT_BOUNDARY = "resume at the boundary"
     FILL = "receive a replica's state at the boundary"
+    STANDBY = "hold nothing (a rank of no stage): write its marker at the boundary"
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +204,9 @@ def decide_restore(
     """The path every rank takes after an in-place restart, from every rank's summary (in rank
     order) and the job's sets of ranks holding identical state. Pure: every rank computes it
     from the same gathered table."""
+    empty = [r for r, s in enumerate(rows) if s.empty]
+    if empty and len(empty) < len(rows):
+        return _without_empty(rows, replica_sets, empty)
     lacking = [r for r, s in enumerate(rows) if not s.held or not s.repaired]
     if replica_sets:
         lacking += _behind(rows, lacking)
@@ -218,6 +229,33 @@ def decide_restore(
                     fill=tuple(sorted(donors.items())),
                 )
     return _decide(rows)
+
+
+def _without_empty(
+    rows: Sequence[RetainedSummary], replica_sets: Sequence[Sequence[int]], empty: list[int]
+) -> RestoreDecision:
+    """The decision of the ranks that hold state; the `empty` ones stand by (`STANDBY`).
+
+    [Note: a rank of no stage]: a plan may leave a rank of the world without a stage (a TP
+    group shrunk around a slow device keeps that device as a standby; a lost device's TP peer
+    joins a move to a shrunk group from a plan in which it held nothing). Such a rank holds no
+    parameters, so whatever its regions say — new, or a marker of another layout — must
+    neither make the others fall back nor choose their boundary: it is left out, and writes
+    its marker at the boundary the others agree on."""
+    keep = [r for r in range(len(rows)) if r not in empty]
+    index = {r: i for i, r in enumerate(keep)}
+    sets = [[index[r] for r in ranks if r in index] for ranks in replica_sets]
+    inner = decide_restore([rows[r] for r in keep], [s for s in sets if len(s) > 1])
+    if inner.path is not RestorePath.RESUME:
+        return inner
+    actions = dict(zip(keep, inner.actions, strict=True))
+    actions.update({r: RankAction.STANDBY for r in empty})
+    return dataclasses.replace(
+        inner,
+        reason=f"{inner.reason}; rank(s) {empty} hold no stage",
+        actions=tuple(actions[r] for r in range(len(rows))),
+        fill=tuple((keep[t], keep[d]) for t, d in inner.fill),
+    )
 
 
 def _behind(rows: Sequence[RetainedSummary], lacking: list[int]) -> list[int]:

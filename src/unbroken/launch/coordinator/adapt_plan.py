@@ -8,8 +8,12 @@ replicas. A plan job (`parallel.pp` or `parallel.tp` > 1) is re-planned here:
   devices become standbys (outside the world). Every surviving rank keeps the layers it held,
   so the next generation restores **in place** from the retained state, without a checkpoint;
   the ordered reduction (`unbroken.engine.ordered_plan`) makes the new plan compute the
-  launch plan's bits. A plan that moves layers onto a surviving rank (not what the scheduler
-  returns for a lost device today) restarts from the checkpoint instead, resharded.
+  launch plan's bits. A TP-2 group that lost one device is shrunk to its peer instead when
+  the job retains its state and that is predicted `adapt.min_gain` faster (`_regroup`,
+  `unbroken.launch.coordinator.adapt_lost`: the peer's stage moves to it from a whole
+  replica, `RestoreMode.RESHARD`). A plan that moves layers onto a surviving rank (not what
+  the scheduler returns for a lost device today) restarts from the checkpoint instead,
+  resharded.
 - **A stage lost its only copy** (one replica, or every replica of a stage lost): the
   scheduler has no plan (`NoPlanError`); `shrink_pipeline` gives the survivors an even pipeline
   of one replica, and the next generation starts from the newest checkpoint resharded to it
@@ -80,14 +84,9 @@ from unbroken.detect.workload import DataParallelFit
 from unbroken.jobstore import JobStore
 from unbroken.launch.coordinator.adapt import Exclusions, NewWorld, fail_slow_trigger
 from unbroken.launch.coordinator.adapt_costs import cluster, keeps_stages, measured_workload
+from unbroken.launch.coordinator.adapt_lost import emulates, regroup_lost, relabeled, renumbered
 from unbroken.metrics.log import JsonlLog
-from unbroken.parallel import (
-    ParallelPlan,
-    Replica,
-    StageGroup,
-    plan_for,
-    same_layouts,
-)
+from unbroken.parallel import ParallelPlan, same_layouts
 from unbroken.plan import (
     DeviceStatus,
     NoPlanError,
@@ -97,7 +96,7 @@ from unbroken.plan import (
 )
 from unbroken.plan.shrink import dissolve_replicas, shrink_pipeline
 
-__all__ = ["PipelineAdaptation"]
+__all__ = ["PipelineAdaptation", "emulates"]
 
 _LIVE = PlannerConfig(exclusion=False, repartition=False)
 """The scheduler's steps a running pipeline job follows at a boundary around a slow device:
@@ -113,18 +112,6 @@ _SHRINK = PlannerConfig()
 to its fast devices, the excluded one stays in the world as a standby of the plan (no
 actions), and the ranks' state moves to the new layout like a repartition's. Taken only when
 every stage keeps the launch plan's bits (`emulates`)."""
-
-
-def emulates(launch: ParallelPlan, plan: ParallelPlan, world: int) -> bool:
-    """Whether `plan` runs in a world of `world` ranks with every stage computing the launch
-    plan's bits: at the launch TP degree, or at TP 1 where the launch degree is 2 (the stage
-    computes as that group, `unbroken.engine.emulate`; a left fold of more positions is not
-    the collective's order, [Note: emulated sums] there)."""
-    degrees = {g.tp for rep in launch.replicas for g in rep.stages}
-    if len(degrees) != 1 or max(plan.ranks) >= world:
-        return False
-    (t,) = degrees
-    return all(g.tp == t or (g.tp == 1 and t == 2) for rep in plan.replicas for g in rep.stages)
 
 
 def _planner(config: PlannerConfig, adapt: AdaptConfig) -> PlannerConfig:
@@ -193,6 +180,7 @@ class PipelineAdaptation:
     # -- reports ----------------------------------------------------------------------------
     def note_lost(self, device: int, reason: str) -> None:
         self.lost.setdefault(device, reason)
+        self.benched.pop(device, None)  # a standby lost: nothing to re-admit
 
     def note_returned(self, devices: list[int], reason: str) -> None:
         """Lost devices usable again. Back before the world shrank (a spare node took them at
@@ -621,6 +609,8 @@ class PipelineAdaptation:
         # Evict-and-restart (Oobleck-like): a fresh even plan from the checkpoint, lost or not.
         evicting = self.evicts or any(d in self.evicted for d in gone)
         dissolved = None if evicting else self._dissolve(sorted(gone + out))
+        if dissolved is not None and gone and not out and self._regroup(gone, t0):
+            return NewWorld(self.devices, None, self.epoch)
         if dissolved is None and out:
             self._keep(out)
             if not gone:
@@ -645,15 +635,57 @@ class PipelineAdaptation:
             predicted=predicted,
             iter_s=iter_s,
         )
+        what = f"device lost {gone}" if gone else f"slow device {out} out"
+        self._say_world(what, before, devices_before)
+        return NewWorld(self.devices, None, self.epoch)
+
+    def _say_world(self, what: str, before: ParallelPlan, devices_before: tuple[int, ...]) -> None:
         stages = [list(g.layers) for g in self.plan.replicas[0].stages]
         source = "from the newest checkpoint" if self.relayout else "in place, no checkpoint"
-        what = f"device lost {gone}" if gone else f"slow device {out} out"
         self.say(
             f"re-plan ({what}): devices {list(devices_before)} -> "
             f"{list(self.devices)}, {before.dp} x {before.pp} -> {self.plan.dp} x {self.plan.pp} "
             f"(replicas x stages) stages {stages}, {source}"
         )
-        return NewWorld(self.devices, None, self.epoch)
+
+    def _regroup(self, gone: list[int], t0: float) -> bool:
+        """The lost devices' TP groups shrunk to their devices left instead of their replicas
+        dissolved (`regroup_lost`: the job retains its state and the shrunk plan keeps the
+        launch bits and is predicted `adapt.min_gain` faster): the next generation moves the
+        state to it from the whole replicas (`RestoreMode.RESHARD`), no checkpoint. Returns
+        whether it did."""
+        if not self.moves_layers:
+            return False
+        found = regroup_lost(
+            self.plan,
+            self.devices,
+            gone,
+            self.launch,
+            self.state.workload,
+            config=_planner(_SHRINK, self.adapt),
+            min_gain=self.adapt.min_gain,
+        )
+        if found is None:
+            return False
+        before = self.devices
+        trigger = {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
+        self._adopt_world(
+            found.plan,
+            found.devices,
+            trigger,
+            found.explain,
+            t0,
+            predicted=(None, found.predicted_s),
+            held=found.before,
+        )
+        groups = [(list(g.ranks), g.tp) for rep in found.plan.replicas for g in rep.stages]
+        self.say(
+            f"re-plan (device lost {gone}): devices {list(before)} -> {list(self.devices)}, "
+            f"TP groups (ranks, degree) {groups}, micro-batches "
+            f"{list(found.plan.microbatches)}; the state moves from the whole replicas, no "
+            "checkpoint"
+        )
+        return True
 
     def _swap_world(self, out: list[int], t0: float, iter_s: float | None) -> NewWorld | None:
         """The running one-replica plan on the standbys instead of the excluded devices
@@ -713,16 +745,21 @@ class PipelineAdaptation:
         t0: float,
         *,
         checkpoint: bool = False,
-        predicted: tuple[float, float | None] | None = None,
+        predicted: tuple[float | None, float | None] | None = None,
         iter_s: float | None = None,
+        held: ParallelPlan | None = None,
     ) -> None:
         """Make `plan` on `devices` the next generation's world (ranks renumbered: the slow
         marks start over; the measured costs, `calibrate`, stay), decide whether it restores
         in place (`relayout`), log `replan` (`predicted`: the scheduler's iteration before and
-        after, its units, when it priced the change: a slow device's exclusion)."""
+        after, its units, when it priced the change: a slow device's exclusion). `held`: the
+        plan, in the new world's ranks, that the devices' retained state holds when the next
+        generation moves it to `plan` itself (`reshard`, `RestoreMode.RESHARD`)."""
         before, devices_before = self.plan, self.devices
         self.plan, self.devices = plan, devices
         self.relayout = checkpoint or not keeps_stages(before, devices_before, plan, devices)
+        if held is not None:
+            self.relayout, self.reshard = False, held
         self.epoch += 1
         self.state = cluster(plan, self.state.workload)
         was, now = predicted or (None, None)
@@ -742,31 +779,47 @@ class PipelineAdaptation:
             predicted_before_s=was * scale if scale and was is not None else None,
             predicted_after_s=now * scale if scale and now is not None else None,
             plan_s=time.perf_counter() - t0,
-            restore="checkpoint" if self.relayout else "in_place",
+            restore="checkpoint" if self.relayout else "reshard" if held else "in_place",
             explain=explain,
         )
 
     def _grow(self) -> NewWorld:
         """The launch plan on the launch devices again (every device back). The devices that
         kept their stage restore in place, the returned ones take their replica's state
-        (`RankAction.FILL`); when the running plan moved a survivor's layers (a shorter
-        pipeline), the launch plan loads from the newest checkpoint instead."""
+        (`RankAction.FILL`). When the running plan moved a survivor's layers (a shorter
+        pipeline, a shrunk TP group), the job retaining its state moves it to the launch
+        layout (`RestoreMode.RESHARD`: the running plan in the launch world's ranks is the one
+        held, the returned devices ranks of no stage); without retained state the launch plan
+        loads from the newest checkpoint."""
         t0 = time.perf_counter()
         back = sorted(self.returned)
         reason = self.returned[back[0]]
         self.returned.clear()
         devices_before = self.devices
+        held = None
+        if self.moves_layers and not keeps_stages(
+            self.plan, self.devices, self.launch, self.launch_devices
+        ):
+            # The survivors' state moves to the launch layout (the returned devices, ranks of
+            # no stage in the plan they held, receive theirs), as a move of layers does.
+            where = {r: self.launch_devices.index(d) for r, d in enumerate(self.devices)}
+            held = relabeled(self.plan, where)
         self._adopt_world(
             self.launch,
             self.launch_devices,
             {"kind": "devices_returned", "devices": back, "reason": reason},
             "every device the job launched with is back: the launch plan",
             t0,
+            held=held,
         )
+        how = "in place (replicas fill)"
+        if held is not None:
+            how = "the state moved to its layout between the ranks, no checkpoint"
+        elif self.relayout:
+            how = "from the newest checkpoint"
         self.say(
             f"re-plan (devices returned {back}): devices {list(devices_before)} -> "
-            f"{list(self.devices)}, the launch plan again, "
-            + ("from the newest checkpoint" if self.relayout else "in place (replicas fill)")
+            f"{list(self.devices)}, the launch plan again, {how}"
         )
         trial, self._trial = self._trial, ()
         return NewWorld(self.devices, None, self.epoch, trial)
@@ -810,18 +863,21 @@ class PipelineAdaptation:
         dissolved (`dissolve_replicas`: the scheduler would shrink a TP group, whose shards
         then need resharding). None when no replica is left whole."""
         plan = self.plan
-        if plan.dp == 1:
+        lost_ranks = [r for r, d in enumerate(self.devices) if d in gone and r in plan.ranks]
+        if not lost_ranks:  # benched devices (TP exclusion): the plan runs on as it is
+            chosen, notes = plan, ["the lost device(s) held no stage (a standby in the world)"]
+        elif plan.dp == 1:
             return None
-        lost_ranks = [r for r, d in enumerate(self.devices) if d in gone]
-        try:
-            result = plan_for_state(cluster(plan).with_lost(*lost_ranks))
-            layout = result.layout
-            chosen = layout.skeleton
-            notes = [n for step in result.steps for n in step.notes]
-        except NoPlanError:
-            chosen, notes = None, []
-        if chosen is None or not (
-            same_layouts(chosen) and keeps_stages(plan, self.devices, chosen, self.devices)
+        else:
+            try:
+                result = plan_for_state(cluster(plan).with_lost(*lost_ranks))
+                chosen = result.layout.skeleton
+                notes = [n for step in result.steps for n in step.notes]
+            except NoPlanError:
+                chosen, notes = None, []
+        if lost_ranks and (
+            chosen is None
+            or not (same_layouts(chosen) and keeps_stages(plan, self.devices, chosen, self.devices))
         ):
             try:
                 chosen = dissolve_replicas(plan, lost_ranks)
@@ -832,14 +888,7 @@ class PipelineAdaptation:
                 "with a lost device is dissolved and the others own its micro-batches"
             ]
         used = sorted(chosen.ranks)
-        new_rank = {r: i for i, r in enumerate(used)}
-        replicas = [
-            Replica(
-                tuple(StageGroup(tuple(new_rank[r] for r in g.ranks), g.layers) for g in rep.stages)
-            )
-            for rep in chosen.replicas
-        ]
-        new = plan_for(replicas, chosen.microbatches, plan.schedule, migrations=chosen.migrations)
+        new = renumbered(chosen, used)
         devices = tuple(self.devices[r] for r in used)
         standbys = [d for r, d in enumerate(self.devices) if r not in used and d not in gone]
         explain = (
