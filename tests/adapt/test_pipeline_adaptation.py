@@ -396,27 +396,35 @@ def _tiny_cpu_fit(plan: ParallelPlan) -> PlanFit:
     return PlanFit(predictor=predictor, busy_scale={}, mb_s=0.009, step_s=0.02)
 
 
-def test_a_measured_step_empties_a_slow_replica_at_the_slowdown_it_costs(tmp_path):
-    # 6x: with unit costs per layer and no step the scheduler keeps one micro-batch on the slow
-    # replica ([7, 1]: that micro-batch's path looked shorter than eight on the other replica).
-    # Priced with the job's measured costs (`calibrate`), that micro-batch waits for the slow
-    # device's own 6x step, which the other replica's eight overlap: it is emptied.
+def test_a_measured_step_is_waited_for_at_the_boundary_and_a_replica_empties_past_it(tmp_path):
+    # Priced with the job's measured costs (`calibrate`), a slow device steps its stage slowly
+    # and every rank of a live job waits for that step at the boundary (`Workload.
+    # boundary_sync`, [Note: step lead]): the step ends the iteration whatever the counts, so
+    # the micro-batches only even out the compute. At 6x one micro-batch's 27 ms there ends
+    # before replica 0's seven ([7, 1]); at 12x it outlasts replica 0's eight ([8, 0]).
     plan = make_plan(2, 2, 1, 4, 4)
-    unit = PipelineAdaptation(plan, JsonlLog(tmp_path / "unit.jsonl", run="t"), lambda _: None)
-    assert unit.on_fail_slow(_slow(3, factor=6.0)) is True
-    assert unit.plan.microbatches == (7, 1)
-    events = JsonlLog(tmp_path / "events.jsonl", run="t")
-    adapt = PipelineAdaptation(plan, events, lambda _: None)
-    adapt.calibrate(_tiny_cpu_fit(plan))
-    assert adapt.calibrated
-    assert adapt.on_fail_slow(_slow(3, factor=6.0)) is True
-    assert adapt.plan.microbatches == (8, 0)
-    (costs,) = _events(tmp_path, "replan_costs")
+    counts = {}
+    for factor in (6.0, 12.0):
+        events = JsonlLog(tmp_path / f"events{factor:.0f}.jsonl", run="t")
+        adapt = PipelineAdaptation(plan, events, lambda _: None)
+        adapt.calibrate(_tiny_cpu_fit(plan))
+        assert adapt.calibrated
+        assert adapt.on_fail_slow(_slow(3, factor=factor)) is True
+        counts[factor] = adapt.plan.microbatches
+    assert counts == {6.0: (7, 1), 12.0: (8, 0)}
+    # The prediction holds the slow step: 12x of a 20 ms step on a ~72 ms compute path.
+    replan = [e for e in read_jsonl(tmp_path / "events12.jsonl") if e["kind"] == "replan"][-1]
+    assert replan["predicted_after"] > 2.5 * adapt.healthy_s
+    costs = [e for e in read_jsonl(tmp_path / "events12.jsonl") if e["kind"] == "replan_costs"]
+    (costs,) = costs
     assert costs["layer_forward_s"] == pytest.approx(0.009 / 6 / 2)  # per layer, 2 per stage
     assert costs["backward_ratio"] == pytest.approx(2.0) and costs["step_s"] == 0.02
     # Once: a later fit (a warm-up on the re-planned job, its slow device in it) changes nothing.
     adapt.calibrate(_tiny_cpu_fit(adapt.plan))
-    assert len(_events(tmp_path, "replan_costs")) == 1
+    assert (
+        len([e for e in read_jsonl(tmp_path / "events12.jsonl") if e["kind"] == "replan_costs"])
+        == 1
+    )
 
 
 def _excluding(tmp_path, name="events", **adapt):
@@ -465,13 +473,17 @@ def test_a_dp_x_pp_job_takes_a_device_too_slow_for_its_own_step_out_and_readmits
     assert adapt.replans == 2
 
 
-def test_a_dp_x_pp_job_keeps_a_moderately_slow_device_and_moves_its_microbatches(tmp_path):
-    # 3x: emptying the replica (the device's longer step overlapped by replica 0's eight
-    # micro-batches) is predicted as fast as dissolving it: it stays, live.
+def test_a_dp_x_pp_job_keeps_a_moderately_slow_device_and_moves_its_layers(tmp_path):
+    # 3x: the device's step is waited for at the boundary ([Note: step lead]); moving layers
+    # off it (replica 1's split alone: [0, 3], [3, 4]) shrinks that step to no longer than the
+    # healthy ones, which beats dissolving its replica: it stays, its layers move at a planned
+    # stop.
     adapt, _ = _excluding(tmp_path)
     assert adapt.on_fail_slow(_slow(3, 3.0), iter_s=0.1) is True
-    assert not adapt.excluding and adapt.plan.microbatches == (8, 0)
-    assert _events(tmp_path, "device_excluded") == []
+    assert not adapt.excluding and adapt.restarts and _events(tmp_path, "device_excluded") == []
+    world = adapt.next_world(0.1)
+    assert world.devices == (0, 1, 2, 3) and adapt.reshard == adapt.launch
+    assert _layouts(adapt.plan) == [[(0, 2), (2, 4)], [(0, 3), (3, 4)]]
 
 
 @pytest.mark.parametrize(

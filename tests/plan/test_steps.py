@@ -182,6 +182,39 @@ def test_a_slow_devices_own_step_counts_against_keeping_one_microbatch_there():
     assert first == pytest.approx(3 * scorer.opt_s(kept))
 
 
+def test_with_every_rank_meeting_at_the_boundary_a_slow_step_ends_the_iteration():
+    """`Workload.boundary_sync` (a live job: every rank meets at every boundary): no group
+    leads; the layout's time is its compute and reduction plus the slowest device's own step
+    — the healthy closing step and the rest of the slow one, added, not overlapped. Emptying
+    the slow replica no longer hides its step, so the counts only even out the compute, and
+    a plan without the device (here: the slow stage priced at full speed) gains the whole
+    slow step."""
+    lay = layout(2, 2, 1, 4)
+    slow = lay.group(1, 1).ranks[0]
+    base = state(lay)
+    heavy = replace(base.workload, step_s_per_param=2e-10)
+    overlap = Scorer(base.with_workload(heavy).with_slow(slow, speed=0.25))
+    synced = Scorer(
+        base.with_workload(replace(heavy, boundary_sync=True)).with_slow(slow, speed=0.25)
+    )
+    empty = _with_counts(lay, (8, 0))
+    opt = synced.opt_s(empty)
+    # The slow stage holds the layout's largest step: its 4x step is 3 healthy ones more.
+    assert synced.boundary_s(empty) == pytest.approx(3 * opt)
+    assert overlap.boundary_s(empty) == 0.0
+    without_wait = synced.time(empty, boundary=False)
+    assert synced.time(empty) == pytest.approx(without_wait + 3 * opt)
+    # The overlap model hides most of the slow step behind replica 0's eight micro-batches.
+    assert overlap.time(empty) < synced.time(empty)
+    # Balancing sees the compute alone: one or more micro-batches go back to the slow replica
+    # while its 4x compute ends before replica 0's.
+    live = PlannerConfig(exclusion=False, repartition=False)
+    counts = plan_for_state(synced.state, live).plan().microbatches
+    assert counts[1] >= 1 and sum(counts) == 8
+    healthy = Scorer(base.with_workload(replace(heavy, boundary_sync=True)))
+    assert synced.time(empty) - healthy.time(_with_counts(lay, (4, 4))) > 3 * opt
+
+
 def test_an_empty_replica_gets_its_share_back_when_every_device_is_healthy():
     empty = make_plan(2, 2, 1, 8, [8, 0])
     healthy = state(Layout.from_plan(make_plan(2, 2, 1, 8, 4))).with_plan(empty)

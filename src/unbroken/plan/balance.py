@@ -95,7 +95,9 @@ def balance_simulated(
     def time(d: int, n: int) -> float:
         if (d, n) not in memo:
             memo[(d, n)] = (
-                idle_s(scorer, layout, d) if n == 0 else scorer.time(_alone(layout, d, n))
+                idle_s(scorer, layout, d)
+                if n == 0
+                else scorer.time(_alone(layout, d, n), boundary=False)
             )
         return memo[(d, n)]
 
@@ -127,7 +129,7 @@ def replica_rates(scorer: Scorer, layout: Layout) -> list[float]:
     out = []
     for d in range(layout.dp):
         count = max(layout.microbatches[d], 1)
-        out.append(scorer.time(_alone(layout, d, count)) / count)
+        out.append(scorer.time(_alone(layout, d, count), boundary=False) / count)
     return out
 
 

@@ -130,6 +130,11 @@ class Workload:
     reserved_bytes: float = RESERVED_BYTES
     step_s_per_param: float = 0.0
     """Optimizer step seconds per local parameter."""
+    boundary_sync: bool = False
+    """Every rank meets at every iteration boundary (a live job: the placement switch's
+    broadcast, the audit's hash gather), so a slow device's long optimizer step is not hidden
+    behind the others' next compute: the iteration ends when that step does ([Note: step
+    lead] in `unbroken.plan.score`)."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.tokens < 1:

@@ -39,7 +39,9 @@ def measured_workload(plan: ParallelPlan, fit: PlanFit) -> Workload | None:
     device), so that a plan that moves layers moves step time with them. A TP-t rank's
     measured seconds are its share of its stage: the stage's work is t times them (its TP
     collectives included, which a smaller group does not pay: a TP exclusion is priced high,
-    not low). None when the fit has no per-stage shares to read.
+    not low). Every rank of a live job meets at every boundary (`Workload.boundary_sync`:
+    a slow device's step is waited for, not overlapped). None when the fit has no per-stage
+    shares to read.
 
     Why: with unit costs per layer and no step the live planner saw one micro-batch's path
     through a slow replica as the only cost of keeping it busy, and kept [7, 1] on a 6-8x slow
@@ -71,6 +73,7 @@ def measured_workload(plan: ParallelPlan, fit: PlanFit) -> Workload | None:
         head_s=max(0.0, forward[-1] - layers[-1] * layer_f) if plan.pp > 1 else 0.0,
         backward_ratio=sum(backward) / sum(forward),
         step_s_per_param=max(fit.step_s, 0.0) / max(most, 1e-9),
+        boundary_sync=True,  # the switch's broadcast meets every rank at every boundary
     )
 
 
