@@ -119,7 +119,8 @@ class DetectorConfig:
     is at most this much over its peers' (its own healthy pace with no peers) over the last
     `recover_window` iterations, all after the report (a plan's rank: against the holders of
     its stages in the other replicas; a one-replica pipeline's: against its own healthy
-    compute per layer before the slowdown, `LayerPace`)."""
+    compute per layer before the slowdown, `LayerPace`, read as the median iteration of the
+    window, so a device back at full speed is found once most of the window is)."""
     recover_window: int = 8
     noise_floor: float = 0.02
     """Smallest relative standard deviation assumed for a run of the series (prior)."""
