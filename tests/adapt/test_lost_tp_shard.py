@@ -122,6 +122,11 @@ def test_a_lost_devices_tp_group_shrinks_to_its_peer_bit_exact_without_a_checkpo
     assert repairs[0]["fixup"] == "a rank of no stage"
     (record,) = s["replans"]
     assert record["tp_after"] == [1, 2] and record["restore"] == "reshard"
+    # Every step of the reconfiguration is timed: the new group, and the three survivors'
+    # shadows re-prepared for the generation after it (issue 18 item 2).
+    assert 0 < record["communicators_s"] < record["start_s"] < record["reconfig_s"]
+    assert record["shadow_s"] > record["communicators_s"]  # prepared beside the new trainers
+    assert record["move_s"] > 0 and record["moved_bytes"] > 1_000_000
 
 
 @pytest.mark.timeout(900)
@@ -136,3 +141,34 @@ def test_a_kill_of_the_peer_while_it_receives_its_stage_restarts_from_the_checkp
     assert events_of(events, "checkpoint_loaded")
     applied = [e for e in events_of(events, "plan_applied") if "stages" in e]
     assert _groups(applied[-1]["stages"]) == [([0], 1), ([1, 2], 2)]
+
+
+def test_a_shrunk_pipeline_with_retained_state_grows_back_by_moving_it(tmp_path):
+    """A one-replica pipeline that lost device 1 ran PP 3 from the checkpoint; device 1 back,
+    the launch plan's layout is reached by moving the survivors' retained state (the running
+    plan in the launch world's ranks, device 1 a rank of no stage), not from the checkpoint
+    — which a job without retained state still loads."""
+    for moves, restore in ((True, "reshard"), (False, "checkpoint")):
+        run = tmp_path / restore
+        run.mkdir()
+        adapt = PipelineAdaptation(
+            make_plan(1, 4, 1, 8, 4),
+            JsonlLog(run / "events.jsonl", run="t"),
+            lambda _: None,
+            moves_layers=moves,
+        )
+        adapt.note_lost(1, "lost")
+        adapt.next_world()
+        shrunk = adapt.plan
+        adapt.note_returned([1], "node returned")
+        world = adapt.next_world()
+        assert world.devices == (0, 1, 2, 3) and adapt.plan == adapt.launch
+        assert _replans(run)[-1]["restore"] == restore
+        if moves:
+            assert not adapt.relayout and 1 not in adapt.reshard.ranks
+            assert [g.layers for g in adapt.reshard.replicas[0].stages] == [
+                g.layers for g in shrunk.replicas[0].stages
+            ]
+            assert sorted(adapt.reshard.ranks) == [0, 2, 3]
+        else:
+            assert adapt.relayout and adapt.reshard is None

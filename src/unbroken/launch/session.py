@@ -370,6 +370,9 @@ class RankSession:
                 restored_iter=start,
                 recovery=spec.restore.value,
                 group_s=self.t_group,
+                # Forming this generation's process group (store connected -> every rank past
+                # the group's barrier): the communicators a re-plan rebuilds.
+                communicators_s=round(st["communicators"] - st["store"], 4),
                 # Attaching the retained state (mapping its regions; the executor built on
                 # them, the updater's page tables and lending pool included), then restoring.
                 attach_s=round(st["attached"] - st["attach"], 4),

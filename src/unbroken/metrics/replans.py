@@ -10,7 +10,13 @@ out: it pays the switch or the restart). For a re-plan around a lost device the
 reconfiguration is split by the run's events: stop (the failed generation torn down), start
 (new trainers up to `trainer_ready`: processes, group, retained state attached and repaired),
 repair (the slowest rank's in-place repair, part of start) — and `reconfig_s`, from the
-detection to the first iteration on the survivors (detection excluded).
+detection to the first iteration on the survivors (detection excluded). Every row with a new
+generation also gives `communicators_s` (rank 0 forming the new generation's process group,
+part of start: the group rebuilt without the excluded devices) and `shadow_s` (from the
+generation's start to the last rank's shadow for the generation after it being ready: the
+shadows re-prepared for the new layout, beside the new trainers; None without shadows). A
+lost device planned around by moving the state (a TP group shrunk to its peer) also gives the
+move's steps (`move_s`, `transfer_s`, `moved_bytes`).
 
 A re-plan that moves layers (`restore` "reshard") is split the same way from the planned stop
 the coordinator ordered when it decided it: stop, start (up to `trainer_ready`, the move
@@ -60,6 +66,33 @@ def _state_t(events: list[dict[str, Any]], new: str, after: float) -> float | No
     )
 
 
+def _move_steps(events: list[dict[str, Any]], ready: dict[str, Any] | None) -> dict:
+    """The slowest rank's move of the state in the generation `ready` started (`state_moved`),
+    the slowest exchange, and the bytes every rank received."""
+    gen = ready["generation"] if ready else None
+    moved = [e for e in events if e["kind"] == "state_moved" and e["generation"] == gen]
+    if not moved:
+        return {"move_s": None, "transfer_s": None, "moved_bytes": None}
+    steps = ("copy_s", "build_s", "transfer_s", "parity_s")
+    return {
+        "move_s": max(sum(e[k] for k in steps) for e in moved),
+        "transfer_s": max(e["transfer_s"] for e in moved),
+        "moved_bytes": sum(e["bytes_in"] for e in moved),
+    }
+
+
+def _rebuilt(events: list[dict[str, Any]], ready: dict[str, Any] | None, t0: float) -> dict:
+    """The group and shadow steps of the generation `ready` started (module docstring)."""
+    if ready is None:
+        return {"communicators_s": None, "shadow_s": None}
+    nxt = ready["generation"] + 1
+    shadows = [e["t"] for e in events if e["kind"] == "shadow_ready" and e["generation"] == nxt]
+    return {
+        "communicators_s": ready.get("communicators_s"),
+        "shadow_s": (max(shadows) - t0) if shadows else None,
+    }
+
+
 def _reconfig(
     events: list[dict[str, Any]], metrics: list[dict[str, Any]], replan: dict[str, Any]
 ) -> dict[str, float | None]:
@@ -87,6 +120,8 @@ def _reconfig(
         "start_s": (ready["t"] - replan["t"]) if ready else None,
         "repair_s": max(repairs) if repairs else None,
         "reconfig_s": (first["t_start"] - t_det) if first else None,
+        **(_move_steps(events, ready) if replan.get("restore") == "reshard" else {}),
+        **_rebuilt(events, ready, replan["t"]),
     }
 
 
@@ -106,17 +141,13 @@ def _moved(
     ready = next(
         (e for e in events if e["kind"] == "trainer_ready" and e["t"] >= replan["t"]), None
     )
-    gen = ready["generation"] if ready else None
-    moved = [e for e in events if e["kind"] == "state_moved" and e["generation"] == gen]
-    steps = ("copy_s", "build_s", "transfer_s", "parity_s")
     first = next((m for m in metrics if m["t_start"] >= replan["t"]), None)
     return {
         "stop_s": replan["t"] - t_stop,
         "start_s": (ready["t"] - replan["t"]) if ready else None,
-        "move_s": max(sum(e[k] for k in steps) for e in moved) if moved else None,
-        "transfer_s": max(e["transfer_s"] for e in moved) if moved else None,
-        "moved_bytes": sum(e["bytes_in"] for e in moved) if moved else None,
+        **_move_steps(events, ready),
         "reconfig_s": (first["t_start"] - t_stop) if first else None,
+        **_rebuilt(events, ready, replan["t"]),
     }
 
 

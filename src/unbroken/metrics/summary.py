@@ -278,7 +278,8 @@ def _replan_lines(summary: dict[str, Any]) -> list[str]:
             f"iteration {_ms(before.get('iter_s'))} -> {_ms(after.get('iter_s'))} (predicted "
             f"{_ms(r['predicted_before_s'])} -> {_ms(r['predicted_after_s'])})"
             + (f"; reconfiguration {r['reconfig_s']:.2f} s" if r.get("reconfig_s") else "")
-            + ("; layers moved between the ranks" if r.get("restore") == "reshard" else "")
+            + ("; state moved between the ranks" if r.get("restore") == "reshard" else "")
+            + (f" (group {r['communicators_s']:.2f} s)" if r.get("communicators_s") else "")
         )
     for r in summary.get("replans_skipped", []):
         lines.append(f"no re-plan for {r['trigger']['kind']}: {r['reason']}")
