@@ -1,4 +1,4 @@
-"""A DP x PP job moves layers off a slow device, typically in its replica alone (issue 18 items
+"""A DP x PP job moves layers off a slow device, in its replica alone or in both (issue 18 items
 2-4, ResiHP §6.2 and Figure 8): the replicas then run two layouts, the state moves between the
 ranks' retained buffers, no checkpoint, and the run stays bit for bit on the launch plan's.
 
@@ -19,7 +19,7 @@ of micro-batches ([0, 8]) the slow rank only steps its layers, and moving a laye
 replica 0 alone or on both, or keeping the layers, are predicted within a few percent of each
 other. On this 2-core VM 13 runs of this job and its neighbours (factors 1.5-2.5, ranks 0 and
 1, 2 or 4 micro-batches per shard) took the one-replica move 7 times, the same move on both
-replicas 4 times and the live migration twice. So the run asserts what holds for all three —
+replicas 4 times and the live migration twice (stop 50's CI run: both replicas, counts [4, 4]). So the run asserts what holds for all three —
 one re-plan for rank 0, bit-exact, no checkpoint, no other rank reported — and, when layers
 moved, that the state moved on every rank at one iteration and rank 0 holds fewer layers. The
 one-replica move itself is deterministic in CI below the job: its fold in
@@ -49,7 +49,11 @@ def test_a_dp_x_pp_job_planned_around_a_slow_device_moves_its_layers_bit_exact(t
     s, events = run_bit_exact(cfg, tmp_path)
     (replan,) = events_of(events, "replan")
     assert replan["trigger"]["kind"] == "fail_slow" and replan["trigger"]["rank"] == 0
-    assert replan["counts_after"][0] < replan["counts_after"][1]
+    # The slow replica never gets more; the same move on both replicas may leave the counts
+    # even (since stop 50 the slow step is priced as waited for at the boundary, not as a late
+    # start of the slow replica's next iteration: [Note: step lead]).
+    counts = replan["counts_after"]
+    assert counts[0] <= counts[1]
     assert events_of(events, "checkpoint_loaded") == []
     assert s["recoveries"] == [] or all(r.get("planned") for r in s["recoveries"]), s["recoveries"]
     # Nothing else reported slow in the new layouts (ranks compared per layer they hold).
@@ -57,10 +61,11 @@ def test_a_dp_x_pp_job_planned_around_a_slow_device_moves_its_layers_bit_exact(t
     before, after = _layouts(replan["before"]), _layouts(replan["after"])
     assert before == [[(0, 2), (2, 4)], [(0, 2), (2, 4)]]
     if replan["restore"] == "live":
-        assert after == before
+        assert after == before and counts[0] < counts[1]
         return
     assert replan["restore"] == "reshard"
     assert after[0][0][1] < 2  # fewer layers on the slow rank
+    assert counts[0] < counts[1] or after[1] == after[0]  # even only when both moved
     moved = events_of(events, "state_moved")
     assert sorted(e["rank"] for e in moved) == [0, 1, 2, 3]
     assert {e["iter"] for e in moved} == {moved[0]["iter"]}
