@@ -159,12 +159,12 @@ def restore_state(
         finish_ms = (time.perf_counter() - t_finish) * 1e3
         fill_from_replicas(executor.state, decision, rank, group)
         start, action = decision.next_iteration, decision.reason
-        if decision.actions[rank] is RankAction.FILL:
-            updater.initialize(done_iter=start - 1)  # parity and marker of the received state
-            report, fixup = report or RepairReport(), "filled from a replica"
-        elif decision.actions[rank] is RankAction.STANDBY:
-            updater.initialize(done_iter=start - 1)  # its marker at the agreed boundary
-            report, fixup = report or RepairReport(), "a rank of no stage"
+        if (own := decision.actions[rank]) in (RankAction.FILL, RankAction.STANDBY):
+            # Parity and marker of the received state (a rank of no stage: its marker) at the
+            # agreed boundary.
+            updater.initialize(done_iter=start - 1)
+            report = report or RepairReport()
+            fixup = "filled from a replica" if own is RankAction.FILL else "a rank of no stage"
         else:
             assert report is not None  # it repaired, or it would be filled or fall back
             fixup = report.fixup

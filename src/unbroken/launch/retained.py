@@ -82,11 +82,15 @@ class RetainedState:
         t0 = time.perf_counter()
         before = self.client.mapped()
         specs = RetainedLayout.of(geometry, self.cfg.protection).regions()
+        # A rank of no stage holds nothing to resume, whatever its regions were made for (a
+        # lost device's TP peer joining a shrunk group from a plan where it held no stage):
+        # they take this geometry ([Note: a rank of no stage] in `unbroken.recovery.decision`).
+        replace = self.relayout or layout.numel == 0
         self.regions = {
             s.name: self.client.allocate(
                 s.name,
                 s.nbytes,
-                replace=self.relayout,
+                replace=replace,
                 **_placement(s, device, geometry.page_bytes, self.cfg.protection),
             )
             for s in specs

@@ -251,13 +251,8 @@ class RankSession:
             client.generation = spec.generation
             # A generation that restarts from a checkpoint may run another plan than the one
             # this device's regions were made for: they take the new geometry. One that moves
-            # the state (RESHARD) attaches them as they are first (`restore`), except on a
-            # rank of no stage in the plan before: it holds nothing that plan needs (a lost
-            # device's TP peer joining the shrunk group), whatever its regions were made for.
-            relayout = spec.restore not in (RestoreMode.IN_PLACE, RestoreMode.RESHARD) or (
-                spec.restore is RestoreMode.RESHARD
-                and not spec.engine_plan_before().actions.get(rank)
-            )
+            # the state (RESHARD) attaches them as they are first (`restore`).
+            relayout = spec.restore not in (RestoreMode.IN_PLACE, RestoreMode.RESHARD)
             self.retained = RetainedState(cfg, client, relayout=relayout)
         job_t0 = self.store.job_t0(time.time() if rank == 0 else None)
         faults = [parse_fault(f) for f in cfg.inject]

@@ -618,8 +618,7 @@ class PipelineAdaptation:
             dissolved = self._dissolve(gone)
         plan, devices, explain = dissolved or self._shrink(alive)
         if gone:
-            trigger = {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
-            predicted = None
+            trigger, predicted = self._lost_trigger(gone), None
         else:  # a slow device leaves the world ([Note: slow device excluded])
             x = self.excluded[out[0]]
             trigger, predicted = x.trigger, (x.predicted_with, x.predicted_without)
@@ -648,6 +647,9 @@ class PipelineAdaptation:
             f"(replicas x stages) stages {stages}, {source}"
         )
 
+    def _lost_trigger(self, gone: list[int]) -> dict[str, Any]:
+        return {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
+
     def _regroup(self, gone: list[int], t0: float) -> bool:
         """The lost devices' TP groups shrunk to their devices left instead of their replicas
         dissolved (`regroup_lost`: the job retains its state and the shrunk plan keeps the
@@ -668,11 +670,10 @@ class PipelineAdaptation:
         if found is None:
             return False
         before = self.devices
-        trigger = {"kind": "device_lost", "devices": gone, "reason": self.lost[gone[0]]}
         self._adopt_world(
             found.plan,
             found.devices,
-            trigger,
+            self._lost_trigger(gone),
             found.explain,
             t0,
             predicted=(None, found.predicted_s),
