@@ -212,6 +212,7 @@ class RankSession:
 
         import torch.distributed as dist
 
+        self.steps["group_start"] = time.time()
         cfg, device = self.cfg, self.device
         backend = cfg.parallel.backend
         if backend == "auto":
@@ -365,9 +366,10 @@ class RankSession:
                 restored_iter=start,
                 recovery=spec.restore.value,
                 group_s=self.t_group,
-                # Forming this generation's process group (store connected -> every rank past
-                # the group's barrier): the communicators a re-plan rebuilds.
-                communicators_s=round(st["communicators"] - st["store"], 4),
+                # Forming this generation's process group (its rendezvous -> every rank past
+                # the group's barrier): the communicators a re-plan rebuilds (a promoted
+                # shadow's, formed again for a changed world, after its promotion).
+                communicators_s=round(st["communicators"] - st["group_start"], 4),
                 # Attaching the retained state (mapping its regions; the executor built on
                 # them, the updater's page tables and lending pool included), then restoring.
                 attach_s=round(st["attached"] - st["attach"], 4),
