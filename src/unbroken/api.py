@@ -42,6 +42,7 @@ from unbroken.config.optimizer import apply_optimizer
 from unbroken.errors import JobFailed, UserError
 from unbroken.inject import faults_not_fired, parse_fault
 from unbroken.launch.coordinator import Coordinator, RunOutcome
+from unbroken.launch.coordinator.replay import ReplayPoint, replay_points
 from unbroken.launch.rendezvous import NodeJoin
 from unbroken.metrics.observer import RunObserver
 from unbroken.metrics.plot import plot_runs
@@ -60,6 +61,7 @@ def _outcome_dict(o: RunOutcome) -> dict[str, Any]:
         "rank_hashes": o.rank_hashes,
         "state": o.state,
         "reason": o.reason,
+        "run_name": o.run_name,
     }
 
 
@@ -279,7 +281,7 @@ def _run(
     observers: list[RunObserver],
     nodes: dict[str, Any],
 ) -> RunSummary:
-    def coordinator(run_cfg: JobConfig, name: str) -> dict[str, Any]:
+    def coordinator(run_cfg: JobConfig, name: str, start=None) -> dict[str, Any]:
         watch = ([live.observe(name)] if live is not None else []) + observers
         where = nodes if run_cfg.nodes.count > 1 else {}
         c = Coordinator(
@@ -290,6 +292,7 @@ def _run(
             quiet=quiet,
             debug=debug,
             observers=watch,
+            start=start,
             **where,
         )
         try:
@@ -305,8 +308,13 @@ def _run(
             raise JobFailed(f"the fault-free reference run failed: {ref['reason']}")
     name = "faulty" if reference else "train"
     main = runs[name] = coordinator(cfg, name)
+    replays = _replays(cfg, main, coordinator, quiet) if ref is not None else []
     summary = build_summary(
-        ref, main, to_dict(cfg), not_fired=faults_not_fired(cfg.inject, main["events"])
+        ref,
+        main,
+        to_dict(cfg),
+        not_fired=faults_not_fired(cfg.inject, main["events"]),
+        replays=replays,
     )
     summary["run_dir"] = str(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -315,6 +323,33 @@ def _run(
     except ImportError as exc:  # a machine without matplotlib still gets every other output
         print(f"unbroken: no plot ({exc})", file=sys.stderr)
     return RunSummary.from_dict(summary)
+
+
+def _replays(
+    cfg: JobConfig, main: dict[str, Any], coordinator: Callable[..., dict[str, Any]], quiet: bool
+) -> list[tuple[ReplayPoint, dict[str, Any]]]:
+    """The fault-free reference run again from each plan change of `main` that changed the
+    job's bits, under its plan ([Note: replayed plan change] in
+    `unbroken.launch.coordinator.adapt_plan`).
+
+    Raises:
+        JobFailed: a replay failed.
+    """
+    replays = []
+    for k, point in enumerate(replay_points(main["events"]), 1):
+        if not quiet:
+            print(
+                f"unbroken: the re-plan at iteration {point.iteration} changed the job's bits: "
+                "the fault-free reference replays it from the same checkpoint"
+            )
+        got = coordinator(replay_config(cfg, point), f"replay{k}", start=point)
+        if got["state"] != "done":
+            raise JobFailed(
+                f"the fault-free reference's replay from iteration {point.iteration} failed: "
+                f"{got['reason']}"
+            )
+        replays.append((point, got))
+    return replays
 
 
 def _nodes(cfg: JobConfig, join: NodeJoin | None, secret: str | None) -> dict[str, Any]:
@@ -365,6 +400,27 @@ def reference_config(cfg: JobConfig) -> JobConfig:
         checkpoint=dataclasses.replace(cfg.checkpoint, enabled=False),
         recovery=dataclasses.replace(cfg.recovery, mode="ckpt_restart", shadow_level=0),
         nodes=NodesConfig(),  # on the launching node alone: the same ranks, the same sums
+    )
+
+
+def replay_config(cfg: JobConfig, point: ReplayPoint) -> JobConfig:
+    """The fault-free reference of `cfg` replaying a plan change that changed the job's bits
+    ([Note: replayed plan change] in `unbroken.launch.coordinator.adapt_plan`): the
+    reference's config, its first generation loading the checkpoint the faulty run kept for
+    it (`point`; it saves none: `checkpoint.interval` = the job's length puts no save inside
+    the run), or from the initial state when none existed."""
+    ref = reference_config(cfg)
+    if point.checkpoint_dir is None:
+        return ref
+    return dataclasses.replace(
+        ref,
+        checkpoint=dataclasses.replace(
+            cfg.checkpoint,
+            enabled=True,
+            dir=point.checkpoint_dir,
+            interval=cfg.train.iterations,
+            asynchronous=False,
+        ),
     )
 
 
@@ -419,7 +475,7 @@ def _clear_outputs(out: Path) -> None:
         "live.json",
     ):
         (out / name).unlink(missing_ok=True)
-    for name in ("checkpoints", "specs", "objects"):
+    for name in ("checkpoints", "specs", "objects", "replay"):
         shutil.rmtree(out / name, ignore_errors=True)
 
 

@@ -14,6 +14,7 @@ import pytest
 from unbroken.api import run_job
 from unbroken.config import ParallelConfig
 from unbroken.metrics.log import read_jsonl
+from unbroken.metrics.summary import format_table
 
 from .conftest import adapt_job, events_of, run_bit_exact
 
@@ -89,3 +90,45 @@ def test_a_tp_2_job_down_to_one_device_continues_at_tp_1_computing_as_tp_2(tmp_p
     assert "computing as TP 2" in replan["explain"]
     (loaded,) = events_of(events, "checkpoint_loaded")
     assert loaded["resharded"] is True
+    assert not events_of(events, "replay_point")  # the launch bits: nothing to replay
+
+
+@pytest.mark.timeout(900)
+def test_a_tp_4_job_below_its_degree_continues_at_tp_2_audited_against_a_replaying_reference(
+    tmp_path,
+):
+    """TP 4 on 4 devices (one replica): device 1 is lost for good. Three survivors hold no TP
+    group of 4; two of them run the job at TP 2 from the newest checkpoint, the third stands
+    by. A TP-2 group sums in another order than a TP-4 one, so the bits change: the run keeps
+    that checkpoint, the fault-free reference runs again from it under the TP-2 plan, and the
+    run must match the launch-plan reference before the change and that replay after it
+    ([Note: replayed plan change] in `unbroken.launch.coordinator.adapt_plan`)."""
+    cfg = pipeline_job(pp=1, inject=["lose:rank=1,iter=5,phase=backward"])
+    cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, n_kv_heads=4),
+        parallel=ParallelConfig(world_size=4, tp=4),
+    )
+    s, events = run_bit_exact(cfg, tmp_path)
+    (replan,) = events_of(events, "replan")
+    assert replan["restore"] == "checkpoint" and replan["replayed"] is True
+    assert (replan["devices_before"], replan["devices_after"]) == ([0, 1, 2, 3], [0, 2])
+    assert [(st["layers"], st["tp"]) for st in replan["after"]] == [([0, 2], 2)]
+    (loaded,) = events_of(events, "checkpoint_loaded")
+    (point,) = events_of(events, "replay_point")
+    assert point["iteration"] == loaded["iter"] and 0 < loaded["iter"] <= 5
+    assert point["world"] == 2
+    (replay,) = s["replays"]
+    assert (replay["iteration"], replay["tp"], replay["from_checkpoint"]) == (
+        loaded["iter"],
+        [2],
+        True,
+    )
+    # The change did change the bits: against the launch-plan reference alone the run's
+    # final state differs; the replay is what it matches.
+    assert s["launch_reference_state_hash"] != s["final_state_hash"]
+    assert s["reference_state_hash"] == replay["final_state_hash"] == s["final_state_hash"]
+    assert "changed the bits" in format_table(s.to_dict())
+    replayed = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["run"] == "replay1"]
+    assert not events_of(replayed, "failure_detected")
+    assert events_of(replayed, "checkpoint_loaded")[0]["iter"] == loaded["iter"]

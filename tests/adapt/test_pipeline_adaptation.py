@@ -349,14 +349,39 @@ def test_a_dp_x_tp_job_dissolves_the_replica_whose_tp_group_lost_a_device(tmp_pa
         adapt.next_world()
 
 
-def test_a_tp_4_job_with_fewer_survivors_than_its_degree_stops(tmp_path):
-    """A left fold of four TP positions is not the collective's order: no TP-1 emulation."""
+def test_a_tp_4_job_below_its_degree_runs_smaller_groups_whose_change_is_replayed(tmp_path):
+    """A left fold of four TP positions is not the collective's order: no TP-1 emulation of
+    TP 4. Below its degree the job runs the largest TP group its survivors hold, from the
+    checkpoint, and marks the change replayed ([Note: replayed plan change]); the scheduler's
+    plans keep the new degree's bits from then on, and the launch plan is reached back from
+    the checkpoint, replayed again."""
     events = JsonlLog(tmp_path / "events.jsonl", run="t")
     adapt = PipelineAdaptation(make_plan(1, 1, 4, 4, 4), events, lambda _: None)
     for d in (1, 2):
         adapt.note_lost(d, "lost")
-    with pytest.raises(NoPlanError, match="fewer than the TP degree 4"):
-        adapt.next_world()
+    world = adapt.next_world()
+    assert world.devices == (0, 3) and adapt.relayout and adapt.replay_next
+    plan = ParallelPlan.from_dict(adapt.spec_fields()["plan"])
+    assert plan.replicas[0].stages[0].tp == 2 and adapt.bits_tp == 2
+    replan = _events(tmp_path, "replan")[-1]
+    assert replan["replayed"] is True and "bits change" in replan["explain"]
+    # One survivor: TP 1 computes as the launch degree (4), not as the TP-2 group: replayed.
+    adapt.note_lost(3, "lost")
+    world = adapt.next_world()
+    assert world.devices == (0,) and adapt.replay_next and adapt.bits_tp == 1
+    # Every device back: the launch plan from the checkpoint, its bits again (replayed).
+    adapt.note_returned([1, 2, 3], "back")
+    world = adapt.next_world()
+    assert world.devices == (0, 1, 2, 3) and adapt.relayout and adapt.replay_next
+    assert adapt.bits_tp == 4 and _events(tmp_path, "replan")[-1]["replayed"] is True
+    # A later world that keeps the bits is not replayed.
+    adapt.note_lost(3, "lost")
+    adapt.next_world()
+    assert adapt.replay_next and adapt.bits_tp == 2
+    adapt.note_lost(1, "lost")  # device 2, the standby, joins device 0 in a TP-2 group
+    world = adapt.next_world()
+    assert world.devices == (0, 2) and not adapt.replay_next and adapt.bits_tp == 2
+    assert _events(tmp_path, "replan")[-1]["replayed"] is False
 
 
 def test_a_dp_x_pp_job_empties_a_replica_too_slow_for_one_microbatch_and_refills_it(tmp_path):

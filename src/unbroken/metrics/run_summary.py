@@ -120,6 +120,12 @@ class RunSummary(Mapping[str, Any]):
     """The run's re-plans (`unbroken.metrics.replans`; only when it made some)."""
     replans_skipped: tuple[dict[str, Any], ...] = ()
     """Re-plan triggers not acted on, with the reason (only when there were some)."""
+    replays: tuple[dict[str, Any], ...] = ()
+    """Plan changes that changed the job's bits, which the fault-free reference replayed
+    (`unbroken.metrics.replay`; only when there were some): the audit's reference from each
+    on, and `reference_state_hash` the last replay's."""
+    launch_reference_state_hash: str | None = None
+    """With `replays`: the final hash of the reference on the launch plan alone."""
     run_dir: str = ""
 
     @property
@@ -165,7 +171,13 @@ class RunSummary(Mapping[str, Any]):
             value = getattr(self, f.name)
             if f.name in _WITH_REFERENCE and self.reference is None:
                 continue
-            if f.name in ("run_dir", "replans", "replans_skipped") and not value:
+            if not value and f.name in (
+                "run_dir",
+                "replans",
+                "replans_skipped",
+                "replays",
+                "launch_reference_state_hash",
+            ):
                 continue
             out[f.name] = _plain(value)
         return out

@@ -7,6 +7,7 @@ from typing import Any
 
 from unbroken.metrics.analysis import analyze_run, ettr, healthy_iter_s, wall_time
 from unbroken.metrics.replans import replan_records
+from unbroken.metrics.replay import reference_rows, replay_records, replayed_reference
 
 __all__ = ["audit", "build_summary", "format_table"]
 
@@ -62,6 +63,7 @@ def build_summary(
     faulty: dict[str, Any],
     config: dict[str, Any],
     not_fired: list[str] | None = None,
+    replays: list[tuple[Any, dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Summary of a faulty run against its fault-free reference.
 
@@ -70,6 +72,9 @@ def build_summary(
         faulty: the same for the run with failures.
         config: the faulty run's config (as a dict).
         not_fired: the scheduled faults that never fired (`unbroken.inject.faults_not_fired`).
+        replays: the reference's replays of the faulty run's plan changes that changed its
+            bits ((`ReplayPoint`, the replaying run), `unbroken.metrics.replay`): the audit
+            takes the reference's rows from each replay on; ETTR keeps the launch plan's run.
     """
     f_metrics, f_events = faulty["metrics"], faulty["events"]
     healthy = healthy_iter_s(reference["metrics"]) if reference else None
@@ -107,15 +112,28 @@ def build_summary(
         if e["kind"] == "replica_mismatch"
     ]
     if reference is not None:
-        summary.update(
-            reference_state_hash=reference["final_state_hash"],
-            ettr=ettr(reference["metrics"], f_metrics),
-            reference=_run_stats(reference["metrics"]),
-            reference_wall_s=wall_time(reference["metrics"]),
-            **audit(reference, faulty),
-        )
+        summary.update(_against_reference(reference, faulty, replays or []))
     summary.update({k: v for k, v in _replans(f_events, f_metrics).items() if v})
     return summary
+
+
+def _against_reference(
+    reference: dict[str, Any], faulty: dict[str, Any], replays: list[tuple[Any, dict[str, Any]]]
+) -> dict[str, Any]:
+    """The summary's keys that compare the run with its reference (the audit against the
+    replays from each replayed change on, `unbroken.metrics.replay`)."""
+    audited = replayed_reference(reference, replays)
+    out = {
+        "reference_state_hash": audited["final_state_hash"],
+        "ettr": ettr(reference["metrics"], faulty["metrics"]),
+        "reference": _run_stats(reference["metrics"]),
+        "reference_wall_s": wall_time(reference["metrics"]),
+        **audit(audited, faulty),
+    }
+    if replays:
+        out["replays"] = replay_records(replays)
+        out["launch_reference_state_hash"] = reference["final_state_hash"]
+    return out
 
 
 def _rank_diff(
@@ -161,6 +179,8 @@ def audit(reference: dict[str, Any], faulty: dict[str, Any]) -> dict[str, Any]:
     model than the reference's ranks: their own hashes are not compared from that generation
     on, and the job's hash decides. A plan job's hash is taken per parameter, whichever rank
     holds it (`PlanExecutor.job_hash`), so it covers the state of every rank under either plan.
+    A reference with replayed plan changes (`unbroken.metrics.replay`) gives each faulty row
+    the reference row of its generation (`reference_rows`).
 
     Returns:
         bit_exact, rank_mismatches (ranks whose final state differs), and
@@ -173,10 +193,10 @@ def audit(reference: dict[str, Any], faulty: dict[str, Any]) -> dict[str, Any]:
         None if relaid is not None else faulty.get("rank_hashes"),
         _final_devices(faulty.get("events", [])),
     )
-    ref_rows = {m["iter"]: m for m in reference["metrics"]}
+    ref_row = reference_rows(reference)
     per_iter: dict[int, set[int]] = {}
     for m in faulty["metrics"]:
-        ref = ref_rows.get(m["iter"])
+        ref = ref_row(m.get("generation", 0), m["iter"])
         if ref is None or m["state_hash"] is None or ref["state_hash"] is None:
             continue  # an iteration one of the runs did not hash
         own = m.get("rank_hashes")
@@ -238,6 +258,7 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{fs['since_iter']}, reported after iteration {fs['detected_at']}"
         )
     lines += _replan_lines(summary)
+    lines += _replay_lines(summary)
     if summary["recoveries"]:
         lines += [
             "",
@@ -259,6 +280,19 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def _ms(x: float | None) -> str:
     return f"{x * 1e3:.0f} ms" if x is not None else "-"
+
+
+def _replay_lines(summary: dict[str, Any]) -> list[str]:
+    """The table's replayed plan changes ([Note: replayed plan change])."""
+    return [
+        f"audit: the plan change at iteration {r['iteration']} (TP "
+        f"{'/'.join(map(str, r['tp']))}, {r['world']} ranks) changed the bits; from it on the "
+        "run is compared with the fault-free reference replayed from "
+        f"{'the same checkpoint' if r['from_checkpoint'] else 'the initial state'} "
+        f"({r['run']}; the launch plan's reference ends at "
+        f"{summary.get('launch_reference_state_hash')})"
+        for r in summary.get("replays", [])
+    ]
 
 
 def _replan_lines(summary: dict[str, Any]) -> list[str]:

@@ -285,6 +285,8 @@ class Adaptation:
     """Never: a data-parallel re-plan keeps every survivor's layout (its retained replica)."""
     reshard: ParallelPlan | None = None
     """Never: a data-parallel re-plan moves no layers (`PipelineAdaptation.reshard`)."""
+    replay_next = False
+    """Never: a data-parallel re-plan keeps the job's bits (the ordered reduction)."""
 
     def _placement(self, plan: ParallelPlan, devices: tuple[int, ...]) -> DataPlacement:
         """`plan`'s micro-batch ownership over `devices`; a rank the plan leaves none (an

@@ -34,16 +34,23 @@ from unbroken.plan.shrink import dissolve_replicas
 __all__ = ["Regrouped", "emulates", "regroup_lost", "relabeled", "renumbered"]
 
 
-def emulates(launch: ParallelPlan, plan: ParallelPlan, world: int) -> bool:
-    """Whether `plan` runs in a world of `world` ranks with every stage computing the launch
-    plan's bits: at the launch TP degree, or at TP 1 where the launch degree is 2 (the stage
-    computes as that group, `unbroken.engine.emulate`; a left fold of more positions is not
-    the collective's order, [Note: emulated sums] there)."""
+def emulates(
+    launch: ParallelPlan, plan: ParallelPlan, world: int, bits_tp: int | None = None
+) -> bool:
+    """Whether `plan` runs in a world of `world` ranks with every stage computing the bits the
+    job computes now: those of TP degree `bits_tp` (default: the launch plan's degree; a
+    smaller one once a re-plan changed the bits, `PipelineAdaptation.bits_tp`). A stage keeps
+    them at that degree, or at TP 1 where that degree and the launch degree are 2 (a TP-1
+    stage computes as the launch group, `unbroken.engine.emulate`; a left fold of more
+    positions is not the collective's order, [Note: emulated sums] there)."""
     degrees = {g.tp for rep in launch.replicas for g in rep.stages}
     if len(degrees) != 1 or max(plan.ranks) >= world:
         return False
     (t,) = degrees
-    return all(g.tp == t or (g.tp == 1 and t == 2) for rep in plan.replicas for g in rep.stages)
+    b = bits_tp or t
+    return all(
+        g.tp == b or (g.tp == 1 and b == t == 2) for rep in plan.replicas for g in rep.stages
+    )
 
 
 def renumbered(plan: ParallelPlan, ranks: list[int]) -> ParallelPlan:
@@ -92,9 +99,10 @@ def regroup_lost(
     *,
     config: PlannerConfig,
     min_gain: float,
+    bits_tp: int | None = None,
 ) -> Regrouped | None:
     """The scheduler's plan around the lost devices `gone` (`config`: exclusion on) when it
-    keeps every survivor at work, computes the launch plan's bits (`emulates`), and is
+    keeps every survivor at work, computes the job's bits (`emulates`, `bits_tp`), and is
     predicted `min_gain` faster than dissolving the broken replicas; None otherwise (no whole
     replica left, no TP group to shrink, or not worth it)."""
     lost = [r for r, d in enumerate(devices) if d in gone]
@@ -110,7 +118,7 @@ def regroup_lost(
     if sorted(chosen.ranks) != alive:
         return None
     new = renumbered(chosen, alive)
-    if not emulates(launch, new, len(alive)):
+    if not emulates(launch, new, len(alive), bits_tp):
         return None
     dissolve_s = plan_for_state(cluster(dissolved, workload)).current_s
     if result.predicted_s > dissolve_s * (1.0 - min_gain):

@@ -66,6 +66,18 @@ per layer before the slowdown, `unbroken.detect.pipeline.LayerPace`) the schedul
 layer repartition gives its layers back the way they left (`_layers_back`: a planned stop,
 `RestoreMode.RESHARD`, no checkpoint). Both count against `adapt.max_replans`.
 
+[Note: replayed plan change] Every plan above computes the launch plan's bits (the ordered
+reduction folds per micro-batch, a TP-1 stage computes as a TP-2 group), so the run is audited
+against a fault-free reference on the launch plan. A job left with fewer survivors than its TP
+degree (above 2) cannot keep them: `_shrink` runs the largest power-of-two TP degree the
+survivors hold, from the newest checkpoint, and that change is *replayed* — the `replan` event
+says `replayed`, the coordinator keeps the checkpoint the generation loads (a `replay_point`
+event, `unbroken.launch.coordinator.replay`), and the fault-free reference is run again from
+that checkpoint under the new plan (`unbroken.api`); the faulty run must match the reference
+before the change and its replay after it. `bits_tp` is the degree whose bits the job computes
+from then on: the scheduler's later plans keep those, and growing back to the launch plan
+changes them again (from the checkpoint, replayed too).
+
 Decisions, the event log and the job store's plan key: no processes, no sockets of its own.
 """
 
@@ -160,6 +172,13 @@ class PipelineAdaptation:
         self.reshard: ParallelPlan | None = None
         """The plan the survivors' state holds when the next generation moves it to the new
         plan's layout itself (`RestoreMode.RESHARD`; read and cleared by the coordinator)."""
+        self.bits_tp = max(g.tp for rep in plan.replicas for g in rep.stages)
+        """The TP degree whose bits the job computes ([Note: replayed plan change]): the launch
+        degree until a lost device leaves fewer survivors than it."""
+        self.replay_next = False
+        """The next generation's plan changes the job's bits: it starts from the newest
+        checkpoint, which the coordinator keeps for the reference's replay (read and cleared
+        by the coordinator)."""
         self._moving: tuple[PlanResult, ParallelPlan, dict, float | None] | None = None
         """A fail-slow re-plan that moves layers, waiting for the planned stop."""
         self.calibrated = False
@@ -351,7 +370,9 @@ class PipelineAdaptation:
             plan = found.plan()
             if found.kept_current or keeps_stages(self.plan, self.devices, plan, self.devices):
                 continue
-            if config is _SHRINK and not emulates(self.launch, plan, len(self.devices)):
+            if config is _SHRINK and not emulates(
+                self.launch, plan, len(self.devices), self.bits_tp
+            ):
                 continue
             if found.predicted_s < min(bar, best.predicted_s if moves else bar):
                 best, moves = found, True
@@ -588,6 +609,7 @@ class PipelineAdaptation:
         Raises:
             NoPlanError: no device is left.
         """
+        self.replay_next = False
         gone = [d for d in self.devices if d in self.lost]
         out = [d for d in self.devices if d in self.excluded and d not in self.lost]
         if not gone and not out and self._moving is not None:
@@ -666,6 +688,7 @@ class PipelineAdaptation:
             self.state.workload,
             config=_planner(_SHRINK, self.adapt),
             min_gain=self.adapt.min_gain,
+            bits_tp=self.bits_tp,
         )
         if found is None:
             return False
@@ -781,6 +804,7 @@ class PipelineAdaptation:
             predicted_after_s=now * scale if scale and now is not None else None,
             plan_s=time.perf_counter() - t0,
             restore="checkpoint" if self.relayout else "reshard" if held else "in_place",
+            replayed=self.replay_next,
             explain=explain,
         )
 
@@ -798,8 +822,15 @@ class PipelineAdaptation:
         self.returned.clear()
         devices_before = self.devices
         held = None
-        if self.moves_layers and not keeps_stages(
-            self.plan, self.devices, self.launch, self.launch_devices
+        launch_tp = max(g.tp for rep in self.launch.replicas for g in rep.stages)
+        # Back from bits of a smaller TP degree: from the checkpoint, which the reference
+        # replays the change from ([Note: replayed plan change]).
+        self.replay_next = self.bits_tp != launch_tp
+        self.bits_tp = launch_tp
+        if (
+            self.moves_layers
+            and not self.replay_next
+            and not keeps_stages(self.plan, self.devices, self.launch, self.launch_devices)
         ):
             # The survivors' state moves to the launch layout (the returned devices, ranks of
             # no stage in the plan they held, receive theirs), as a move of layers does.
@@ -809,9 +840,11 @@ class PipelineAdaptation:
             self.launch,
             self.launch_devices,
             {"kind": "devices_returned", "devices": back, "reason": reason},
-            "every device the job launched with is back: the launch plan",
+            "every device the job launched with is back: the launch plan"
+            + (" (its bits again, from the newest checkpoint)" if self.replay_next else ""),
             t0,
             held=held,
+            checkpoint=self.replay_next,
         )
         how = "in place (replicas fill)"
         if held is not None:
@@ -826,30 +859,41 @@ class PipelineAdaptation:
         return NewWorld(self.devices, None, self.epoch, trial)
 
     def _shrink(self, survivors: tuple[int, ...]) -> tuple[ParallelPlan, tuple[int, ...], str]:
-        """No replica left whole: one even pipeline on the survivors at the plan's TP degree,
-        from the newest checkpoint (its layout differs from every survivor's state); the
-        survivors it leaves out are standbys.
+        """No replica left whole: one even pipeline on the survivors, from the newest
+        checkpoint (its layout differs from every survivor's state); the survivors it leaves
+        out are standbys.
 
-        A TP-2 job with a single survivor runs at TP 1, its stages computing as TP 2 (bit for
-        bit, `unbroken.engine.emulate`); with fewer survivors than a larger degree it stops.
+        Its TP degree is the one whose bits the job computes (`bits_tp`) while enough
+        survivors are left. A TP-2 job with a single survivor runs at TP 1, its stages
+        computing as TP 2 (bit for bit, `unbroken.engine.emulate`). With fewer survivors than
+        a larger degree the pipeline runs at the largest power of two they hold: the job's
+        bits change (a smaller group sums in another order), and the fault-free reference
+        replays the change from the same checkpoint ([Note: replayed plan change]).
 
         Raises:
-            NoPlanError: fewer survivors than a TP degree above 2 (a smaller TP group changes
-                the job's bits), or stages of different TP degrees.
+            NoPlanError: stages of different TP degrees with no launch plan to fall back on.
         """
         before = self.plan
-        launch_tp = self.launch.replicas[0].stages[0].tp
+        launch_tp = max(g.tp for rep in self.launch.replicas for g in rep.stages)
         if len({g.tp for rep in before.replicas for g in rep.stages}) > 1:
             before = self.launch  # a TP group shrunk before: plan from the launch degree
-        tp = 1 if launch_tp == 2 and len(survivors) < 2 else None
+        n, bits = len(survivors), self.bits_tp
+        tp = bits if n >= bits else 1 if bits == launch_tp == 2 else 1 << (n.bit_length() - 1)
         try:
-            plan = shrink_pipeline(before, len(survivors), tp)
+            plan = shrink_pipeline(before, n, tp)
         except ValueError as exc:
             raise NoPlanError(f"no replica is left whole, and {exc}") from None
-        tp = plan.replicas[0].stages[0].tp
+        self.replay_next = not emulates(self.launch, plan, n, bits)
         degree = f" at TP {tp}" if tp > 1 else ""
-        if tp < launch_tp:
+        if tp < launch_tp and not self.replay_next:
             degree = f" at TP 1, computing as TP {launch_tp} (the launch plan's bits)"
+        elif self.replay_next:
+            self.bits_tp = tp
+            degree = (
+                f" at TP {tp}: fewer survivors than the TP degree {bits}, so the job's bits "
+                f"change (a TP-{tp} stage sums in another order) and the fault-free reference "
+                "replays this change from the same checkpoint"
+            )
         explain = (
             f"the lost device held the only copy of its stage, so the scheduler keeps no "
             f"pipeline of depth {before.pp}; the survivors run an even pipeline of depth "

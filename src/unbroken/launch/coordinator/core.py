@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from unbroken.config import JobConfig, to_dict
 from unbroken.detect.events import DetectionEvent, DetectionKind, FailStopCause
@@ -40,6 +41,7 @@ from unbroken.launch.coordinator.adapt_plan import PipelineAdaptation
 from unbroken.launch.coordinator.crashloop import CrashLoopWatch
 from unbroken.launch.coordinator.monitor import RunMonitor
 from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
+from unbroken.launch.coordinator.replay import ReplayPoint, keep_newest_checkpoint
 from unbroken.launch.spec import GenerationSpec
 from unbroken.messages import (
     Hello,
@@ -120,7 +122,9 @@ class CoordinatorCore:
     """Args: cfg, run_dir, run_name, layout (ranks per node), endpoints (where the store
     listens), send (`(node, message)` to an agent), events (the run's event log), monitor
     (the run monitor, told of each detected failure), store (the job store; None in tests
-    without fault injection), search_path, debug (tracebacks of failed ranks on the terminal)."""
+    without fault injection), search_path, debug (tracebacks of failed ranks on the terminal),
+    start (a replaying reference run's start: its plan, from the kept checkpoint; None: the
+    config's plan, fresh)."""
 
     def __init__(
         self,
@@ -136,12 +140,12 @@ class CoordinatorCore:
         store: JobStore | None,
         search_path: list[str] | None = None,
         debug: bool = False,
+        start: ReplayPoint | None = None,
     ) -> None:
-        self.cfg, self.run_dir, self.run_name = cfg, run_dir, run_name
+        self.cfg, self.run_dir, self.run_name, self.start = cfg, run_dir, run_name, start
         self.layout, self.endpoints = layout, endpoints
         self.send, self.events, self.monitor, self.store = send, events, monitor, store
-        self.search_path = search_path or []
-        self.debug = debug
+        self.search_path, self.debug = search_path or [], debug
         self.retains_state = cfg.recovery.mode == "inplace"
         self.fsm = _machine(cfg, layout.world_size, self.retains_state)
         self.adapt = _adaptation(cfg, store, events, monitor, self.search_path)
@@ -670,7 +674,7 @@ class CoordinatorCore:
             state_sockets=self._state_sockets(),
             debug=self.debug,
             devices=list(self.devices),
-            **(self.adapt.spec_fields() if self.adapt else {}),
+            **(self.adapt.spec_fields() if self.adapt else self._start_fields()),
             plan_before=plan_before,
             device_registry=str(self.registry),
         )
@@ -678,6 +682,27 @@ class CoordinatorCore:
         path.parent.mkdir(exist_ok=True)
         path.write_text(spec.to_json())
         return path
+
+    def _start_fields(self) -> dict[str, Any]:
+        """The spec's plan of a run that does not re-plan: a replaying reference's plan."""
+        return {"plan": self.start.plan} if self.start is not None else {}
+
+    def _keep_replay_point(self, generation: int) -> None:
+        """The world of `generation` changes the job's bits ([Note: replayed plan change] in
+        `unbroken.launch.coordinator.adapt_plan`): keep the checkpoint it loads and log where
+        the reference replays the change from."""
+        assert self.adapt is not None and self.adapt.plan is not None
+        root = Path(self.cfg.checkpoint.dir or self.run_dir / "checkpoints" / self.run_name)
+        dest = self.run_dir / "replay" / self.run_name / f"gen{generation}"
+        iteration = keep_newest_checkpoint(root, dest)
+        point = ReplayPoint(
+            generation=generation,
+            iteration=iteration,
+            plan=self.adapt.plan.to_dict(),
+            world=len(self.devices),
+            checkpoint_dir=str(dest) if iteration else None,
+        )
+        self.events.emit("replay_point", **point.to_event())
 
     def execute(self, action: Action | None) -> None:
         if isinstance(action, Start):
@@ -752,6 +777,11 @@ class CoordinatorCore:
             return
         self._worlds[action.generation] = self.devices
         action, plan_before = self._restore_for(action, changed)
+        if changed and self.adapt is not None and self.adapt.replay_next:
+            self.adapt.replay_next = False
+            self._keep_replay_point(action.generation)
+        if action.generation == 0 and self.start is not None and self.start.checkpoint_dir:
+            action = replace(action, restore=RestoreMode.CHECKPOINT)
         spec = self.write_spec(action.generation, action.restore, plan_before)
         if action.generation > 0:
             self.events.emit(

@@ -41,9 +41,12 @@ def describe_plan(plan: ParallelPlan | None, world_size: int) -> str:
     return "\n".join(lines)
 
 
-def run_info(cfg: JobConfig, run_name: str, plan: ParallelPlan | None) -> RunInfo:
-    """What the run's live observers are told when it starts."""
-    world = cfg.parallel.world_size
+def run_info(
+    cfg: JobConfig, run_name: str, plan: ParallelPlan | None, world: int | None = None
+) -> RunInfo:
+    """What the run's live observers are told when it starts (`world`: its ranks, when not
+    the config's — a replaying reference's)."""
+    world = world or cfg.parallel.world_size
     return RunInfo(
         run=run_name,
         world_size=world,

@@ -37,6 +37,7 @@ from unbroken.launch.coordinator.core import CoordinatorCore
 from unbroken.launch.coordinator.load import LoadStats
 from unbroken.launch.coordinator.monitor import RunMonitor, analysis_window_s, run_info
 from unbroken.launch.coordinator.nodes import Endpoints, NodeLayout
+from unbroken.launch.coordinator.replay import ReplayPoint
 from unbroken.launch.coordinator.server import ControlServer, Dropped, Received
 from unbroken.messages import Hello, Shutdown
 from unbroken.metrics.log import JsonlLog
@@ -75,6 +76,9 @@ class Coordinator:
             one, which only a single-node job can use (its one agent is told it).
         observers: live observers of the run (`unbroken.metrics.observer`), told by its
             monitor of every iteration, event and recovery.
+        start: a replaying reference run's start (its plan and world, from the checkpoint a
+            re-planned run kept: [Note: replayed plan change] in
+            `unbroken.launch.coordinator.adapt_plan`); None: the config's.
     """
 
     def __init__(
@@ -89,16 +93,19 @@ class Coordinator:
         endpoints: Endpoints | None = None,
         observers: Sequence[RunObserver] = (),
         secret: str | None = None,
+        start: ReplayPoint | None = None,
     ) -> None:
         from unbroken.engine.build import job_plan
         from unbroken.launch.rendezvous import secret_key
+        from unbroken.parallel import ParallelPlan
 
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_name = run_name
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = JsonlLog(self.run_dir / "events.jsonl", run=run_name)
-        world = cfg.parallel.world_size
+        self.start = start
+        world = start.world if start is not None else cfg.parallel.world_size
         self.layout = NodeLayout.even(cfg.nodes.count, cfg.nodes.per_node(world))
         self.endpoints = endpoints or Endpoints()
         self.search_path = search_path or []
@@ -108,15 +115,17 @@ class Coordinator:
         self.secret_text = secret or os.urandom(32).hex()
         self.secret = secret_key(self.secret_text)
         plan = job_plan(cfg, self.search_path)
+        if start is not None:
+            plan = ParallelPlan.from_dict(start.plan)
         self.monitor = RunMonitor(
             self.run_dir,
             run_name,
-            cfg.parallel.world_size,
+            world,
             cfg.train.iterations,
             self.events,
             plan=plan,
             quiet=quiet,
-            info=run_info(cfg, run_name, plan),
+            info=run_info(cfg, run_name, plan, world),
             observers=observers,
             window_s=analysis_window_s(
                 cfg.recovery.heartbeat_timeout_s, cfg.recovery.node_timeout_s
@@ -150,6 +159,7 @@ class Coordinator:
             store=store,
             search_path=self.search_path,
             debug=self.debug,
+            start=self.start,
         )
         self.store = store
         self.load = LoadStats(self.events, store.raw.num_keys, core.faults_fired)
@@ -174,11 +184,9 @@ class Coordinator:
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> RunOutcome:
         core = self.core = self._start_services()
-        self.events.emit(
-            "job_start", world_size=self.cfg.parallel.world_size, port=self.server.port
-        )
+        self.events.emit("job_start", world_size=self.layout.world_size, port=self.server.port)
         self.monitor.say(
-            f"starting {self.cfg.parallel.world_size} ranks "
+            f"starting {self.layout.world_size} ranks "
             f"(recovery: {self.cfg.recovery.mode}, faults: {len(self.cfg.inject)})"
         )
         t_hello = time.time()
