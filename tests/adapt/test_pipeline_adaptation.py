@@ -653,6 +653,31 @@ def test_a_dp_x_tp_job_shrinks_a_slow_devices_tp_group_and_readmits_it_on_trial(
     assert _events(tmp_path, "device_excluded")[-1]["readmit_at"] == 5 + 40
 
 
+def test_a_benched_devices_trial_waits_while_the_launch_plan_is_not_faster(tmp_path):
+    """At its trial another device runs slow (the launch plan is not predicted faster): the
+    benched device stays benched, still marked slow, its next wait doubled — it used to be
+    dropped for good (never probed again)."""
+    events = JsonlLog(tmp_path / "events.jsonl", run="t")
+    adapt = PipelineAdaptation(
+        make_plan(2, 1, 2, 4, 4),
+        events,
+        lambda _: None,
+        adapt=AdaptConfig(enabled=True, readmit_after=20),
+        moves_layers=True,
+    )
+    assert adapt.on_fail_slow(_slow(0, 6.0), iter_s=0.2) is True
+    adapt.next_world()
+    adapt.reshard = None  # read by the coordinator
+    adapt.state = adapt.state.with_slow(3, speed=0.5)  # as a report validated since would mark it
+    assert adapt.readmit_due(25) is False and not adapt.restarts
+    assert adapt.benched[0].readmit_at == 25 + 40 and adapt.state.device(0).speed < 1
+    (postponed,) = _events(tmp_path, "readmit_postponed")
+    assert postponed["device"] == 0 and postponed["readmit_at"] == 65
+    assert adapt.readmit_due(64) is False
+    adapt.state = adapt.state.with_healthy(3)
+    assert adapt.readmit_due(65) is True and adapt.restarts
+
+
 def test_a_tp_group_shrinks_live_only_where_the_stage_keeps_the_launch_bits():
     """`emulates`: TP 2 -> 1 (a left fold of two positions is the all-reduce); not TP 4 -> 2
     or 1 (another summation order than the collective's), nor a plan beyond the world."""

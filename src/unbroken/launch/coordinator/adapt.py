@@ -225,6 +225,22 @@ class Exclusions(dict[int, Exclusion]):
             self.say(f"device {d} {reason}")
         return tuple(due)
 
+    def postpone(self, device: int, x: Exclusion, iteration: int, reason: str) -> None:
+        """`device`, due for its trial after `iteration` (`x`: its exclusion, as `readmit`
+        took it out), stays out for its next wait (which doubles, as an exclusion's does):
+        nothing is known of its speed yet. Logs `readmit_postponed`."""
+        wait = self._wait.get(device, self.readmit_after)
+        self._wait[device] = 2 * wait
+        self[device] = replace(x, readmit_at=iteration + wait)
+        self.events.emit(
+            "readmit_postponed",
+            device=device,
+            iteration=iteration,
+            readmit_at=iteration + wait,
+            reason=reason,
+        )
+        self.say(f"device {device} stays out until iteration {iteration + wait}: {reason}")
+
 
 def _at_least_one(placement: DataPlacement) -> DataPlacement:
     """Every rank computes at least one micro-batch (a rank with none would skip the phase

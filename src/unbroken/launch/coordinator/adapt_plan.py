@@ -510,18 +510,26 @@ class PipelineAdaptation:
         plan (every device at full speed) is decided like a move back — a planned stop, the
         state moved to the launch layout, the device's rank a fresh holder filled from the
         others (`RestoreMode.RESHARD`), its fail-slow warm-up short (`NewWorld.trial`). A
-        device still slow is reported and benched again, its wait doubled. Returns whether it
-        decided that."""
+        device still slow is reported and benched again, its wait doubled. When the launch
+        plan is not predicted faster (another device slow since, say) the trial waits: the
+        devices stay benched, marked slow, for their next wait. Returns whether it decided
+        that."""
+        held = dict(self.benched)
         due = self.benched.readmit(self.devices, iteration, None)
         if not due:
             return False
+        state = self.state
         for d in due:
             self.state = self.state.with_healthy(self.devices.index(d))
         rank = self.devices.index(due[0])
         trigger = {"kind": "readmit_trial", "rank": rank, "device": due[0], "factor": 1.0}
         again = self._launch_again(self._best_plan()[0].current_s)
         if again is None:
-            return self._skip(trigger, "the launch plan is not predicted faster: it stays out")
+            self.state = state
+            why = "the launch plan is not predicted faster"
+            for d in due:
+                self.benched.postpone(d, held[d], iteration, why)
+            return self._skip(trigger, f"{why}: the trial waits")
         self._decide_move(again, trigger, None, count=False)
         self._trial = due
         return True
