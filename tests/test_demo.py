@@ -113,13 +113,14 @@ def test_demo_quick_recovers_in_place_exactly_and_re_plans_around_the_slow_rank(
         if all_ready:
             got = (rec["shadow_level"], rec["shadows_ready"])
             assert got == (3, s["world_size"]), (rec, _shadow_trace(out))
-    # Each in-place generation says how long attaching the retained state and restoring took.
-    ready = [
-        e
-        for e in map(json.loads, (out / "events.jsonl").read_text().splitlines())
-        if e.get("run") == "faulty" and e["kind"] == "trainer_ready" and e["recovery"] == "inplace"
-    ]
-    assert len(ready) == 3, _shadow_trace(out)
+    # Every generation after the first restored in place (three recoveries, and the planned
+    # stop of a re-plan that takes the slow device out of the world), and says how long
+    # attaching the retained state and restoring took.
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    started = [e for e in events if e.get("run") == "faulty" and e["kind"] == "trainer_ready"]
+    ready = [e for e in started if e["recovery"] == "inplace"]
+    assert [e["generation"] for e in ready] == [e["generation"] for e in started][1:]
+    assert len(ready) >= 3, _shadow_trace(out)
     assert all(0 <= e["map_s"] <= e["attach_s"] and e["restore_s"] >= 0 for e in ready), ready
     parts = ("model_and_state", "updater", "trainer")
     assert all(sum(e["build_s"][k] for k in parts) <= e["attach_s"] for e in ready), ready
@@ -131,12 +132,14 @@ def test_demo_quick_recovers_in_place_exactly_and_re_plans_around_the_slow_rank(
     drift = _healthy_drift(out)
     assert 0 < s["ettr"] * drift < 1, (s["ettr"], drift)
     assert [f["rank"] for f in s["fail_slow"]] == [3], _detector_trace(out)
-    # ... and re-planned around (adapt is on in the demo): rank 3 keeps fewer micro-batches,
-    # the others take them, the global batch stays, and the run is still bit-exact.
+    # ... and re-planned around (adapt is on in the demo): device 3 keeps fewer micro-batches
+    # or leaves the world (its step waited for at every boundary: [Note: step lead]), the
+    # others take them, the global batch stays, and the run is still bit-exact.
     (replan,) = s["replans"]
     assert replan["trigger"]["kind"] == "fail_slow" and replan["trigger"]["rank"] == 3
     before, after = replan["counts_before"], replan["counts_after"]
-    assert after[3] < before[3] and sum(after) == sum(before), replan
+    kept = dict(zip(replan["devices_after"], after, strict=True)).get(3, 0)
+    assert kept < before[3] and sum(after) == sum(before), replan
     assert replan["measured_after"] is not None, replan
     assert "re-plan (fail_slow)" in r.stderr and "re-plan at iteration" in r.stdout
     for name in ("events.jsonl", "metrics.jsonl", "plot.png", "report.html"):

@@ -138,11 +138,14 @@ def test_ours_leaves_a_rank_too_slow_for_one_micro_batch_none_and_greyhound_one(
     assert grey.on_fail_slow(_slow(3, 10.0)) and grey.placement.counts()[3] == 1
 
 
-def test_a_measured_step_empties_a_slow_rank_at_the_slowdown_it_costs():
+def test_a_measured_step_keeps_a_slow_rank_at_what_ends_before_the_boundary_wait():
     # The dp4 bench's shape (stop 44): a micro-batch ~25 ms, ~50 ms a step after the compute.
-    # At 4.45x (what the detector read in that run) unit costs keep one micro-batch on rank 3;
-    # priced with the measured step, that micro-batch waits for rank 3's own 4.45x step
-    # ([Note: step lead]), which the others' compute overlaps: it is left none.
+    # At 4.45x (what the detector read in that run) unit costs keep one micro-batch on rank 3.
+    # Priced with the measured step and the boundary wait (stop 51: every rank meets rank 3's
+    # 4.45x step at the boundary, [Note: step lead]), one micro-batch there (111 ms) ends
+    # before the others' five (125 ms), and the wait for its step comes either way: it keeps
+    # one (347 ms predicted against 372 ms emptied). Under the overlap model (stop 44-50) the
+    # others' next compute hid the step and the micro-batch waited for it: it was left none.
     unit, _, _ = _adaptation()
     assert unit.on_fail_slow(_slow(3, 4.45)) and unit.placement.counts()[3] == 1
     a, _, log = _adaptation(readmit_after=0)  # kept in the world (the test below excludes it)
@@ -153,7 +156,7 @@ def test_a_measured_step_empties_a_slow_rank_at_the_slowdown_it_costs():
         "replan_costs",
         {"microbatch_s": 0.025, "step_s": 0.05},
     )
-    assert a.on_fail_slow(_slow(3, 4.45)) and a.placement.counts() == (6, 5, 5, 0)
+    assert a.on_fail_slow(_slow(3, 4.45)) and a.placement.counts() == (5, 5, 5, 1)
 
 
 def _measured(**adapt) -> tuple[Adaptation, JobStore, Log]:
@@ -184,10 +187,18 @@ def test_a_device_whose_own_step_bounds_the_iteration_leaves_the_world_in_place(
     # Priced against the best plan that kept the device (the running one cannot be, without it).
     assert fields["predicted_before"] > fields["predicted_after"]
     assert not a.restarts and a.next_world() is None
-    # A mild slow-down is planned around in the world; so is any under Greyhound's policy,
-    # without retained state (a new world would load a checkpoint), or with readmit_after 0.
-    mild, _, _ = _measured()
+    # A mild slow-down is planned around in the world where the compute dominates the step
+    # (a GPU's shape: 40 ms a micro-batch, an 8 ms step); where the step dominates (the CPU
+    # bench's 40 ms against 8 ms a micro-batch) every rank waits 0.8 x 40 ms for it at each
+    # boundary, more than the device's work is worth: it leaves (stop 51, boundary priced).
+    mild, _, _ = _adaptation()
+    mild.calibrate(DataParallelFit(mb_s=0.04, sync_s=0.008))
     assert mild.on_fail_slow(_slow(3, 1.8)) and not mild.excluded
+    assert mild.placement.counts()[3] < 4
+    step_bound, _, _ = _measured()
+    assert step_bound.on_fail_slow(_slow(3, 1.8)) and 3 in step_bound.excluded
+    # So is any slow-down planned around in the world under Greyhound's policy, without
+    # retained state (a new world would load a checkpoint), or with readmit_after 0.
     for kept, _, _ in (
         _measured(policy="greyhound"),
         _measured(readmit_after=0),

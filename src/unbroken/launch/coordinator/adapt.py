@@ -317,8 +317,11 @@ class Adaptation:
         forward + backward as the one layer's cost, and the per-iteration constant after the
         compute (`DataParallelFit.sync_s`) as each rank's optimizer step, which a slow
         device stretches and which a micro-batch left on it waits for ([Note: step lead] in
-        `unbroken.plan.score`). An approximation: the constant holds the all-reduce and the
-        sync too, which a slow device does not stretch. Logs `replan_costs`."""
+        `unbroken.plan.score`), and which every rank waits for at the boundary
+        (`Workload.boundary_sync`: the ordered reduction's all-to-all and all-gather meet every
+        iteration). An approximation: the constant holds the all-reduce and the sync too,
+        which a slow device does not stretch (the wait is over-read by that share). Logs
+        `replan_costs`."""
         if self.calibrated or not isinstance(fit, DataParallelFit) or fit.mb_s <= 0:
             return
         self.calibrated = True
@@ -326,6 +329,7 @@ class Adaptation:
             self.state.workload,
             alpha_s=fit.mb_s / (1.0 + self.state.workload.backward_ratio),
             step_s_per_param=fit.sync_s,  # one layer of one unit of parameters
+            boundary_sync=True,
         )
         self.state = self.state.with_workload(workload)
         healthy = dp_cluster(self.cfg.parallel.dp, self.microbatches).with_workload(workload)
