@@ -53,6 +53,7 @@ __all__ = [
     "PendingSave",
     "check_seed",
     "checkpoint_path",
+    "checkpoint_root",
     "find_latest_valid",
     "list_checkpoints",
     "load_checkpoint",
@@ -75,6 +76,13 @@ class CheckpointInfo:
     path: Path
     iteration: int
     """The next iteration to run after loading."""
+
+
+def checkpoint_root(directory: str, run_dir: str | Path, run_name: str) -> Path:
+    """Where a run's checkpoints live: `checkpoint.dir` (`directory`) when set, else
+    RUN_DIR/checkpoints/RUN (the trainers save and load there; the coordinator keeps one
+    from there for a replayed plan change)."""
+    return Path(directory or Path(run_dir) / "checkpoints" / run_name)
 
 
 def checkpoint_path(root: Path, iteration: int) -> Path:

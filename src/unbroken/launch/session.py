@@ -313,13 +313,13 @@ class RankSession:
             self.injector.release_retained = self.retained.client.shutdown
 
     def _checkpoint_policy(self) -> Any:
+        from unbroken.checkpoint import checkpoint_root
         from unbroken.checkpoint.policy import CheckpointPolicy
 
         spec, cfg = self.spec, self.cfg
-        root = cfg.checkpoint.dir or Path(spec.run_dir) / "checkpoints" / spec.run_name
         return CheckpointPolicy(
             cfg.checkpoint,
-            Path(root),
+            checkpoint_root(cfg.checkpoint.dir, spec.run_dir, spec.run_name),
             iterations=cfg.train.iterations,
             board=self.store,
             rank=self.rank,

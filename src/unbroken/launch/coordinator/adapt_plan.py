@@ -172,7 +172,9 @@ class PipelineAdaptation:
         self.reshard: ParallelPlan | None = None
         """The plan the survivors' state holds when the next generation moves it to the new
         plan's layout itself (`RestoreMode.RESHARD`; read and cleared by the coordinator)."""
-        self.bits_tp = max(g.tp for rep in plan.replicas for g in rep.stages)
+        self.launch_tp = max(g.tp for rep in plan.replicas for g in rep.stages)
+        """The launch plan's TP degree (its largest, were they mixed)."""
+        self.bits_tp = self.launch_tp
         """The TP degree whose bits the job computes ([Note: replayed plan change]): the launch
         degree until a lost device leaves fewer survivors than it."""
         self.replay_next = False
@@ -830,11 +832,10 @@ class PipelineAdaptation:
         self.returned.clear()
         devices_before = self.devices
         held = None
-        launch_tp = max(g.tp for rep in self.launch.replicas for g in rep.stages)
         # Back from bits of a smaller TP degree: from the checkpoint, which the reference
         # replays the change from ([Note: replayed plan change]).
-        self.replay_next = self.bits_tp != launch_tp
-        self.bits_tp = launch_tp
+        self.replay_next = self.bits_tp != self.launch_tp
+        self.bits_tp = self.launch_tp
         if (
             self.moves_layers
             and not self.replay_next
@@ -881,8 +882,7 @@ class PipelineAdaptation:
         Raises:
             NoPlanError: stages of different TP degrees with no launch plan to fall back on.
         """
-        before = self.plan
-        launch_tp = max(g.tp for rep in self.launch.replicas for g in rep.stages)
+        before, launch_tp = self.plan, self.launch_tp
         if len({g.tp for rep in before.replicas for g in rep.stages}) > 1:
             before = self.launch  # a TP group shrunk before: plan from the launch degree
         n, bits = len(survivors), self.bits_tp

@@ -31,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from unbroken.checkpoint.dcp import checkpoint_root
 from unbroken.config import JobConfig, to_dict
 from unbroken.detect.events import DetectionEvent, DetectionKind, FailStopCause
 from unbroken.devices import DeviceRegistry
@@ -692,7 +693,7 @@ class CoordinatorCore:
         `unbroken.launch.coordinator.adapt_plan`): keep the checkpoint it loads and log where
         the reference replays the change from."""
         assert self.adapt is not None and self.adapt.plan is not None
-        root = Path(self.cfg.checkpoint.dir or self.run_dir / "checkpoints" / self.run_name)
+        root = checkpoint_root(self.cfg.checkpoint.dir, self.run_dir, self.run_name)
         dest = self.run_dir / "replay" / self.run_name / f"gen{generation}"
         iteration = keep_newest_checkpoint(root, dest)
         point = ReplayPoint(
